@@ -1,0 +1,208 @@
+"""The run's configuration: one typed schema, loaded from and saved to TOML or JSON.
+
+Every field carries a description right under it (torchtitan's habit); the CLI's help and the app's
+form and tooltips are built from the same text.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from multilane.engine.errors import UserError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskSection(Section):
+    name: str = Field("digits", min_length=1, description="Built-in task (digits, linear, mlp) or a path to a .py file")
+    params: dict[str, Any] = Field(default_factory=dict, description="The task's own hyperparameters")
+
+
+class DevicesSection(Section):
+    use: str = Field(
+        "auto",
+        min_length=1,
+        description="Devices, one replica each: cuda:0,cuda:1 or cpu:0,cpu:1 (CPU lanes) or auto "
+        "(every GPU; without one, two CPU lanes)",
+    )
+    output: int = Field(0, ge=0, description="Index (in the device list) of the device that gathers the losses")
+    weights: list[float] = Field(
+        default_factory=list,
+        description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
+    )
+
+    @model_validator(mode="after")
+    def _weights_sane(self) -> DevicesSection:
+        if self.weights and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
+            raise ValueError("weights must be >= 0 and not all 0")
+        return self
+
+
+class DataSection(Section):
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="Samples per step, split across the devices")
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Fraction of the data held out for validation")
+
+
+class OptimSection(Section):
+    name: Literal["sgd", "adam", "adamw"] = Field("adam", description="Optimizer")
+    lr: float = Field(3e-3, gt=0.0, le=10.0, description="Peak learning rate")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    nesterov: bool = Field(False, description="SGD Nesterov momentum")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Weight decay (decoupled for adamw)")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam/AdamW beta1")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam/AdamW beta2")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OptimSection:
+        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs momentum > 0")
+        return self
+
+
+class ScheduleSection(Section):
+    kind: Literal["constant", "cosine", "step"] = Field("constant", description="Learning-rate schedule")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine: final lr as a fraction of lr")
+    step_size: int = Field(100, ge=1, description="Step schedule: multiply lr by gamma every this many steps")
+    gamma: float = Field(0.5, gt=0.0, le=1.0, description="Step schedule: factor applied every step_size steps")
+
+
+class TrainSection(Section):
+    epochs: int = Field(5, ge=1, le=100_000, description="Passes over the training data (unless steps is set)")
+    steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides epochs when set")
+    grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step")
+    grad_clip: float = Field(0.0, ge=0.0, description="Clip the gradient norm to this value; 0 turns it off")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32, or mixed precision (autocast in each replica) with bf16 or fp16"
+    )
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for the model, the split and the data order")
+    log_every: int = Field(10, ge=1, description="Read metrics from the devices every N steps (a device sync)")
+    eval_every: int = Field(50, ge=0, description="Evaluate on the validation set every N steps; 0: at the end only")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0: only at the end or a stop")
+    on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
+
+
+class RunSection(Section):
+    name: str = Field("run", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$", description="Run name")
+    runs_dir: str = Field("runs", min_length=1, description="Folder that holds one folder per run")
+
+
+class RunConfig(Section):
+    """Everything a run needs; its JSON form is saved inside every run directory and checkpoint."""
+
+    task: TaskSection = Field(default_factory=TaskSection)
+    devices: DevicesSection = Field(default_factory=DevicesSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def describe_error(err: ValidationError, prefix: str = "") -> str:
+    """One line naming the key, the value and the rule it broke (the first error; the count if more)."""
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        text = f"{key}: unknown key"
+    elif e["type"] == "missing":
+        text = f"{key}: missing"
+    else:
+        text = f"{key} = {_short(e.get('input'))}: {msg}"
+    more = len(err.errors()) - 1
+    return text + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def _short(value: Any) -> str:
+    s = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a plain dict into a RunConfig, or raise UserError with one clear line."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a table of sections, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{source}: {describe_error(e)}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON config file into a dict, or raise UserError naming the file and the problem."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such config file")
+    if p.is_dir():
+        raise UserError(f"{p}: is a folder, not a config file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: cannot read it ({e.__class__.__name__}: {e})") from None
+    if not text.strip():
+        raise UserError(f"{p}: the file is empty")
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    elif p.suffix.lower() == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"{p}: not valid TOML: {e}") from None
+    else:
+        raise UserError(f"{p}: unknown config format {p.suffix!r}; use .toml or .json")
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a table of sections at the top, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path) -> RunConfig:
+    return build_config(read_config_file(path), str(path))
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    """Save as TOML or JSON, by the file's suffix (unset optional values are left out of TOML)."""
+    p = Path(path)
+    data = config.to_dict()
+    if p.suffix.lower() == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        text = tomli_w.dumps(_drop_none(data))
+    p.write_text(text, encoding="utf-8")
+
+
+def _drop_none(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Apply dotted-key overrides (``{"optim.lr": 0.1}``) to a nested config dict, returning a copy."""
+    out = copy.deepcopy(base)
+    for dotted, value in overrides.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            child = node.get(k)
+            if not isinstance(child, dict):
+                child = {}
+                node[k] = child
+            node = child
+        node[leaf] = value
+    return out

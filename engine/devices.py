@@ -1,0 +1,154 @@
+"""Which devices a run uses: parsing ``--devices`` and listing what this machine has."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from multilane.engine.errors import UserError
+
+MAX_CPU_LANES = 64
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device a replica runs on: a CUDA GPU, or a CPU lane (a virtual device, one thread)."""
+
+    kind: str  # "cuda" or "cpu"
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def torch_device(self) -> torch.device:
+        """Where this lane's tensors live (every CPU lane lives in the one CPU memory)."""
+        return torch.device("cuda", self.index) if self.is_cuda else torch.device("cpu")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_devices() -> list[Device]:
+    """``auto``: every GPU; without one, two CPU lanes."""
+    n = cuda_count()
+    if n:
+        return [Device("cuda", i) for i in range(n)]
+    return [Device("cpu", 0), Device("cpu", 1)]
+
+
+def parse_devices(spec: str | list[str] | None) -> list[Device]:
+    """Parse ``auto``, ``cuda:0,cuda:1`` or ``cpu:0,cpu:1`` into devices, or raise UserError saying why.
+
+    A repeated GPU (``cuda:0,cuda:0``) is valid: two replicas on one GPU. CPU lanes are numbered
+    virtual devices, so each lane name may appear once.
+    """
+    if spec is None:
+        return default_devices()
+    items = spec if isinstance(spec, list) else str(spec).split(",")
+    items = [str(s).strip().lower() for s in items]
+    if items == ["auto"]:
+        return default_devices()
+    if not items or items == [""]:
+        raise UserError("devices: the list is empty; give e.g. cpu:0,cpu:1, cuda:0,cuda:1 or auto")
+    devices: list[Device] = []
+    for item in items:
+        m = _DEVICE_RE.match(item)
+        if not m:
+            raise UserError(
+                f"devices: {item!r} is not a device; use cuda:N, cpu:N or auto (e.g. cuda:0,cuda:1)"
+            )
+        devices.append(Device(m.group(1), int(m.group(2) or 0)))
+    kinds = {d.kind for d in devices}
+    if len(kinds) > 1:
+        raise UserError("devices: do not mix cpu and cuda devices in one run")
+    if "cpu" in kinds:
+        names = [d.name for d in devices]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
+            raise UserError(f"devices: CPU lane {dup} is listed twice; number the lanes cpu:0,cpu:1,...")
+        if len(devices) > MAX_CPU_LANES:
+            raise UserError(f"devices: {len(devices)} CPU lanes asked for; at most {MAX_CPU_LANES}")
+    else:
+        n = cuda_count()
+        if n == 0:
+            raise UserError(
+                f"devices: {items[0]} asked for, but torch sees no CUDA GPU on this machine; "
+                "use cpu:0,cpu:1 (CPU lanes) or auto"
+            )
+        bad = next((d for d in devices if d.index >= n), None)
+        if bad:
+            raise UserError(
+                f"devices: {bad.name} does not exist; this machine has {n} CUDA GPU(s): cuda:0..cuda:{n - 1}"
+            )
+    return devices
+
+
+def lane_names(devices: list[Device]) -> list[str]:
+    """Names that tell lanes apart, also when one GPU carries two replicas (cuda:0, cuda:0#1)."""
+    seen: dict[str, int] = {}
+    names = []
+    for d in devices:
+        k = seen.get(d.name, 0)
+        names.append(d.name if k == 0 else f"{d.name}#{k}")
+        seen[d.name] = k + 1
+    return names
+
+
+def describe_devices() -> list[dict]:
+    """What this machine offers: every CUDA GPU with its memory, and the CPU (for lanes)."""
+    out: list[dict] = []
+    for i in range(cuda_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(
+            {
+                "name": f"cuda:{i}",
+                "kind": "cuda",
+                "model": p.name,
+                "memory_total_mb": round(p.total_memory / 2**20),
+                "multiprocessors": p.multi_processor_count,
+                "capability": f"{p.major}.{p.minor}",
+                "pci_bus_id": _pci_bus_id(i),
+            }
+        )
+    import platform
+
+    out.append(
+        {
+            "name": "cpu",
+            "kind": "cpu",
+            "model": platform.processor() or platform.machine(),
+            "cores": os.cpu_count() or 1,
+            "memory_total_mb": _total_memory_mb(),
+            "note": "CPU lanes: cpu:0,cpu:1,... each lane is one thread on the CPU",
+        }
+    )
+    return out
+
+
+def _pci_bus_id(i: int) -> str | None:
+    try:
+        return torch.cuda.get_device_properties(i).pci_bus_id  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def _total_memory_mb() -> int | None:
+    try:
+        import psutil
+
+        return round(psutil.virtual_memory().total / 2**20)
+    except Exception:
+        return None

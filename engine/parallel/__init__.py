@@ -1,0 +1,7 @@
+"""The device layer: torch.nn.parallel's scatter → replicate → parallel_apply → gather, on GPUs or CPU lanes."""
+
+from multilane.engine.parallel.backend import Backend, make_backend
+from multilane.engine.parallel.split import chunk_sizes
+from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput
+
+__all__ = ["Backend", "ReplicateEachStep", "StepOutput", "chunk_sizes", "make_backend"]

@@ -1,0 +1,124 @@
+"""CPU lanes: N virtual devices on the CPU, each replica in its own thread, where a GPU replica would run.
+
+torch 2.13's scatter/replicate/gather refuse CPU tensors and parallel_apply needs an accelerator, so
+these are the same four primitives for the CPU, with the same semantics:
+
+- scatter splits along dim 0 (views, no copy: every lane shares the one CPU memory);
+- replicate gives replica 0 the original module and the others shallow replicas that share the
+  parameters (autograd sums their gradients into the leaves, as Broadcast's backward does) and hold
+  their own copy of each buffer, so BatchNorm running statistics persist from replica 0 only;
+- parallel_apply runs replica i in lane i's own thread and re-raises a failure as
+  "Caught X in replica i on device cpu:i", exactly like torch;
+- gather concatenates along dim 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import ExceptionWrapper
+
+from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.parallel.tree import gather_tree, scatter_tree
+
+
+class CpuLanesBackend(Backend):
+    def __init__(self, devices, output_index: int = 0) -> None:
+        super().__init__(devices, output_index)
+        # One long-lived thread per lane: lane i always runs in the same thread, and starting
+        # threads every step would cost more than a small model's forward.
+        self._pools: list[ThreadPoolExecutor | None] = [None] * self.n
+        self._busy = [0.0] * self.n
+        self._busy_lock = threading.Lock()
+
+    def scatter(self, obj: Any, sizes: Sequence[int], lanes: Sequence[int]) -> list[Any]:
+        if len(lanes) == 1:
+            return [obj]
+        return scatter_tree(obj, len(lanes), lambda t: torch.split(t, list(sizes), dim=0))
+
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> list[nn.Module]:
+        return [model if lane == 0 else _replica(model, detach) for lane in lanes]
+
+    def parallel_apply(
+        self,
+        fns: Sequence[Callable[..., Any]],
+        inputs: Sequence[Any],
+        kwargs: Sequence[dict[str, Any]] | None,
+        lanes: Sequence[int],
+    ) -> list[Any]:
+        kwargs = kwargs or [{}] * len(fns)
+        grad_enabled = torch.is_grad_enabled()
+        results: list[Any] = [None] * len(fns)
+
+        def work(i: int) -> None:
+            lane = lanes[i]
+            torch.set_grad_enabled(grad_enabled)  # grad mode is thread-local
+            t0 = time.perf_counter()
+            try:
+                args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
+                results[i] = fns[i](*args, **kwargs[i])
+            except Exception:
+                results[i] = ExceptionWrapper(where=f"in replica {i} on device {self.lane_names[lane]}")
+            dt = time.perf_counter() - t0
+            with self._busy_lock:
+                self._busy[lane] += dt
+
+        if len(fns) == 1:
+            work(0)
+        else:
+            futures = [self._pool(lane).submit(work, i) for i, lane in enumerate(lanes)]
+            for f in futures:
+                f.result()
+        for r in results:
+            if isinstance(r, ExceptionWrapper):
+                r.reraise()
+        return results
+
+    def gather(self, outputs: Sequence[Any]) -> Any:
+        if len(outputs) == 1:
+            return outputs[0]
+        return gather_tree(outputs, lambda ts: torch.cat(list(ts), dim=0))
+
+    def make_timer(self) -> PhaseTimer:
+        return PhaseTimer()
+
+    def lane_busy_seconds(self) -> list[float]:
+        with self._busy_lock:
+            return list(self._busy)
+
+    def close(self) -> None:
+        for p in self._pools:
+            if p is not None:
+                p.shutdown(wait=True)
+        self._pools = [None] * self.n
+
+    def _pool(self, lane: int) -> ThreadPoolExecutor:
+        pool = self._pools[lane]
+        if pool is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix=f"multilane-{self.lane_names[lane]}")
+            self._pools[lane] = pool
+        return pool
+
+
+def _replica(model: nn.Module, detach: bool) -> nn.Module:
+    """A shallow replica of ``model`` for a lane other than the first (see the module docstring)."""
+    modules = list(model.modules())
+    copies = [m._replicate_for_data_parallel() for m in modules]
+    index = {m: i for i, m in enumerate(modules)}
+    for m, r in zip(modules, copies, strict=True):
+        for key, child in m._modules.items():
+            r._modules[key] = None if child is None else copies[index[child]]
+        for key, p in m._parameters.items():
+            # Like torch's replicate: the replica holds parameters as plain attributes.
+            r.__dict__[key] = p if p is None or not detach else p.detach()
+        for key, b in m._buffers.items():
+            if b is not None:
+                r._buffers[key] = b.clone() if (b.requires_grad and not detach) else b.detach().clone()
+    return copies[0]

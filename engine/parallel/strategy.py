@@ -1,0 +1,152 @@
+"""One data-parallel step, built from a backend's four primitives.
+
+``ReplicateEachStep`` is what ``nn.DataParallel.forward`` does, plus a loss per device:
+scatter the batch → replicate the model → parallel_apply the forward → parallel_apply the loss on each
+device → gather the per-device losses → combine them weighted by shard size (equal to the full-batch
+mean loss). The trainer then calls ``backward()`` once on the combined loss; gradients flow back
+through the replicas into the original parameters.
+
+A second strategy (persistent replicas with an explicit gradient reduce, no per-step replicate) can
+sit beside this one behind the same two methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.timing import PhaseTimer
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    """The combined loss (full-batch mean), a 0-dim tensor on the output device, with grad."""
+    lane_losses: torch.Tensor
+    """Each active lane's own shard loss, detached, a vector on the output device."""
+    lanes: list[int]
+    """Which lanes took part (a lane whose chunk is empty sits the step out)."""
+
+
+class LossNotScalarError(ValueError):
+    """The task's loss returned something other than one number."""
+
+
+def model_args(inputs: Any) -> tuple[tuple, dict]:
+    """How a batch's inputs are passed to the model: a tensor as one argument, a tuple as positional
+    arguments, a dict as keyword arguments."""
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    return (inputs,), {}
+
+
+class _InReplica:
+    """Runs ``fn`` inside autocast with the run's dtype, entered in the replica's own thread.
+
+    torch's parallel_apply forwards only autocast's enabled flag to its threads, not the dtype.
+    """
+
+    def __init__(self, fn: Callable[..., Any], device_type: str, dtype: torch.dtype) -> None:
+        self.fn, self.device_type, self.dtype = fn, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.fn(*args, **kwargs)
+
+
+class _LaneLoss:
+    """A lane's loss as a 1-element vector (fp32 at least), so that gather stacks them without a warning."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise LossNotScalarError(f"the loss must be one number (a 0-dim tensor), got {shape}")
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
+        return loss.reshape(1)
+
+
+class ReplicateEachStep:
+    """Replicate the model at every step, as ``nn.DataParallel`` does."""
+
+    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+        self.backend = backend
+        self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+        self._weights: dict[tuple, torch.Tensor] = {}
+
+    def _wrap(self, fns: Sequence[Callable[..., Any]]) -> Sequence[Callable[..., Any]]:
+        if self.autocast_dtype is None:
+            return fns
+        return [_InReplica(f, self.backend.device_type, self.autocast_dtype) for f in fns]
+
+    def _active(self, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+        lanes = [i for i, s in enumerate(sizes) if s > 0]
+        return lanes, [sizes[i] for i in lanes]
+
+    def _weight(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+        key = (*sizes, dtype)
+        w = self._weights.get(key)
+        if w is None:
+            total = sum(sizes)
+            w = torch.tensor([s / total for s in sizes], dtype=dtype, device=self.backend.output_device)
+            self._weights[key] = w
+        return w
+
+    def forward_loss(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        sizes: Sequence[int],
+        timer: PhaseTimer,
+    ) -> StepOutput:
+        """Forward and loss of one (micro-)batch on every lane; the caller runs backward."""
+        b = self.backend
+        lanes, active = self._active(sizes)
+        timer.mark("scatter")
+        shard_inputs = b.scatter(inputs, active, lanes)
+        shard_targets = b.scatter(target, active, lanes)
+        timer.mark("replicate")
+        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        timer.mark("forward")
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        outputs = b.parallel_apply(
+            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
+        )
+        timer.mark("loss")
+        lane_loss = _LaneLoss(loss_fn)
+        losses = b.parallel_apply(
+            self._wrap([lane_loss] * len(lanes)),
+            list(zip(outputs, shard_targets, strict=True)),
+            None,
+            lanes,
+        )
+        lane_losses = b.gather(losses)
+        combined = lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
+        return StepOutput(loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes)
+
+    def forward(self, model: nn.Module, inputs: Any, sizes: Sequence[int]) -> Any:
+        """The model's output for a whole batch, computed on every lane and gathered (evaluation)."""
+        b = self.backend
+        lanes, active = self._active(sizes)
+        shard_inputs = b.scatter(inputs, active, lanes)
+        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        outputs = b.parallel_apply(
+            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
+        )
+        return b.gather(outputs)

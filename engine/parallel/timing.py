@@ -1,0 +1,70 @@
+"""Timing the phases of a step without forcing a device sync at every phase."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("scatter", "replicate", "forward", "loss", "backward", "optimizer")
+
+
+class PhaseTimer:
+    """Wall-clock phase timer for CPU lanes: CPU work is synchronous, so perf_counter is exact.
+
+    ``mark(phase)`` ends the running phase and starts ``phase``; ``mark(None)`` ends it.
+    ``read()`` returns mean milliseconds per step for each phase since the last read.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = defaultdict(float)
+        self._steps = 0
+        self._phase: str | None = None
+        self._t0 = 0.0
+
+    def mark(self, phase: str | None) -> None:
+        now = time.perf_counter()
+        if self._phase is not None:
+            self._totals[self._phase] += now - self._t0
+        self._phase, self._t0 = phase, now
+
+    def end_step(self) -> None:
+        self.mark(None)
+        self._steps += 1
+
+    def read(self) -> dict[str, float]:
+        steps = max(self._steps, 1)
+        out = {p: 1000.0 * self._totals.get(p, 0.0) / steps for p in PHASES}
+        self._totals.clear()
+        self._steps = 0
+        return out
+
+
+class CudaPhaseTimer(PhaseTimer):
+    """Phase timer from CUDA events on the output device's stream, resolved only at ``read()``.
+
+    Recording an event does not synchronize; the one sync happens at log time, where the trainer
+    reads the loss anyway.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._device = device
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: torch.cuda.Event | None = None
+
+    def mark(self, phase: str | None) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self._device))
+        if self._phase is not None and self._start is not None:
+            self._pending.append((self._phase, self._start, ev))
+        self._phase, self._start = phase, ev
+
+    def read(self) -> dict[str, float]:
+        if self._pending:
+            self._pending[-1][2].synchronize()
+        for phase, a, b in self._pending:
+            self._totals[phase] += a.elapsed_time(b) / 1000.0
+        self._pending.clear()
+        return super().read()

@@ -1,0 +1,79 @@
+"""What a task is: a model, its data, its loss and its metrics, with its own typed hyperparameters."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _index(obj: Any, idx: torch.Tensor) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[idx]
+    if isinstance(obj, tuple):
+        return tuple(_index(o, idx) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _index(v, idx) for k, v in obj.items()}
+    raise TypeError(f"a dataset holds tensors, tuples or dicts of tensors, not {type(obj).__name__}")
+
+
+def _length(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.shape[0]
+    items = list(obj.values()) if isinstance(obj, dict) else list(obj)
+    return _length(items[0])
+
+
+@dataclass
+class ArrayData:
+    """A dataset held in memory: ``inputs`` (a tensor, a tuple of tensors, or a dict of tensors, each
+    with the sample on dim 0) and ``target``. A tuple is passed to the model as positional arguments,
+    a dict as keyword arguments."""
+
+    inputs: Any
+    target: Any
+
+    def __len__(self) -> int:
+        return _length(self.target)
+
+    def take(self, idx: torch.Tensor) -> tuple[Any, Any]:
+        """The samples at ``idx`` as ``(inputs, target)``."""
+        return _index(self.inputs, idx), _index(self.target, idx)
+
+
+class Task(ABC):
+    """Subclass this in your own file to train your model with Multilane (see examples/)."""
+
+    name: ClassVar[str] = "task"
+    description: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel]] = NoParams
+    """The task's own hyperparameters: a pydantic model (fields with defaults, bounds, descriptions)."""
+    metric: ClassVar[str | None] = None
+    """The name of the headline metric in ``metrics()`` (shown in summaries), if any."""
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model (the engine seeds torch first, so the init is reproducible)."""
+
+    @abstractmethod
+    def data(self) -> ArrayData:
+        """All samples; the engine splits them into training and validation sets by the run's seed."""
+
+    @abstractmethod
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The mean loss over the samples given (0-dim). Lanes' losses are weighted by shard size."""
+
+    def metrics(self, output: Any, target: Any) -> dict[str, torch.Tensor]:
+        """Means over the samples given, e.g. ``{"accuracy": ...}`` (0-dim tensors); computed at eval."""
+        return {}
