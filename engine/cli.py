@@ -53,8 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--runs-dir", metavar="DIR", help="where run folders go (default: ./runs)")
     t.add_argument("--name", metavar="NAME", help="run name, part of the run folder's name")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128")
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
+    )
 
     d = sub.add_parser("devices", help="list the devices this machine offers")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -148,8 +153,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
         if d["kind"] == "cuda":
             print(f"{d['name']:8} {d['model']}  {d['memory_total_mb']:,} MiB  {d['multiprocessors']} SMs")
         else:
-            print(f"{'cpu':8} {d['model']}  {d['cores']} cores  {d.get('memory_total_mb') or 0:,} MiB  "
-                  "(CPU lanes: cpu:0,cpu:1,...)")
+            print(
+                f"{'cpu':8} {d['model']}  {d['cores']} cores  {d.get('memory_total_mb') or 0:,} MiB  "
+                "(CPU lanes: cpu:0,cpu:1,...)"
+            )
     return 0
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from multilane.engine.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -179,10 +178,7 @@ def save_config(config: RunConfig, path: str | Path) -> None:
     """Save as TOML or JSON, by the file's suffix (unset optional values are left out of TOML)."""
     p = Path(path)
     data = config.to_dict()
-    if p.suffix.lower() == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    else:
-        text = tomli_w.dumps(_drop_none(data))
+    text = json.dumps(data, indent=2) + "\n" if p.suffix.lower() == ".json" else tomli_w.dumps(_drop_none(data))
     p.write_text(text, encoding="utf-8")
 
 

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.tasks.base import ArrayData
 
@@ -14,7 +13,7 @@ from multilane.engine.tasks.base import ArrayData
 def split_data(data: ArrayData, val_fraction: float, seed: int) -> tuple[ArrayData, ArrayData | None]:
     """A seeded random train/validation split (no validation set when val_fraction is 0)."""
     n = len(data)
-    n_val = int(round(n * val_fraction))
+    n_val = round(n * val_fraction)
     if val_fraction > 0 and n_val == 0:
         n_val = 1
     if n_val >= n:

@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-
 from multilane.engine.errors import UserError
 
 MAX_CPU_LANES = 64
@@ -67,9 +66,7 @@ def parse_devices(spec: str | list[str] | None) -> list[Device]:
     for item in items:
         m = _DEVICE_RE.match(item)
         if not m:
-            raise UserError(
-                f"devices: {item!r} is not a device; use cuda:N, cpu:N or auto (e.g. cuda:0,cuda:1)"
-            )
+            raise UserError(f"devices: {item!r} is not a device; use cuda:N, cpu:N or auto (e.g. cuda:0,cuda:1)")
         devices.append(Device(m.group(1), int(m.group(2) or 0)))
     kinds = {d.kind for d in devices}
     if len(kinds) > 1:

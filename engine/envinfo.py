@@ -9,7 +9,6 @@ import sys
 from typing import Any
 
 import torch
-
 from multilane.engine import __version__
 from multilane.engine.devices import describe_devices
 

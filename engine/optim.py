@@ -6,7 +6,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-
 from multilane.engine.config import OptimSection, ScheduleSection
 
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
 from multilane.engine.trainer import RunResult, Trainer, TrainerCallback
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 
 class ProgressDisplay(TrainerCallback):
@@ -52,8 +58,11 @@ class ProgressDisplay(TrainerCallback):
 
 def summary(result: RunResult, total_steps: int | None = None) -> str:
     """The final lines the CLI prints: outcome, losses, metric, time, run directory."""
-    lines = [f"{result.status}: step {result.step}" + (f"/{total_steps}" if total_steps else "")
-             + f" in {result.elapsed_s:.1f} s"]
+    lines = [
+        f"{result.status}: step {result.step}"
+        + (f"/{total_steps}" if total_steps else "")
+        + f" in {result.elapsed_s:.1f} s"
+    ]
     if result.message:
         lines.append(f"  {result.message}")
     t = result.last_train

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from multilane.engine.errors import UserError
 
 METRICS = "metrics.jsonl"

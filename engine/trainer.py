@@ -6,6 +6,7 @@ display and the app's worker are all ``TrainerCallback``s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from multilane.engine import __version__
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
@@ -118,9 +118,7 @@ class Trainer:
                 f"({config.devices.use})"
             )
         if config.devices.weights and len(config.devices.weights) != len(self.devices):
-            raise UserError(
-                f"devices.weights: {len(config.devices.weights)} weights for {len(self.devices)} devices"
-            )
+            raise UserError(f"devices.weights: {len(config.devices.weights)} weights for {len(self.devices)} devices")
         if config.train.precision == "fp16" and not self.devices[0].is_cuda:
             raise UserError("train.precision = fp16: fp16 needs a GPU; on CPU lanes use bf16 or fp32")
         self.callbacks = list(callbacks)
@@ -214,8 +212,7 @@ class Trainer:
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         n = len(self.devices)
-        dev_out = self.backend.output_device
-        self._window_reset(dev_out, n)
+        self._window_reset(n)
         while self.step < self.total_steps:
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
@@ -249,9 +246,19 @@ class Trainer:
             sizes = self._sizes(size)
             out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, sizes, timer)
             timer.mark("backward")
+            if k == 0:
+                # Free the last step's gradients just before backward (the order of PyTorch's own
+                # examples): backward then reuses those blocks; freeing them before the forward
+                # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
+                opt.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
             self.scaler.scale(loss).backward()
-            self._loss_sum += out.loss.detach()
+            if self._lane_sum is None:  # accumulate in the loss's own dtype: no cast per step
+                self._lane_sum = torch.zeros(
+                    len(self._lane_count), dtype=out.lane_losses.dtype, device=out.lane_losses.device
+                )
+            if len(self._lane_count) > 1:  # with one lane the combined loss is the lane's loss
+                self._loss_sum = out.loss.detach() if self._loss_sum is None else self._loss_sum + out.loss.detach()
             if len(out.lanes) == len(self._lane_count):
                 self._lane_sum += out.lane_losses
             else:
@@ -268,13 +275,12 @@ class Trainer:
             self._grad_norm_sum = self._grad_norm_sum + norm.detach()
         self.scaler.step(opt)
         self.scaler.update()
-        opt.zero_grad(set_to_none=True)
         timer.end_step()
         self._steps_in_window += 1
 
-    def _window_reset(self, device: torch.device, n: int) -> None:
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._lane_sum = torch.zeros(n, dtype=torch.float64, device=device)
+    def _window_reset(self, n: int) -> None:
+        self._loss_sum: torch.Tensor | None = None
+        self._lane_sum: torch.Tensor | None = None
         self._lane_count = [0] * n
         self._grad_norm_sum: torch.Tensor | float = 0.0
         self._micro = 0
@@ -283,10 +289,11 @@ class Trainer:
         self._t_window = time.perf_counter()
 
     def _log(self) -> None:
-        if self._micro == 0:
+        if self._micro == 0 or self._lane_sum is None:
             return
         # The one device sync of a log window: all values come back in a single transfer.
-        parts = [self._loss_sum.reshape(1), self._lane_sum]
+        loss_sum = self._lane_sum if self._loss_sum is None else self._loss_sum
+        parts = [loss_sum.reshape(1), self._lane_sum]
         if isinstance(self._grad_norm_sum, torch.Tensor):
             parts.append(self._grad_norm_sum.to(self._lane_sum).reshape(1))
         values = torch.cat(parts).tolist()
@@ -315,7 +322,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_log(rec)
         first = self.step - self._steps_in_window + 1
-        self._window_reset(self.backend.output_device, len(self.devices))
+        self._window_reset(len(self.devices))
         if not math.isfinite(loss):
             bad = [k for k, v in device_loss.items() if not math.isfinite(v)] or names
             where = f"at step {self.step}" if first == self.step else f"between steps {first} and {self.step}"
@@ -358,9 +365,9 @@ class Trainer:
     def _pause(self, reason: str | None = None) -> None:
         if reason:
             self.control.pause()
-        self._event("paused", **({"message": reason} if reason else {}))
         assert self.run_dir is not None
         self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
+        self._event("paused", **({"message": reason} if reason else {}))
         while not self.control.wait_while_paused(0.2):
             pass
         if not self.control.stop_requested:
@@ -400,11 +407,9 @@ class Trainer:
         extra: dict[str, Any] = {"message": message} if message else {}
         if tb:
             extra["traceback"] = tb
-        try:
-            self._event(status, **extra)
-        except Exception:
-            pass  # reporting must not hide the run's own outcome
         rd.set_status(status, message, step=self.step, total_steps=getattr(self, "total_steps", None))
+        with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
+            self._event(status, **extra)
         rd.close()
         if hasattr(self, "backend"):
             self.backend.close()
@@ -419,10 +424,8 @@ class Trainer:
             elapsed_s=elapsed,
         )
         for cb in self.callbacks:
-            try:
+            with contextlib.suppress(Exception):
                 cb.on_train_end(result)
-            except Exception:
-                pass
         return result
 
 

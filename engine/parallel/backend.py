@@ -10,10 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
 from multilane.engine.devices import Device, lane_names
 from multilane.engine.parallel.timing import PhaseTimer
+from torch import nn
 
 
 class Backend(ABC):
@@ -74,7 +73,7 @@ class Backend(ABC):
         """Compute seconds spent inside each lane so far, where the backend measures it (CPU lanes)."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing)
         """Release threads or streams the backend holds."""
 
 

@@ -21,12 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch import nn
-from torch._utils import ExceptionWrapper
-
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, scatter_tree
+from torch import nn
+from torch._utils import ExceptionWrapper
 
 
 class CpuLanesBackend(Backend):

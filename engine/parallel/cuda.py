@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-from torch import nn
-from torch.nn.parallel import gather, parallel_apply, replicate
-from torch.nn.parallel._functions import Scatter
-
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import scatter_tree
+from torch import nn
+from torch.nn.parallel import gather, parallel_apply, replicate
+from torch.nn.parallel._functions import Scatter
 
 
 class CudaBackend(Backend):

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.timing import PhaseTimer
+from torch import nn
+from torch._utils import ExceptionWrapper
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,13 +70,17 @@ class _LaneLoss:
         self.loss_fn = loss_fn
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        return self.check(self.loss_fn(output, target)).reshape(1)
+
+    @staticmethod
+    def check(loss: Any) -> torch.Tensor:
+        """The loss as a 0-dim tensor, in fp32 at least; LossNotScalarError if it is not one number."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise LossNotScalarError(f"the loss must be one number (a 0-dim tensor), got {shape}")
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        return loss.reshape(1)
+        return loss if loss.dim() == 0 else loss.reshape(())
 
 
 class ReplicateEachStep:
@@ -117,6 +121,8 @@ class ReplicateEachStep:
         """Forward and loss of one (micro-)batch on every lane; the caller runs backward."""
         b = self.backend
         lanes, active = self._active(sizes)
+        if lanes == [0]:
+            return self._single_lane(model, inputs, target, loss_fn, timer)
         timer.mark("scatter")
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
@@ -138,6 +144,19 @@ class ReplicateEachStep:
         lane_losses = b.gather(losses)
         combined = lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
         return StepOutput(loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes)
+
+    def _single_lane(self, model, inputs, target, loss_fn, timer) -> StepOutput:
+        """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
+        fn = self._wrap([model])[0]
+        args, kwargs = model_args(inputs)
+        timer.mark("forward")
+        try:
+            output = fn(*args, **kwargs)
+            timer.mark("loss")
+            loss = _LaneLoss(loss_fn).check(loss_fn(output, target))
+        except Exception:
+            ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
+        return StepOutput(loss=loss, lane_losses=loss.detach().reshape(1), lanes=[0])
 
     def forward(self, model: nn.Module, inputs: Any, sizes: Sequence[int]) -> Any:
         """The model's output for a whole batch, computed on every lane and gathered (evaluation)."""

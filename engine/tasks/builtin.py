@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from multilane.engine.tasks.base import ArrayData, Task
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional as F
-
-from multilane.engine.tasks.base import ArrayData, Task
 
 
 class _Params(BaseModel):

@@ -10,12 +10,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from multilane.engine.config import describe_error
 from multilane.engine.errors import UserError
 from multilane.engine.tasks.base import Task
 from multilane.engine.tasks.builtin import BUILTIN_TASKS
+from pydantic import ValidationError
 
 
 def is_task_file(name: str) -> bool:

@@ -1,0 +1,128 @@
+"""Engine step time on one CPU lane against a plain hand-written PyTorch loop, side by side.
+
+    python bench/step_overhead.py [--rounds 600]
+
+Both loops train the same model from the same weights on the same batches (fetched the same way).
+They take turns step by step, in a shuffled order each round, so that drift on a shared machine hits
+all alike. The ratio is median engine step time / median plain step time; the target is <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from multilane.engine.config import build_config
+from multilane.engine.trainer import Trainer
+
+CASES = {
+    "digits (CNN, batch 64)": {"task": {"name": "digits"}, "data": {"batch_size": 64}},
+    "mlp (256x3, batch 256)": {"task": {"name": "mlp"}, "data": {"batch_size": 256}},
+    "mlp (1024x4, batch 512)": {
+        "task": {"name": "mlp", "params": {"width": 1024, "depth": 4, "features": 256}},
+        "data": {"batch_size": 512},
+    },
+}
+
+
+def engine(case: dict, devices: str) -> Trainer:
+    cfg = build_config({**case, "devices": {"use": devices}, "train": {"steps": 10**9, "log_every": 10}})
+    t = Trainer(cfg)
+    t._setup()
+    return t
+
+
+def plain_loop(trainer: Trainer):
+    """The loop a user would write by hand: forward, loss, backward, step."""
+    model = trainer.task.build_model()
+    model.load_state_dict(trainer.model.state_dict())
+    opt = torch.optim.Adam(model.parameters(), lr=trainer.config.optim.lr)
+    loss_fn, batches = trainer.task.loss, trainer.batches
+    state = {"m": 0, "sum": torch.zeros(())}
+
+    def step() -> None:
+        x, y, _ = batches.get(state["m"])
+        state["m"] += 1
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["sum"] += loss.detach()
+        if state["m"] % 10 == 0:
+            state["sum"].item()  # the same log-time sync the engine does
+
+    return step
+
+
+def engine_step(trainer: Trainer):
+    def step() -> None:
+        trainer._train_step(1)
+        trainer.step += 1
+        if trainer.step % 10 == 0:
+            trainer._log()
+
+    trainer.callbacks = []
+    trainer._window_reset(len(trainer.devices))
+    return step
+
+
+def time_block(fn, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps
+
+
+def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict[str, float]:
+    """Median step time of each function, stepping them in turn (shuffled order every round), so
+    that whatever else the machine does lands on all of them alike."""
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for k in names:
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+
+
+def main() -> None:
+    # Adam on the CPU drives some gradients into denormal floats, which slow a backward pass up to
+    # 15x and make timings depend on the exact values: flush them for every loop alike.
+    torch.set_flush_denormal(True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=600, help="steps of each loop, interleaved")
+    args = ap.parse_args()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {args.rounds} interleaved "
+        "steps of each loop, median step time in ms"
+    )
+    print("'plain again' is a second, identical plain loop: its ratio shows the noise floor.\n")
+    print(f"{'case':26} {'plain':>8} {'plain again':>12} {'engine 1 lane':>14} {'ratio':>6} {'A/A':>6} {'2 lanes':>8}")
+    for name, case in CASES.items():
+        tr = engine(case, "cpu:0")
+        tr2 = engine(case, "cpu:0,cpu:1")
+        fns = {"plain": plain_loop(tr), "again": plain_loop(tr), "engine": engine_step(tr)}
+        for fn in fns.values():
+            time_block(fn, 10)  # warm-up
+        m = interleaved(fns, args.rounds)
+        # Measured apart: lane threads leave OpenMP workers spinning that would tax whichever loop
+        # ran next. For information only (two lanes on a 2-core CPU share the same cores).
+        lanes2 = engine_step(tr2)
+        time_block(lanes2, 10)
+        m["lanes2"] = interleaved({"lanes2": lanes2}, max(50, args.rounds // 4))["lanes2"]
+        print(
+            f"{name:26} {m['plain']:8.3f} {m['again']:12.3f} {m['engine']:14.3f} "
+            f"{m['engine'] / m['plain']:6.3f} {m['again'] / m['plain']:6.3f} {m['lanes2']:8.3f}"
+        )
+        tr.backend.close()
+        tr2.backend.close()
+
+
+if __name__ == "__main__":
+    main()

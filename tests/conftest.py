@@ -1,0 +1,31 @@
+import os
+
+# Before any Qt import: the app's tests run on Qt's offscreen platform, with no display.
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest
+import torch
+from multilane.engine.config import RunConfig, build_config, merge
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """A small, fast config writing into tmp_path; dotted overrides on top."""
+
+    def make(**overrides) -> RunConfig:
+        base = {
+            "run": {"runs_dir": str(tmp_path / "runs"), "name": "test"},
+            "devices": {"use": "cpu:0,cpu:1"},
+            "train": {"log_every": 1, "eval_every": 0},
+        }
+        return build_config(merge(base, {k.replace("__", "."): v for k, v in overrides.items()}))
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    # Two lanes on a 2-core machine: keep intra-op threads from multiplying against lane threads.
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

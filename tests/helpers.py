@@ -1,0 +1,42 @@
+"""Small tasks and models shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from multilane.engine.tasks import ArrayData, Task
+from pydantic import BaseModel, Field
+from torch import nn
+from torch.nn import functional as F
+
+
+class Float64Params(BaseModel):
+    samples: int = Field(96, ge=2)
+
+
+class Float64Task(Task):
+    """Regression in float64, where data-parallel training must equal full-batch training to 1e-10."""
+
+    name = "float64"
+    Params = Float64Params
+    metric = "mae"
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    def data(self) -> ArrayData:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(self.params.samples, 5, generator=g, dtype=torch.float64)
+        return ArrayData(x, x.sum(dim=1, keepdim=True).sin())
+
+    def loss(self, output, target):
+        return F.mse_loss(output, target)
+
+    def metrics(self, output, target):
+        return {"mae": (output - target).abs().mean()}
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(
+        ((p - q).abs().max() / q.abs().max().clamp_min(1e-300)).item()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
