@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
     )
 
-    d = sub.add_parser("devices", help="list the devices this machine offers")
+    d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
+    d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
     return p
 
 
@@ -143,21 +144,42 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from multilane.engine.devices import describe_devices
+    from multilane.engine.telemetry import live_readings
 
-    devices = describe_devices()
     if args.json:
-        print(json.dumps(devices, indent=2))
+        print(json.dumps(live_readings(), indent=2))
         return 0
-    for d in devices:
-        if d["kind"] == "cuda":
-            print(f"{d['name']:8} {d['model']}  {d['memory_total_mb']:,} MiB  {d['multiprocessors']} SMs")
-        else:
-            print(
-                f"{'cpu':8} {d['model']}  {d['cores']} cores  {d.get('memory_total_mb') or 0:,} MiB  "
-                "(CPU lanes: cpu:0,cpu:1,...)"
-            )
+    if not args.watch:
+        from rich.console import Console
+
+        Console().print(devices_table(live_readings()))
+        return 0
+    from rich.live import Live
+
+    with Live(devices_table(live_readings()), auto_refresh=False) as live:
+        try:
+            while True:
+                live.update(devices_table(live_readings(1.0)), refresh=True)
+        except KeyboardInterrupt:
+            pass
     return 0
+
+
+def devices_table(rows: list[dict]) -> Any:
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("device", "model", "util", "memory used / total", "temp", "power"):
+        table.add_column(col)
+    for r in rows:
+        util = f"{r['util_pct']:.0f}%" if r.get("util_pct") is not None else "-"
+        used, total = r.get("mem_used_mb"), r.get("memory_total_mb")
+        memory = f"{used / 1024:,.1f} / {total / 1024:,.1f} GiB" if used is not None and total else "-"
+        temp = f"{r['temp_c']:.0f} °C" if "temp_c" in r else "-"
+        power = f"{r['power_w']:.0f} W" if "power_w" in r else "-"
+        name = r["name"] if r["kind"] == "cuda" else f"cpu ×{r['cores']}"
+        table.add_row(name, str(r.get("model", "")), util, memory, temp, power)
+    return table
 
 
 def cmd_app() -> int:

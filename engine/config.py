@@ -90,6 +90,14 @@ class TrainSection(Section):
     on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
 
 
+class TelemetrySection(Section):
+    enabled: bool = Field(True, description="Sample device utilization, memory, temperature and power during the run")
+    rate_hz: float = Field(5.0, ge=0.2, le=50.0, description="Samples per second (NVML utilization spans 1/6 s to 1 s)")
+    record_s: float = Field(
+        1.0, ge=0.1, le=60.0, description="Seconds per telemetry record (mean/min/max of its samples)"
+    )
+
+
 class RunSection(Section):
     name: str = Field("run", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$", description="Run name")
     runs_dir: str = Field("runs", min_length=1, description="Folder that holds one folder per run")
@@ -104,6 +112,7 @@ class RunConfig(Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     run: RunSection = Field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:

@@ -126,13 +126,24 @@ def describe_devices() -> list[dict]:
         {
             "name": "cpu",
             "kind": "cpu",
-            "model": platform.processor() or platform.machine(),
+            "model": _cpu_model() or platform.processor() or platform.machine(),
             "cores": os.cpu_count() or 1,
             "memory_total_mb": _total_memory_mb(),
             "note": "CPU lanes: cpu:0,cpu:1,... each lane is one thread on the CPU",
         }
     )
     return out
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _pci_bus_id(i: int) -> str | None:

@@ -31,6 +31,7 @@ class ProgressDisplay(TrainerCallback):
         )
         self._task_id: Any = None
         self._val = ""
+        self._tele = ""
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.progress.start()
@@ -41,19 +42,39 @@ class ProgressDisplay(TrainerCallback):
 
     def on_log(self, record: dict[str, Any]) -> None:
         sps = record.get("samples_per_s") or 0.0
-        info = f"loss {record['loss']:.4f} {self._val}{sps:,.0f} samples/s"
+        info = f"loss {record['loss']:.4f} {self._val}{sps:,.0f} samples/s {self._tele}"
         self.progress.update(self._task_id, completed=record["step"], info=info)
+
+    def on_telemetry(self, record: dict[str, Any]) -> None:
+        self._tele = format_telemetry(record)
 
     def on_eval(self, record: dict[str, Any]) -> None:
         metrics = "".join(f" {k} {v:.3f}" for k, v in record["metrics"].items())
         self._val = f"val {record['val_loss']:.4f}{metrics} · "
 
     def on_event(self, record: dict[str, Any]) -> None:
+        if record["event"] == "warning":
+            self.console.print(f"[yellow]warning:[/] {record['message']}")
         if record["event"] in ("paused", "resumed") and self._task_id is not None:
             self.progress.update(self._task_id, info=record["event"])
 
     def on_train_end(self, result: RunResult) -> None:
         self.progress.stop()
+
+
+def format_telemetry(record: dict[str, Any]) -> str:
+    """A short line of what each device is doing: "· cuda:0 97% 41.2 GiB · cuda:1 95% 38.0 GiB"."""
+    parts = []
+    for name, d in record.get("devices", {}).items():
+        rate = d.get("util_pct") or d.get("busy_pct")
+        text = name + (f" {rate['mean']:.0f}%" if rate else "")
+        if "mem_used_mb" in d:
+            text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
+        parts.append(text)
+    rss = record.get("process", {}).get("rss_mb")
+    if rss is not None:
+        parts.append(f"rss {rss / 1024:.1f} GiB")
+    return "· " + " · ".join(parts) if parts else ""
 
 
 def summary(result: RunResult, total_steps: int | None = None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,7 @@ class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._metrics_fd: int | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def create(cls, runs_dir: str | Path, name: str) -> RunDir:
@@ -98,10 +100,12 @@ class RunDir:
         _atomic_write_bytes(self.path / name, (json.dumps(_json_safe(data), indent=2) + "\n").encode())
 
     def append_metric(self, record: dict[str, Any]) -> None:
-        if self._metrics_fd is None:
-            self._metrics_fd = os.open(self.path / METRICS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        """Append one record; safe from several threads (training and telemetry)."""
         line = (json.dumps(_json_safe(record), separators=(",", ":")) + "\n").encode()
-        os.write(self._metrics_fd, line)  # one write: a kill leaves whole lines only
+        with self._lock:
+            if self._metrics_fd is None:
+                self._metrics_fd = os.open(self.path / METRICS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(self._metrics_fd, line)  # one write: a kill leaves whole lines only
 
     def set_status(self, state: str, message: str | None = None, **extra: Any) -> None:
         self.write_json(STATUS, {"state": state, "message": message, "updated": time.time(), **extra})
@@ -119,9 +123,10 @@ class RunDir:
         os.replace(tmp, target)
 
     def close(self) -> None:
-        if self._metrics_fd is not None:
-            os.close(self._metrics_fd)
-            self._metrics_fd = None
+        with self._lock:
+            if self._metrics_fd is not None:
+                os.close(self._metrics_fd)
+                self._metrics_fd = None
 
     # -- reading --------------------------------------------------------------------------------
     def load_checkpoint(self) -> dict[str, Any]:

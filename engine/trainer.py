@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from multilane.engine import __version__
+from multilane.engine.balance import balance_warnings
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
 from multilane.engine.data import Batches, eval_batches, split_data
@@ -28,6 +29,7 @@ from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backe
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
 from multilane.engine.tasks import Task, make_task
+from multilane.engine.telemetry import TelemetrySampler
 
 
 class TrainerCallback:
@@ -46,7 +48,10 @@ class TrainerCallback:
         """Validation loss and the task's metrics."""
 
     def on_event(self, record: dict[str, Any]) -> None:
-        """Lifecycle: started, paused, resumed, stopped, finished, failed."""
+        """Lifecycle: started, paused, resumed, stopped, finished, failed; and warnings."""
+
+    def on_telemetry(self, record: dict[str, Any]) -> None:
+        """Device readings, from the sampler's own thread (not the training thread)."""
 
     def on_train_end(self, result: RunResult) -> None: ...
 
@@ -76,6 +81,7 @@ class _MetricsWriter(TrainerCallback):
 
     on_eval = on_log
     on_event = on_log
+    on_telemetry = on_log
 
 
 class Trainer:
@@ -123,6 +129,7 @@ class Trainer:
             raise UserError("train.precision = fp16: fp16 needs a GPU; on CPU lanes use bf16 or fp32")
         self.callbacks = list(callbacks)
         self.run_dir: RunDir | None = None
+        self.sampler: TelemetrySampler | None = None
         self.step = 0
 
     # -- setup ----------------------------------------------------------------------------------
@@ -184,7 +191,10 @@ class Trainer:
         rd.write_json(CONFIG, cfg.to_dict())
         rd.write_json(ENVIRONMENT, environment())
         self.callbacks.insert(0, _MetricsWriter(rd))
+        self.sampler = self._make_sampler()
         self.t_start = time.time()
+        self._energy_at_log = self._energy_at_epoch = 0.0
+        self._epoch = self.step * cfg.train.grad_accum // self.batches.per_epoch
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
         resumed = self._checkpoint is not None
@@ -195,6 +205,10 @@ class Trainer:
                 cb.on_train_start(self)
             extra = {"resumed_from_step": self.step} if resumed else {}
             self._event("started", total_steps=self.total_steps, **extra)
+            for message in balance_warnings(self.devices):
+                self._event("warning", message=message)
+            if self.sampler is not None:
+                self.sampler.start()
             status, message = self._loop()
         except Exception as e:
             status = "failed"
@@ -221,6 +235,9 @@ class Trainer:
                 return "stopped", f"stopped at step {self.step}"
             self._train_step(accum)
             self.step += 1
+            epoch = self.step * accum // self.batches.per_epoch
+            if epoch > self._epoch:
+                self._epoch_end(epoch)
             last = self.step == self.total_steps
             if self.step % log_every == 0 or last:
                 try:
@@ -318,6 +335,13 @@ class Trainer:
         busy = self.backend.lane_busy_seconds()
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(names, busy, strict=True))
+        energy = self.sampler.energy_j() if self.sampler is not None else None
+        if energy is not None:
+            rec["energy_j"] = energy
+            used = energy - self._energy_at_log
+            if used > 0:
+                rec["samples_per_j"] = self._samples / used  # = samples per second per watt
+            self._energy_at_log = energy
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
@@ -327,6 +351,19 @@ class Trainer:
             bad = [k for k, v in device_loss.items() if not math.isfinite(v)] or names
             where = f"at step {self.step}" if first == self.step else f"between steps {first} and {self.step}"
             raise NonFiniteLoss(f"loss became {loss} {where} on device {', '.join(bad)}")
+
+    def _epoch_end(self, epoch: int) -> None:
+        """Mark an epoch's end; where the GPUs report power, with the energy it took."""
+        extra: dict[str, Any] = {"epoch": epoch}
+        energy = self.sampler.energy_j() if self.sampler is not None else None
+        if energy is not None:
+            used = energy - self._energy_at_epoch
+            extra["energy_j"] = used
+            if used > 0:
+                extra["samples_per_j"] = (epoch - self._epoch) * self.batches.n / used
+            self._energy_at_epoch = energy
+        self._epoch = epoch
+        self._event("epoch_end", **extra)
 
     def _evaluate(self) -> None:
         if self.val is None:
@@ -398,9 +435,33 @@ class Trainer:
         self.run_dir.save_checkpoint(self.checkpoint_state())
         self._checkpoint_step = self.step
 
+    def _make_sampler(self) -> TelemetrySampler | None:
+        t = self.config.telemetry
+        if not t.enabled:
+            return None
+        return TelemetrySampler(
+            self.devices,
+            self.backend.lane_names,
+            self._telemetry,
+            rate_hz=t.rate_hz,
+            record_s=t.record_s,
+            busy_seconds=self.backend.lane_busy_seconds,
+            output_index=self.config.devices.output,
+        )
+
+    def _telemetry(self, record: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            if record["kind"] == "telemetry":
+                cb.on_telemetry(record)
+            else:
+                cb.on_event({**record, "step": self.step})
+
     def _finish(self, status: str, message: str | None, tb: str | None) -> RunResult:
         rd = self.run_dir
         assert rd is not None
+        if getattr(self, "sampler", None) is not None:
+            with contextlib.suppress(Exception):
+                self.sampler.stop()
         elapsed = time.time() - self.t_start
         if tb:
             rd.write_error(tb)
