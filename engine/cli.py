@@ -1,4 +1,4 @@
-"""The ``multilane`` command: ``train``, ``devices``; with no arguments, the desktop app."""
+"""The ``multilane`` command: ``train``, ``devices``, ``export``; with no arguments, the desktop app."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
     )
+
+    e = sub.add_parser("export", help="export a run's plots and metrics (no display needed)")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
+    e.add_argument("--format", default="png,svg,csv", metavar="LIST", help="any of png,svg,csv (default: all)")
+    e.add_argument("--width", type=_positive_int, default=1600, metavar="PX", help="PNG width in pixels")
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -182,6 +188,22 @@ def devices_table(rows: list[dict]) -> Any:
     return table
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in ("png", "svg", "csv")]
+    if bad or not formats:
+        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use png, svg, csv")
+    try:
+        from multilane.gui.export import export_headless
+    except ImportError as e:
+        raise UserError(
+            f"export needs PySide6 and pyqtgraph ({e.name or e} missing): pip install 'multilane[gui]'"
+        ) from None
+    for path in export_headless(args.run_dir, args.out, formats, args.width):
+        print(path)
+    return 0
+
+
 def cmd_app() -> int:
     try:
         from multilane.gui.app import main as app_main
@@ -201,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "devices":
             return cmd_devices(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_app()
     except UserError as e:
         print(f"multilane: error: {e}", file=sys.stderr)

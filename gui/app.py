@@ -1,0 +1,27 @@
+"""``multilane`` with no arguments: the desktop app."""
+
+from __future__ import annotations
+
+import sys
+from importlib.resources import files
+
+import pyqtgraph as pg
+from PySide6.QtGui import QIcon
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = pg.mkQApp("Multilane")
+    app.setApplicationName("Multilane")
+    app.setOrganizationName("Multilane")
+    icon = files("multilane.assets") / "multilane.svg"
+    app.setWindowIcon(QIcon(str(icon)))
+    from multilane.gui.main_window import MainWindow
+
+    window = MainWindow()
+    window.setWindowIcon(QIcon(str(icon)))
+    window.show()
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

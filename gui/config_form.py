@@ -1,0 +1,262 @@
+"""The hyperparameter form, built from the engine's config schema — not laid out by hand per field.
+
+Each field's widget follows its type (bool → checkbox, Literal → combo box, int → spin box with the
+schema's bounds, float/str → line edit); its tooltip is the field's description. ``errors()``
+validates the whole config and names the fields that break a rule.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Literal
+
+from multilane.engine.config import RunConfig, describe_error
+from multilane.engine.errors import UserError
+from multilane.engine.tasks import BUILTIN_TASKS, task_class
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QLineEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+INVALID_STYLE = "border: 1px solid #d62728; background: #fff0f0;"
+CUSTOM = "Custom task file…"
+HIDDEN = {("task", "params"), ("task", "name"), ("devices", "use"), ("devices", "weights"), ("devices", "output")}
+TITLES = {
+    "data": "Data",
+    "optim": "Optimizer",
+    "schedule": "Learning-rate schedule",
+    "train": "Training",
+    "telemetry": "Telemetry",
+    "run": "Run",
+}
+
+
+def _bounds(field: FieldInfo) -> tuple[float | None, float | None]:
+    lo = hi = None
+    for m in field.metadata:
+        lo = getattr(m, "ge", None) if getattr(m, "ge", None) is not None else lo
+        if getattr(m, "gt", None) is not None:
+            lo = m.gt
+        hi = getattr(m, "le", None) if getattr(m, "le", None) is not None else hi
+        if getattr(m, "lt", None) is not None:
+            hi = m.lt
+    return lo, hi
+
+
+class FieldEditor:
+    """One widget bound to one schema field."""
+
+    def __init__(self, key: str, field: FieldInfo, on_change) -> None:
+        self.key = key
+        ann = field.annotation
+        args = typing.get_args(ann)
+        self.optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), ann) if self.optional else ann
+        self.kind = "str"
+        if base is bool:
+            self.kind, w = "bool", QCheckBox()
+            w.toggled.connect(on_change)
+        elif typing.get_origin(base) is Literal:
+            self.kind, w = "choice", QComboBox()
+            w.addItems([str(a) for a in typing.get_args(base)])
+            w.currentTextChanged.connect(on_change)
+        elif base is int:
+            self.kind, w = "int", QSpinBox()
+            lo, hi = _bounds(field)
+            lo = int(lo) if lo is not None else 0
+            w.setRange(lo - 1 if self.optional else lo, int(min(hi if hi is not None else 2**31 - 1, 2**31 - 1)))
+            if self.optional:
+                w.setSpecialValueText("off")
+            w.setAccelerated(True)
+            w.valueChanged.connect(on_change)
+        else:
+            self.kind = "float" if base is float else "str"
+            w = QLineEdit()
+            w.textChanged.connect(on_change)
+        w.setToolTip(field.description or "")
+        w.setObjectName(key)
+        self.widget = w
+        self.description = field.description or ""
+
+    def set(self, value: Any) -> None:
+        w = self.widget
+        if self.kind == "bool":
+            w.setChecked(bool(value))
+        elif self.kind == "choice":
+            w.setCurrentText(str(value))
+        elif self.kind == "int":
+            w.setValue(w.minimum() if value is None else int(value))
+        else:
+            w.setText("" if value is None else (f"{value:g}" if isinstance(value, float) else str(value)))
+
+    def get(self) -> Any:
+        w = self.widget
+        if self.kind == "bool":
+            return w.isChecked()
+        if self.kind == "choice":
+            return w.currentText()
+        if self.kind == "int":
+            return None if self.optional and w.value() == w.minimum() else w.value()
+        text = w.text().strip()
+        if self.kind == "float":
+            try:
+                return float(text)
+            except ValueError:
+                return text  # the schema names the problem
+        return text
+
+    def mark(self, message: str | None) -> None:
+        self.widget.setStyleSheet(INVALID_STYLE if message else "")
+        self.widget.setToolTip(f"{message}\n\n{self.description}" if message else self.description)
+
+
+class ConfigForm(QWidget):
+    """Every section of RunConfig except devices (the device picker owns those), plus the task."""
+
+    changed = Signal()
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.editors: dict[str, FieldEditor] = {}
+        self.param_editors: dict[str, FieldEditor] = {}
+        self._loading = False
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+
+        task_box = QGroupBox("Task")
+        self.task_form = QFormLayout(task_box)
+        self.task_combo = QComboBox()
+        self.task_combo.setObjectName("task.name")
+        self.task_combo.addItems(list(BUILTIN_TASKS))
+        self.task_combo.addItem(CUSTOM)
+        self.task_combo.setToolTip(RunConfig.model_fields["task"].annotation.model_fields["name"].description)
+        self.task_combo.activated.connect(self._task_chosen)
+        self.task_form.addRow("task", self.task_combo)
+        self.task_error = ""
+        layout.addWidget(task_box)
+
+        for section, sfield in RunConfig.model_fields.items():
+            if section in ("task", "devices"):
+                continue
+            box = QGroupBox(TITLES.get(section, section))
+            form = QFormLayout(box)
+            form.setFieldGrowthPolicy(QFormLayout.AllNonFixedFieldsGrow)
+            for name, field in sfield.annotation.model_fields.items():
+                if (section, name) in HIDDEN:
+                    continue
+                ed = FieldEditor(f"{section}.{name}", field, self._changed)
+                self.editors[ed.key] = ed
+                form.addRow(name.replace("_", " "), ed.widget)
+            layout.addWidget(box)
+        layout.addStretch(1)
+        self._task_name = "digits"
+        self._task_params: dict[str, Any] = {}
+        self.set_config(RunConfig())
+
+    # -- task ------------------------------------------------------------------------------------
+    def _task_chosen(self, index: int) -> None:
+        if self.task_combo.itemText(index) == CUSTOM:
+            path, _ = QFileDialog.getOpenFileName(self, "Custom task file", "", "Python files (*.py)")
+            if not path:
+                self.task_combo.setCurrentText(self._task_name)
+                return
+            self.set_task(path)
+        else:
+            self.set_task(self.task_combo.itemText(index))
+        self._changed()
+
+    def set_task(self, name: str, params: dict[str, Any] | None = None) -> None:
+        """Choose a task and rebuild its own hyperparameter fields from its schema."""
+        if self.task_combo.findText(name) < 0:
+            self.task_combo.insertItem(self.task_combo.count() - 1, name)
+        self.task_combo.setCurrentText(name)
+        self._task_name = name
+        self._task_params = dict(params or {})
+        for ed in self.param_editors.values():
+            self.task_form.removeRow(ed.widget)
+        self.param_editors.clear()
+        self.task_error = ""
+        try:
+            cls = task_class(name)
+        except UserError as e:
+            self.task_error = str(e)
+            self._mark_task()
+            return
+        self._mark_task()
+        defaults = cls.Params().model_dump()
+        for pname, field in cls.Params.model_fields.items():
+            ed = FieldEditor(f"task.params.{pname}", field, self._changed)
+            ed.set(self._task_params.get(pname, defaults.get(pname)))
+            self.param_editors[pname] = ed
+            self.task_form.addRow(pname.replace("_", " "), ed.widget)
+
+    def _mark_task(self) -> None:
+        self.task_combo.setStyleSheet(INVALID_STYLE if self.task_error else "")
+        self.task_combo.setToolTip(self.task_error or "Built-in task or a .py file defining a Task")
+
+    # -- values ----------------------------------------------------------------------------------
+    def _changed(self, *_: Any) -> None:
+        if not self._loading:
+            self.changed.emit()
+
+    def set_config(self, cfg: RunConfig) -> None:
+        self._loading = True
+        try:
+            data = cfg.to_dict()
+            for key, ed in self.editors.items():
+                section, name = key.split(".")
+                ed.set(data[section][name])
+            self.set_task(cfg.task.name, cfg.task.params)
+        finally:
+            self._loading = False
+        self.changed.emit()
+
+    def values(self) -> dict[str, Any]:
+        """The form as a nested config dict (devices left to the device picker)."""
+        out: dict[str, Any] = {}
+        for key, ed in self.editors.items():
+            section, name = key.split(".")
+            out.setdefault(section, {})[name] = ed.get()
+        params = {k: ed.get() for k, ed in self.param_editors.items()} if self.param_editors else self._task_params
+        out["task"] = {"name": self._task_name, "params": params}
+        return out
+
+    def errors(self, full: dict[str, Any]) -> list[str]:
+        """Validate a whole config dict; mark offending fields; return one line per problem."""
+        for ed in [*self.editors.values(), *self.param_editors.values()]:
+            ed.mark(None)
+        problems = []
+        if self.task_error:
+            problems.append(self.task_error)
+        try:
+            RunConfig.model_validate(full)
+        except ValidationError as e:
+            for err in e.errors():
+                key = ".".join(str(p) for p in err["loc"])
+                one = describe_error(ValidationError.from_exception_data(e.title, [err]))  # type: ignore[arg-type]
+                ed = self.editors.get(key)
+                if ed is not None:
+                    ed.mark(one)
+                problems.append(one)
+        if not self.task_error and self.param_editors:
+            cls = task_class(self._task_name)
+            try:
+                cls.Params.model_validate(full["task"]["params"])
+            except ValidationError as e:
+                for err in e.errors():
+                    key = str(err["loc"][0]) if err["loc"] else ""
+                    one = describe_error(ValidationError.from_exception_data(e.title, [err]), "task.params")  # type: ignore[arg-type]
+                    if key in self.param_editors:
+                        self.param_editors[key].mark(one)
+                    problems.append(one)
+        return problems

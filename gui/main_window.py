@@ -1,0 +1,452 @@
+"""The Multilane window: devices and hyperparameters on the left, live plots on the right."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.config import RunConfig, build_config, load_config, save_config
+from multilane.engine.errors import UserError
+from multilane.gui.config_form import ConfigForm
+from multilane.gui.device_picker import DevicePicker
+from multilane.gui.export import export_run
+from multilane.gui.plots import PlotPanel
+from multilane.gui.run_data import RunData
+from multilane.gui.worker import RunHandle, TrainWorker
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QScrollArea,
+    QSlider,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+REDRAW_MS = 50  # 20 Hz
+
+
+def _fmt_duration(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: QSettings | None = None) -> None:
+        super().__init__()
+        self.settings = settings or QSettings("Multilane", "Multilane")
+        self.setWindowTitle("Multilane")
+        self.run: RunHandle | None = None
+        self.run_info: dict[str, Any] = {}
+        self.last_result: dict[str, Any] | None = None
+        self.paused = False
+        self._active = False
+        self._t_start = 0.0
+        self._last_train: dict[str, Any] = {}
+
+        # -- left: devices, hyperparameters, controls --------------------------------------------
+        self.devices = DevicePicker()
+        self.form = ConfigForm()
+        left_inner = QWidget()
+        lv = QVBoxLayout(left_inner)
+        lv.addWidget(QLabel("<b>Devices</b>"))
+        lv.addWidget(self.devices)
+        lv.addWidget(self.form)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(left_inner)
+        scroll.setMinimumWidth(340)
+
+        self.start_btn = QPushButton("Start")
+        self.start_btn.setObjectName("start")
+        self.pause_btn = QPushButton("Pause")
+        self.pause_btn.setObjectName("pause")
+        self.stop_btn = QPushButton("Stop")
+        self.stop_btn.setObjectName("stop")
+        self.start_btn.setStyleSheet("font-weight: bold;")
+        self.why = QLabel()
+        self.why.setObjectName("why")
+        self.why.setWordWrap(True)
+        self.why.setStyleSheet("color: #d62728;")
+        buttons = QHBoxLayout()
+        for b in (self.start_btn, self.pause_btn, self.stop_btn):
+            buttons.addWidget(b)
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(6, 6, 6, 6)
+        left_layout.addWidget(scroll, 1)
+        left_layout.addWidget(self.why)
+        left_layout.addLayout(buttons)
+
+        # -- right: plot controls and plots --------------------------------------------------------
+        self.plots = PlotPanel()
+        self.x_mode = QComboBox()
+        self.x_mode.addItems(["step", "time"])
+        self.x_mode.setToolTip("X axis of every plot: optimizer step or elapsed wall time")
+        self.smooth = QSlider(Qt.Horizontal)
+        self.smooth.setRange(0, 99)
+        self.smooth.setFixedWidth(120)
+        self.smooth.setToolTip("Smoothing (EMA) of the loss curves; the raw curve stays faint behind")
+        self.log_y = QCheckBox("log y")
+        self.auto_range = QCheckBox("auto range")
+        self.auto_range.setChecked(True)
+        export_btn = QPushButton("Export…")
+        bar = QHBoxLayout()
+        bar.addWidget(QLabel("x axis"))
+        bar.addWidget(self.x_mode)
+        bar.addSpacing(12)
+        bar.addWidget(QLabel("smoothing"))
+        bar.addWidget(self.smooth)
+        bar.addWidget(self.log_y)
+        bar.addWidget(self.auto_range)
+        bar.addStretch(1)
+        bar.addWidget(export_btn)
+        right = QWidget()
+        rv = QVBoxLayout(right)
+        rv.setContentsMargins(4, 6, 6, 6)
+        rv.addLayout(bar)
+        rv.addWidget(self.plots, 1)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setStretchFactor(1, 1)
+        split.setSizes([380, 1000])
+        self.splitter = split
+        self.setCentralWidget(split)
+
+        self.status_label = QLabel("Ready")
+        self.statusBar().addWidget(self.status_label, 1)
+
+        self._make_menus()
+        self.start_btn.clicked.connect(lambda: self.start())
+        self.pause_btn.clicked.connect(lambda: self.toggle_pause())
+        self.stop_btn.clicked.connect(lambda: self.stop())
+        export_btn.clicked.connect(lambda: self.export_dialog())
+        self.x_mode.currentTextChanged.connect(self.plots.set_x_mode)
+        self.smooth.valueChanged.connect(lambda v: self.plots.set_smoothing(v / 100.0))
+        self.log_y.toggled.connect(self.plots.set_log_y)
+        self.auto_range.toggled.connect(self.plots.set_auto_range)
+        self.form.changed.connect(self.validate)
+        self.devices.changed.connect(self.validate)
+
+        self.timer = QTimer(self)
+        self.timer.timeout.connect(self._tick)
+        self.timer.start(REDRAW_MS)
+        self.idle_timer = QTimer(self)
+        self.idle_timer.timeout.connect(self._idle_tick)
+        self.idle_timer.start(1000)
+
+        self._restore()
+        self._set_running(False)
+        self.validate()
+        self.plots.header.setText("Choose devices and hyperparameters, then press Start (Ctrl+Enter).", size="9pt")
+
+    # -- menus -------------------------------------------------------------------------------------
+    def _make_menus(self) -> None:
+        def act(menu, text, slot, shortcut=None, name=None):
+            a = QAction(text, self)
+            if shortcut:
+                a.setShortcut(QKeySequence(shortcut))
+            a.triggered.connect(lambda _checked=False: slot())
+            if name:
+                a.setObjectName(name)
+            menu.addAction(a)
+            return a
+
+        f = self.menuBar().addMenu("&File")
+        act(f, "Open run…", self.open_run_dialog, "Ctrl+O")
+        act(f, "Compare with run…", self.compare_dialog, "Ctrl+Shift+O")
+        f.addSeparator()
+        act(f, "Load preset…", self.load_preset_dialog, "Ctrl+L")
+        act(f, "Save preset…", self.save_preset_dialog, "Ctrl+S")
+        f.addSeparator()
+        act(f, "Export plots and CSV…", self.export_dialog, "Ctrl+E")
+        act(f, "Export bundle…", self.export_bundle_dialog, "Ctrl+Shift+E")
+        f.addSeparator()
+        act(f, "Quit", self.close, "Ctrl+Q")
+        r = self.menuBar().addMenu("&Run")
+        self.start_action = act(r, "Start", self.start, "Ctrl+Return", "action.start")
+        self.pause_action = act(r, "Pause / Resume", self.toggle_pause, "Ctrl+P", "action.pause")
+        self.stop_action = act(r, "Stop", self.stop, "Ctrl+.", "action.stop")
+        act(r, "Resume from run folder…", self.resume_dialog, "Ctrl+Shift+R")
+
+    # -- config --------------------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        d = self.form.values()
+        d["devices"] = self.devices.values()
+        return d
+
+    def validate(self) -> list[str]:
+        """Mark invalid fields; keep Start disabled, saying why, while any is invalid."""
+        problems = self.form.errors(self.config_dict())
+        if not self.devices.selected():
+            problems.insert(0, "choose at least one device")
+        self.why.setText(problems[0] if problems else "")
+        self.why.setVisible(bool(problems))
+        can = not problems and not self.is_running()
+        self.start_btn.setEnabled(can)
+        self.start_action.setEnabled(can)
+        self.start_btn.setToolTip(problems[0] if problems else "Start training (Ctrl+Enter)")
+        return problems
+
+    def set_config(self, cfg: RunConfig) -> None:
+        self.form.set_config(cfg)
+        self.devices.set_values(cfg.devices.model_dump())
+        self.validate()
+
+    # -- run control ---------------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """A run is active from Start until its finished signal reaches the window."""
+        return self._active
+
+    def start(self, resume_from: str | None = None) -> bool:
+        if self.is_running():
+            return False
+        if not resume_from and self.validate():
+            return False
+        config = None
+        if not resume_from:
+            try:
+                config = build_config(self.config_dict(), "settings")
+            except UserError as e:
+                self.why.setText(str(e))
+                return False
+        self.plots.reset()
+        self._last_train = {}
+        worker = TrainWorker(config, resume_from=resume_from)
+        worker.started.connect(self._on_started)
+        worker.record.connect(self._on_record)
+        worker.finished.connect(self._on_finished)
+        if self.run is not None:
+            self.run.thread.wait(10_000)  # the previous run's thread is past its last signal
+        self.run = RunHandle(worker)
+        self._active = True
+        self.paused = False
+        self._t_start = time.monotonic()
+        self._set_running(True)
+        self.status_label.setText("Starting…")
+        self.run.start()
+        if config is not None:
+            self.settings.setValue("last_config", json.dumps(config.to_dict()))
+        return True
+
+    def toggle_pause(self) -> None:
+        if not self.is_running():
+            return
+        if self.paused:
+            self.run.worker.resume()
+        else:
+            self.run.worker.pause()
+        self.paused = not self.paused
+        self.pause_btn.setText("Resume" if self.paused else "Pause")
+
+    def stop(self) -> None:
+        if self.is_running():
+            self.run.worker.stop()
+            self.status_label.setText("Stopping after this step…")
+
+    def _set_running(self, running: bool) -> None:
+        self.pause_btn.setEnabled(running)
+        self.stop_btn.setEnabled(running)
+        self.pause_action.setEnabled(running)
+        self.stop_action.setEnabled(running)
+        self.pause_btn.setText("Pause")
+        self.devices.setEnabled(not running)
+        self.form.setEnabled(not running)
+        if not running:
+            self.validate()
+        else:
+            self.start_btn.setEnabled(False)
+            self.start_action.setEnabled(False)
+
+    # -- worker signals (GUI thread) -------------------------------------------------------------------
+    def _on_started(self, info: dict) -> None:
+        self.run_info = info
+        self.plots.data.name = Path(info["run_dir"]).name
+        self.plots.header.setText(f"{Path(info['run_dir']).name} · {', '.join(info['devices'])}", size="9pt")
+
+    def _on_record(self, rec: dict) -> None:
+        self.plots.add_record(rec)
+        kind = rec.get("kind")
+        if kind == "train":
+            self._last_train = rec
+        elif kind == "telemetry":
+            self.devices.update_from_telemetry(rec)
+        elif kind == "event" and rec.get("event") == "warning":
+            self.statusBar().showMessage(f"⚠ {rec['message']}", 15000)
+
+    def _on_finished(self, result: dict) -> None:
+        self.last_result = result
+        self._active = False
+        self._set_running(False)
+        self.plots.refresh()
+        status = result["status"]
+        if status == "rejected":
+            self.status_label.setText(f"Not started: {result['message']}")
+            box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
+            box.open()
+            self.error_box = box
+        elif status == "failed":
+            self.status_label.setText(f"Failed at step {result['step']}: {result['message']}")
+            box = QMessageBox(
+                QMessageBox.Critical,
+                "Run failed",
+                f"{result['message']}\n\nRun folder: {result['run_dir'] or '-'}",
+                parent=self,
+            )
+            if result.get("traceback"):
+                box.setDetailedText(result["traceback"])
+            box.open()  # not exec(): the app stays responsive, and tests are not blocked
+            self.error_box = box
+        else:
+            msg = f" — {result['message']}" if result.get("message") else ""
+            self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
+        self.validate()
+
+    def _tick(self) -> None:
+        self.plots.refresh()
+        if self.is_running() and self._last_train:
+            r = self._last_train
+            total = self.run_info.get("total_steps") or 0
+            elapsed = time.monotonic() - self._t_start
+            sps = r.get("samples_per_s") or 0
+            step_ms = r.get("step_ms") or 0
+            eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
+            self.status_label.setText(
+                f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch', 0):.2f} · "
+                f"{sps:,.0f} samples/s · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
+            )
+
+    def _idle_tick(self) -> None:
+        if not self.is_running():
+            self.devices.update_idle()
+
+    # -- files -----------------------------------------------------------------------------------------
+    def open_run(self, path: str, compare: bool = False) -> bool:
+        p = Path(path)
+        if not (p / "metrics.jsonl").exists():
+            QMessageBox.warning(self, "Not a run folder", f"{p} has no metrics.jsonl")
+            return False
+        data = RunData.from_run_dir(p)
+        if compare:
+            self.plots.add_overlay(data)
+        else:
+            self.plots.reset(data)
+        self.plots.refresh()
+        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}")
+        return True
+
+    def open_run_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open run folder", self._runs_dir())
+        if path:
+            self.open_run(path)
+
+    def compare_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Compare with run folder", self._runs_dir())
+        if path:
+            self.open_run(path, compare=True)
+
+    def resume_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Resume run folder", self._runs_dir())
+        if path:
+            self.start(resume_from=path)
+
+    def _runs_dir(self) -> str:
+        return str(Path(self.form.values()["run"]["runs_dir"]).expanduser().resolve())
+
+    def save_preset(self, path: str) -> None:
+        save_config(build_config(self.config_dict(), "settings"), path)
+
+    def load_preset(self, path: str) -> None:
+        self.set_config(load_config(path))
+
+    def save_preset_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save preset", "preset.toml", "TOML (*.toml);;JSON (*.json)")
+        if path:
+            try:
+                self.save_preset(path)
+            except (UserError, OSError) as e:
+                QMessageBox.warning(self, "Cannot save preset", str(e))
+
+    def load_preset_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load preset", "", "Config (*.toml *.json)")
+        if path:
+            try:
+                self.load_preset(path)
+            except UserError as e:
+                QMessageBox.warning(self, "Cannot load preset", str(e))
+
+    def export(self, out_dir: str, formats: list[str], width: int = 1600, bundle: bool = False) -> list[Path]:
+        run_dir = (self.last_result or {}).get("run_dir") or self.run_info.get("run_dir") if bundle else None
+        return export_run(self.plots, out_dir, formats, width, run_dir=run_dir or None)
+
+    def export_dialog(self) -> None:
+        out = QFileDialog.getExistingDirectory(self, "Export plots (PNG, SVG) and metrics (CSV) into")
+        if not out:
+            return
+        width, ok = QInputDialog.getInt(self, "PNG size", "PNG width (pixels)", 1600, 200, 10000)
+        if ok:
+            self._export_report(lambda: self.export(out, ["png", "svg", "csv"], width))
+
+    def export_bundle_dialog(self) -> None:
+        out = QFileDialog.getExistingDirectory(self, "Export bundle (plots, CSV, config, environment) into")
+        if out:
+            self._export_report(lambda: self.export(out, ["png", "svg", "csv"], bundle=True))
+
+    def _export_report(self, fn) -> None:
+        try:
+            files = fn()
+        except UserError as e:
+            QMessageBox.warning(self, "Export failed", f"{e}\n\nThe run itself is untouched.")
+            return
+        self.statusBar().showMessage(f"Exported {len(files)} files to {files[0].parent}", 10000)
+
+    # -- settings and closing ------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        geometry = self.settings.value("geometry")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1400, 900)
+        state = self.settings.value("splitter")
+        if isinstance(state, QByteArray):
+            self.splitter.restoreState(state)
+        last = self.settings.value("last_config")
+        if last:
+            try:
+                self.set_config(build_config(json.loads(last), "last config"))
+            except (UserError, ValueError, TypeError):
+                pass  # an old or broken saved config: start from the defaults
+
+    def confirm_close(self) -> bool:
+        answer = QMessageBox.question(
+            self, "A run is in progress", "Stop the run (it finishes its step and saves a checkpoint) and quit?"
+        )
+        return answer == QMessageBox.Yes
+
+    def closeEvent(self, event) -> None:
+        if self.is_running():
+            if not self.confirm_close():
+                event.ignore()
+                return
+            self.status_label.setText("Stopping…")
+            self.run.stop_and_wait()
+        if self.run is not None:
+            self.run.thread.wait(10_000)
+        self.settings.setValue("geometry", self.saveGeometry())
+        self.settings.setValue("splitter", self.splitter.saveState())
+        self.timer.stop()
+        self.idle_timer.stop()
+        event.accept()

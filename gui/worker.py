@@ -1,0 +1,120 @@
+"""The engine in a QThread: a worker QObject that only emits plain data and never touches a widget.
+
+Pause and stop are called directly from the GUI thread and only set the engine's thread-safe flags
+(a queued slot on a busy worker would run after training ends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from multilane.engine.config import RunConfig
+from multilane.engine.control import RunControl
+from multilane.engine.errors import UserError
+from multilane.engine.trainer import RunResult, Trainer, TrainerCallback
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+
+
+class _Emitter(TrainerCallback):
+    def __init__(self, worker: TrainWorker) -> None:
+        self.w = worker
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.w.started.emit(
+            {
+                "run_dir": str(trainer.run_dir.path) if trainer.run_dir else "",
+                "total_steps": trainer.total_steps,
+                "step": trainer.step,
+                "devices": list(trainer.backend.lane_names),
+                "steps_per_epoch": trainer.batches.per_epoch / trainer.config.train.grad_accum,
+            }
+        )
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        self.w.record.emit(record)
+
+    on_eval = on_log
+    on_event = on_log
+    on_telemetry = on_log
+
+
+class TrainWorker(QObject):
+    """Runs one training run; create it, move it to a QThread, connect ``thread.started`` to ``run``."""
+
+    started = Signal(dict)  # run_dir, total_steps, step, devices
+    record = Signal(dict)  # every metrics.jsonl record (train, eval, event, telemetry)
+    finished = Signal(dict)  # status, step, run_dir, message, traceback
+    rejected = Signal(str)  # bad input found before the run began: one line
+
+    def __init__(self, config: RunConfig | None, resume_from: str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.resume_from = resume_from
+        self.control = RunControl()
+
+    @Slot()
+    def run(self) -> None:
+        try:
+            trainer = Trainer(
+                self.config, callbacks=[_Emitter(self)], control=self.control, resume_from=self.resume_from
+            )
+            result = trainer.run()
+        except UserError as e:
+            self.rejected.emit(str(e))
+            self.finished.emit({"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "traceback": None})
+            return
+        except Exception as e:
+            import traceback
+
+            tb = traceback.format_exc()
+            self.finished.emit(
+                {"status": "failed", "message": f"{type(e).__name__}: {e}", "step": 0, "run_dir": "", "traceback": tb}
+            )
+            return
+        self.finished.emit(_result_dict(result))
+
+    # Called from the GUI thread: they only set flags.
+    def pause(self) -> None:
+        self.control.pause()
+
+    def resume(self) -> None:
+        self.control.resume()
+
+    def stop(self) -> None:
+        self.control.request_stop()
+
+
+def _result_dict(r: RunResult) -> dict[str, Any]:
+    return {
+        "status": r.status,
+        "step": r.step,
+        "run_dir": str(r.run_dir),
+        "message": r.message,
+        "traceback": r.traceback,
+    }
+
+
+class RunHandle:
+    """A worker, its thread and the wiring between them (Qt's own pattern for a background job)."""
+
+    def __init__(self, worker: TrainWorker) -> None:
+        self.worker = worker
+        self.thread = QThread()
+        self.thread.setObjectName("multilane-train")
+        worker.moveToThread(self.thread)
+        self.thread.started.connect(worker.run)
+        # Direct: quit() is thread-safe, and a queued call would wait for the GUI thread, which may
+        # itself be waiting for this thread (closing the window mid-run).
+        worker.finished.connect(self.thread.quit, Qt.DirectConnection)
+        self.thread.finished.connect(worker.deleteLater)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def is_running(self) -> bool:
+        return self.thread.isRunning()
+
+    def stop_and_wait(self, timeout_ms: int = 60_000) -> bool:
+        """Ask the run to stop (it finishes its step and checkpoints), then wait for the thread."""
+        self.worker.control.request_stop()
+        return self.thread.wait(timeout_ms)
