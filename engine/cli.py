@@ -194,13 +194,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if bad or not formats:
         raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use png, svg, csv")
     try:
-        from multilane.gui.export import export_headless
+        from multilane.gui.export import exit_without_qt_teardown, export_headless
     except ImportError as e:
         raise UserError(
             f"export needs PySide6 and pyqtgraph ({e.name or e} missing): pip install 'multilane[gui]'"
         ) from None
     for path in export_headless(args.run_dir, args.out, formats, args.width):
         print(path)
+    exit_without_qt_teardown(0)
     return 0
 
 

@@ -20,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow()
     window.setWindowIcon(QIcon(str(icon)))
     window.show()
-    return app.exec()
+    code = app.exec()
+    # Everything is saved by now (a run is stopped in closeEvent): leave without Qt's teardown.
+    from multilane.gui.export import exit_without_qt_teardown
+
+    exit_without_qt_teardown(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -124,3 +124,17 @@ def export_headless(run_dir: str | Path, out_dir: str | Path, formats: list[str]
     for _ in range(3):
         app.processEvents()
     return export_run(panel, out_dir, formats, width, run_dir=rd)
+
+
+def exit_without_qt_teardown(code: int = 0) -> None:
+    """End the process now, skipping Python's destruction of Qt objects.
+
+    PySide6 6.11 with torch loaded can crash while the interpreter tears widgets down at exit, after
+    all work is done. Files are closed and output flushed first.
+    """
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

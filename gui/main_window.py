@@ -34,7 +34,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-REDRAW_MS = 50  # 20 Hz
+REDRAW_MS = 100  # 10 Hz: each repaint of six plots costs ~30 ms of the GUI thread (bench/gui_redraw.py)
 
 
 def _fmt_duration(s: float) -> str:

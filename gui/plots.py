@@ -1,15 +1,19 @@
 """The live plots: loss per device, combined and validation; metric; throughput; utilization; memory;
 the step time split. All share one x axis (step or wall time) and one crosshair.
 
-Data stays in numpy columns (``RunData``); a QTimer calls ``refresh()`` 20 times a second, and only
-plots whose data changed are redrawn. Curves use peak downsampling and clip-to-view, so a run of a
-million steps stays smooth and its spikes stay visible.
+Data stays in numpy columns (``RunData``); a QTimer calls ``refresh()`` at 10–20 Hz, and nothing is
+redrawn when no data came. Each curve is peak-decimated to a few points per pixel of what is in view
+(``decimate.PeakPyramid``, extended incrementally), so a run of a million steps stays smooth and its
+spikes stay visible; smoothing (EMA) runs on the full data, also incrementally.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyqtgraph as pg
+from multilane.gui.decimate import PeakPyramid
 from multilane.gui.run_data import RunData, Series
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
@@ -24,25 +28,47 @@ _TICK_FONT.setPointSize(8)
 
 
 def ema(y: np.ndarray, alpha: float) -> np.ndarray:
-    """Vectorised EMA (scipy.signal.lfilter) with NaNs carried forward."""
-    if alpha <= 0 or len(y) == 0:
-        return y
-    from scipy.signal import lfilter
+    """Exponential moving average over the full-resolution data (NaN gaps carried, not spread)."""
+    return EmaCache(alpha).extend(y)
 
-    finite = np.isfinite(y)
-    if not finite.any():
-        return y
-    filled = y.copy()
-    # carry the last finite value over gaps so the filter sees a continuous signal
-    idx = np.where(finite, np.arange(len(y)), 0)
-    np.maximum.accumulate(idx, out=idx)
-    filled = y[idx]
-    first = int(np.argmax(finite))
-    filled[:first] = y[first]
-    zi = np.array([alpha * filled[0]])
-    out, _ = lfilter([1 - alpha], [1, -alpha], filled, zi=zi)
-    out[~finite] = np.nan
-    return out
+
+class EmaCache:
+    """An EMA kept up to date incrementally as a column grows (each refresh filters new rows only)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.out = np.empty(0)
+        self.n = 0
+        self.state = math.nan  # last output
+        self.last = math.nan  # last finite input
+
+    def extend(self, y: np.ndarray) -> np.ndarray:
+        from scipy.signal import lfilter
+
+        if self.alpha <= 0:
+            return y
+        new = y[self.n :]
+        if len(new):
+            finite = np.isfinite(new)
+            idx = np.where(finite, np.arange(len(new)), -1)
+            np.maximum.accumulate(idx, out=idx)
+            filled = np.where(idx >= 0, new[np.maximum(idx, 0)], self.last)
+            if math.isnan(self.state) and finite.any():
+                self.state = new[finite][0]
+                filled[np.isnan(filled)] = self.state
+            if finite.any() or not math.isnan(self.state):
+                out, zf = lfilter([1 - self.alpha], [1, -self.alpha], filled, zi=[self.alpha * self.state])
+                self.state = zf[0] / self.alpha
+            else:
+                out = np.full(len(new), math.nan)
+            out[~finite] = math.nan
+            if finite.any():
+                self.last = new[finite][-1]
+            grown = np.empty(self.n + len(new))
+            grown[: self.n] = self.out[: self.n]
+            grown[self.n :] = out
+            self.out, self.n = grown, len(grown)
+        return self.out[: len(y)]
 
 
 def _curve(
@@ -50,9 +76,8 @@ def _curve(
 ) -> pg.PlotDataItem:
     c = pg.mkColor(color)
     c.setAlpha(alpha)
+    # Width-1 pens for dense curves: wider lines cost Qt's raster engine twice the time.
     item = plot.plot([], [], pen=pg.mkPen(c, width=width, style=style), name=name, connect="finite")
-    item.setDownsampling(auto=True, method="peak")
-    item.setClipToView(True)
     return item
 
 
@@ -69,6 +94,9 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._curves: dict[str, pg.PlotDataItem] = {}
         self._raw: dict[str, pg.PlotDataItem] = {}
         self._stack: list[pg.PlotDataItem] = []
+        self._stack_tops: np.ndarray | None = None
+        self._pyramids: dict[str, tuple[PeakPyramid, int]] = {}
+        self._ema: dict[str, EmaCache] = {}
         self._syncing = False
 
         self.header = self.addLabel("", row=0, col=0, colspan=2, justify="left")
@@ -112,6 +140,8 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
 
     def _sync_x(self, source, x_range) -> None:
+        if not self.loss.vb.autoRangeEnabled()[0]:
+            self._dirty = True  # zoomed or panned: decimate for the new view at the next refresh
         if self._syncing:
             return
         self._syncing = True
@@ -133,6 +163,9 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._curves.clear()
         self._raw.clear()
         self._stack.clear()
+        self._stack_tops = None
+        self._pyramids.clear()
+        self._ema.clear()
         self.overlays.clear()
         self.data = data or RunData()
         self._dirty = True
@@ -190,19 +223,46 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             item = self._curves[key] = _curve(plot, color, name, **kw)
         return item
 
+    def _show(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
+        """Set a curve's data, decimated to a few points per pixel of what is in view."""
+        n = len(y)
+        pyramid = self._pyramids.get(key)
+        if pyramid is None or pyramid[1] > n:  # a new curve, or its data was cut (resume, reset)
+            pyramid = (PeakPyramid(), 0)
+        pyramid[0].update(y)
+        self._pyramids[key] = (pyramid[0], n)
+        i0, i1 = 0, n
+        if not self.loss.vb.autoRangeEnabled()[0] and n:
+            # zoomed in: only what is in view (autorange needs all of it to see the data grow)
+            lo, hi = self.loss.vb.viewRange()[0]
+            i0 = max(0, int(np.searchsorted(x, lo)) - 1)
+            i1 = min(n, int(np.searchsorted(x, hi)) + 1)
+        width = max(200, int(item.getViewBox().width()) if item.getViewBox() is not None else 1000)
+        vx, vy = pyramid[0].view(x, y, i0, i1, 2 * width)
+        item.setData(vx, vy)
+
+    def _smooth(self, key: str, y: np.ndarray) -> np.ndarray:
+        cache = self._ema.get(key)
+        if cache is None or cache.alpha != self.smoothing or cache.n > len(y):
+            cache = self._ema[key] = EmaCache(self.smoothing)
+        return cache.extend(y)
+
     def _smoothed(self, key: str, plot: pg.PlotItem, color: str, name: str, x, y, width=1.5) -> None:
-        """A curve with EMA smoothing, the raw data faint behind it."""
+        """A curve with EMA smoothing (on the full data), the raw data faint behind it."""
         raw = self._raw.get(key)
         if self.smoothing > 0:
             if raw is None:
                 raw = self._raw[key] = _curve(plot, color, None, width=1, alpha=60)
                 raw.setZValue(-1)
-            raw.setData(x, y)
+            self._show(f"raw:{key}", raw, x, y)
             raw.setVisible(True)
-            y = ema(y, self.smoothing)
+            y = self._smooth(key, y)
+            key = f"ema:{key}:{self.smoothing}"
         elif raw is not None:
             raw.setVisible(False)
-        self._item(key, plot, color, name, width=width).setData(x, y)
+        self._show(
+            key, self._item(key.split(":")[1] if key.startswith("ema:") else key, plot, color, name, width=width), x, y
+        )
 
     def refresh(self) -> None:
         """Redraw what changed since the last call (the app calls it from a QTimer)."""
@@ -214,40 +274,49 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         if tr.rows:
             x = self._x(d, tr)
             for i, dev in enumerate(d.devices):
-                self._smoothed(f"loss/{dev}", self.loss, PALETTE[i % len(PALETTE)], dev, x, tr.get(f"loss/{dev}"), 1.2)
-            self._smoothed("loss", self.loss, "#000000", "combined", x, tr.get("loss"), 2.2)
-            self._item("throughput", self.throughput, "#444", "samples/s").setData(x, tr.get("samples_per_s"))
+                self._smoothed(f"loss/{dev}", self.loss, PALETTE[i % len(PALETTE)], dev, x, tr.get(f"loss/{dev}"), 1)
+            if "loss" in tr.columns:
+                self._smoothed("loss", self.loss, "#000000", "combined", x, tr.get("loss"), 2)
+            if "samples_per_s" in tr.columns:
+                self._show(
+                    "throughput",
+                    self._item("throughput", self.throughput, "#444", "samples/s"),
+                    x,
+                    tr.get("samples_per_s"),
+                )
             self._draw_stack(x, tr)
         if ev.rows:
             x = self._x(d, ev)
-            val = self._item("val", self.loss, "#d62728", "validation", width=2.5, style=Qt.DashLine)
-            val.setData(x, ev.get("val_loss"))
-            val.setSymbol("o")
-            val.setSymbolSize(5)
+            val = self._item("val", self.loss, "#d62728", "validation", width=2, style=Qt.DashLine)
+            if val.opts["symbol"] is None and ev.rows <= 200:
+                val.setSymbol("o")
+                val.setSymbolSize(5)
+            elif ev.rows > 200:
+                val.setSymbol(None)
+            self._show("val", val, x, ev.get("val_loss"))
             for i, m in enumerate(d.metric_names):
-                self._item(f"metric/{m}", self.metric, PALETTE[(i + 2) % len(PALETTE)], m, width=2).setData(
-                    x, ev.get(f"metric/{m}")
-                )
+                item = self._item(f"metric/{m}", self.metric, PALETTE[(i + 2) % len(PALETTE)], m, width=2)
+                self._show(f"metric/{m}", item, x, ev.get(f"metric/{m}"))
         if te.rows:
             x = self._x(d, te)
             names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
             for i, dev in enumerate(names):
                 color = PALETTE[i % len(PALETTE)]
-                if f"util/{dev}" in te.columns:
-                    self._item(f"util/{dev}", self.util, color, dev).setData(x, te.get(f"util/{dev}"))
-                if f"mem/{dev}" in te.columns:
-                    self._item(f"mem/{dev}", self.memory, color, f"{dev} used").setData(x, te.get(f"mem/{dev}"))
-                if f"alloc/{dev}" in te.columns:
-                    self._item(f"alloc/{dev}", self.memory, color, f"{dev} torch", style=Qt.DashLine).setData(
-                        x, te.get(f"alloc/{dev}")
-                    )
+                for prefix, plot, label, style in (
+                    ("util", self.util, dev, Qt.SolidLine),
+                    ("mem", self.memory, f"{dev} used", Qt.SolidLine),
+                    ("alloc", self.memory, f"{dev} torch", Qt.DashLine),
+                ):
+                    key = f"{prefix}/{dev}"
+                    if key in te.columns:
+                        self._show(key, self._item(key, plot, color, label, style=style), x, te.get(key))
             if "rss_mb" in te.columns and not te.names("mem/"):  # CPU lanes: the process's memory
-                self._item("rss", self.memory, "#555", "process RSS").setData(x, te.get("rss_mb"))
-        for run, (loss_item, val_item) in self.overlays:
+                self._show("rss", self._item("rss", self.memory, "#555", "process RSS"), x, te.get("rss_mb"))
+        for k, (run, (loss_item, val_item)) in enumerate(self.overlays):
             if run.train.rows:
-                loss_item.setData(self._x(run, run.train), run.train.get("loss"))
+                self._show(f"overlay{k}:loss", loss_item, self._x(run, run.train), run.train.get("loss"))
             if run.eval.rows:
-                val_item.setData(self._x(run, run.eval), run.eval.get("val_loss"))
+                self._show(f"overlay{k}:val", val_item, self._x(run, run.eval), run.eval.get("val_loss"))
 
     def _draw_stack(self, x: np.ndarray, tr: Series) -> None:
         present = [p for p in PHASES if f"phase/{p}" in tr.columns]
@@ -260,16 +329,18 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                     continue
                 c = pg.mkColor(color)
                 item = self.phases.plot([], [], pen=pg.mkPen(c, width=1), fillLevel=0, brush=pg.mkBrush(c), name=p)
-                item.setDownsampling(auto=True, method="peak")
-                item.setClipToView(True)
                 self._stack.append(item)
-        total = np.zeros(tr.rows)
-        tops = []
-        for p in present:
-            total = total + np.nan_to_num(tr.get(f"phase/{p}"))
-            tops.append(total.copy())
-        for item, top in zip(self._stack, reversed(tops), strict=True):
-            item.setData(x, top)
+        # running totals, extended for new rows only
+        n = tr.rows
+        if self._stack_tops is None or self._stack_tops.shape[1] > n:
+            self._stack_tops, done = np.zeros((len(present), 0)), 0
+        else:
+            done = self._stack_tops.shape[1]
+        if n > done:
+            new = np.cumsum([np.nan_to_num(tr.get(f"phase/{p}")[done:n]) for p in present], axis=0)
+            self._stack_tops = np.concatenate([self._stack_tops, new], axis=1)
+        for k, (item, top) in enumerate(zip(self._stack, self._stack_tops[::-1], strict=True)):
+            self._show(f"stack{k}", item, x, top)
 
     # -- crosshair -------------------------------------------------------------------------------
     def _on_mouse(self, event) -> None:

@@ -41,9 +41,11 @@ class _Emitter(TrainerCallback):
 class TrainWorker(QObject):
     """Runs one training run; create it, move it to a QThread, connect ``thread.started`` to ``run``."""
 
-    started = Signal(dict)  # run_dir, total_steps, step, devices
-    record = Signal(dict)  # every metrics.jsonl record (train, eval, event, telemetry)
-    finished = Signal(dict)  # status, step, run_dir, message, traceback
+    # `object`, not `dict`: records are handed over as they are, with no conversion by shiboken (which,
+    # with PySide6 6.12 and dicts holding None, crashed the app with "deallocating None").
+    started = Signal(object)  # run_dir, total_steps, step, devices
+    record = Signal(object)  # every metrics.jsonl record (train, eval, event, telemetry)
+    finished = Signal(object)  # status, step, run_dir, message, traceback
     rejected = Signal(str)  # bad input found before the run began: one line
 
     def __init__(self, config: RunConfig | None, resume_from: str | None = None) -> None:

@@ -7,6 +7,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("PySide6")
@@ -260,6 +261,24 @@ def test_presets_and_the_remembered_config(qtbot, window, tmp_path):
     qtbot.addWidget(again)
     assert again.form.values()["task"]["name"] == "linear"
     assert again.form.editors["train.steps"].widget.value() == 3
+
+
+def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
+    configure(window, steps=30, log_every=1)
+    start_and_wait(qtbot, window)
+    raw_before = list(window.plots._curves["loss"].yData)
+    window.smooth.setValue(80)
+    window.plots.refresh()
+    smoothed = window.plots._curves["loss"].yData
+    faint = window.plots._raw["loss"]
+    assert faint.isVisible() and list(faint.yData) == raw_before
+    from multilane.gui.plots import ema
+
+    assert list(smoothed) == pytest.approx(list(ema(np.array(raw_before), 0.8)))
+    assert smoothed[0] == raw_before[0] and smoothed[-1] != raw_before[-1]
+    assert np.std(np.diff(smoothed)) < np.std(np.diff(raw_before))  # smoother
+    window.log_y.setChecked(True)
+    assert window.plots.loss.ctrl.logYCheck.isChecked()
 
 
 def test_switching_the_x_axis_to_wall_time(qtbot, window):
