@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QHeaderView,
     QLabel,
     QTreeWidget,
     QTreeWidgetItem,
@@ -64,8 +65,10 @@ class DevicePicker(QWidget):
             for i in range(max(2, min(max_cpu_lanes, cores * 2))):
                 memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
                 self._add(Device("cpu", i), "CPU lane", memory, i < 2)
-        for c in range(len(COLS)):
-            self.tree.resizeColumnToContents(c)
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(QHeaderView.ResizeToContents)
+        header.setSectionResizeMode(1, QHeaderView.Stretch)  # the model name gives way first
         self.tree.setMinimumHeight(min(8, len(self.items)) * 22 + 30)
         self.tree.itemChanged.connect(self._changed)
         self.output.currentIndexChanged.connect(lambda _: self.changed.emit())

@@ -98,6 +98,8 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._pyramids: dict[str, tuple[PeakPyramid, int]] = {}
         self._ema: dict[str, EmaCache] = {}
         self._syncing = False
+        self.auto_x = True  # the x range follows the data, growing in steps (see _follow_x)
+        self._x_span: tuple[float, float] | None = None
 
         self.header = self.addLabel("", row=0, col=0, colspan=2, justify="left")
         self.loss = self.addPlot(row=1, col=0, colspan=2)
@@ -127,8 +129,9 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             # One x range for all. Not setXLink: it lines views up by screen pixels, which halves
             # the range of the half-width plots.
             p.sigXRangeChanged.connect(self._sync_x)
-            if p is not self.loss:
-                p.enableAutoRange(axis="x", enable=False)  # the loss plot leads the shared x axis
+            # x follows the data in steps (_follow_x), not at every point: a changed range repaints
+            # every axis of every plot, the largest part of a redraw
+            p.enableAutoRange(axis="x", enable=False)
         self.util.setYRange(0, 100)
         self._set_x_label()
         self._lines = []
@@ -140,10 +143,11 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
 
     def _sync_x(self, source, x_range) -> None:
-        if not self.loss.vb.autoRangeEnabled()[0]:
-            self._dirty = True  # zoomed or panned: decimate for the new view at the next refresh
         if self._syncing:
             return
+        if not self.auto_x or self._x_span is None or tuple(x_range) != self._x_span:
+            self.auto_x = self.auto_x and self._x_span is not None and tuple(x_range) == self._x_span
+            self._dirty = True  # zoomed or panned: decimate for the new view at the next refresh
         self._syncing = True
         try:
             for p in self.plots:
@@ -151,6 +155,8 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                     p.setXRange(*x_range, padding=0)
         finally:
             self._syncing = False
+        self.auto_x = True  # the x range follows the data, growing in steps (see _follow_x)
+        self._x_span: tuple[float, float] | None = None
 
     # -- data ------------------------------------------------------------------------------------
     def reset(self, data: RunData | None = None) -> None:
@@ -189,6 +195,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.x_mode = mode
         self._set_x_label()
         self._dirty = True
+        self._x_span = None
         self.refresh()
         self.set_auto_range(True)
 
@@ -200,13 +207,31 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.loss.setLogMode(y=on)
 
     def set_auto_range(self, on: bool) -> None:
+        self.auto_x = on
+        self._x_span = None
         for p in self.plots:
-            if not on:
-                p.disableAutoRange()
-            elif p is self.loss:
-                p.enableAutoRange()
-            else:
+            if on and p is not self.util:
                 p.enableAutoRange(axis="y")
+            elif not on:
+                p.disableAutoRange()
+        self.util.setYRange(0, 100, padding=0.02)  # a percentage: a fixed axis, never repainted for it
+        self._dirty = True
+        self.refresh()
+
+    def _follow_x(self, lo: float, hi: float) -> None:
+        """Keep all data in view, growing the range by a quarter when the data reaches its end."""
+        span = self._x_span
+        if span is not None and span[0] <= lo and hi <= span[1] and (hi - lo) > 0.5 * (span[1] - span[0]):
+            return
+        width = max(hi - lo, 1e-9)
+        new = (lo, hi + 0.25 * width if span is not None else hi + 0.05 * width)
+        self._x_span = new
+        self._syncing = True
+        try:
+            for p in self.plots:
+                p.setXRange(*new, padding=0)
+        finally:
+            self._syncing = False
 
     def _set_x_label(self) -> None:
         self.phases.setLabel("bottom", "step" if self.x_mode == "step" else "elapsed time (s)")
@@ -232,7 +257,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         pyramid[0].update(y)
         self._pyramids[key] = (pyramid[0], n)
         i0, i1 = 0, n
-        if not self.loss.vb.autoRangeEnabled()[0] and n:
+        if not self.auto_x and n:
             # zoomed in: only what is in view (autorange needs all of it to see the data grow)
             lo, hi = self.loss.vb.viewRange()[0]
             i0 = max(0, int(np.searchsorted(x, lo)) - 1)
@@ -271,6 +296,11 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._dirty = False
         d = self.data
         tr, ev, te = d.train, d.eval, d.telemetry
+        if self.auto_x:
+            ends = [(self._x(d, s)[0], self._x(d, s)[-1]) for s in (tr, ev, te) if s.rows]
+            ends += [(self._x(r, r.train)[0], self._x(r, r.train)[-1]) for r, _ in self.overlays if r.train.rows]
+            if ends:
+                self._follow_x(min(a for a, _ in ends), max(b for _, b in ends))
         if tr.rows:
             x = self._x(d, tr)
             for i, dev in enumerate(d.devices):
