@@ -212,7 +212,7 @@ class Trainer:
             status, message = self._loop()
         except Exception as e:
             status = "failed"
-            message = _one_line(e)
+            message = f"task {self.task.name}, step {self.step + 1}: {_one_line(e)}"
             tb = traceback.format_exc()
             if isinstance(e, torch.OutOfMemoryError):
                 message += " (hint: a smaller batch, fewer replicas per GPU, or an uneven split)"

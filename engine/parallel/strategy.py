@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.parallel.tree import first_tensor
 from torch import nn
 from torch._utils import ExceptionWrapper
 
@@ -63,6 +64,19 @@ class _InReplica:
             return self.fn(*args, **kwargs)
 
 
+class OutputShapeError(ValueError):
+    """The model's output does not hold one row per input sample."""
+
+
+def check_batch(output: Any, target: Any) -> None:
+    """The model must return one row per sample: a wrong batch size would broadcast silently."""
+    out, tgt = first_tensor(output), first_tensor(target)
+    if out is not None and tgt is not None and out.dim() > 0 and tgt.dim() > 0 and out.shape[0] != tgt.shape[0]:
+        raise OutputShapeError(
+            f"the model returned {out.shape[0]} rows (shape {tuple(out.shape)}) for {tgt.shape[0]} samples"
+        )
+
+
 class _LaneLoss:
     """A lane's loss as a 1-element vector (fp32 at least), so that gather stacks them without a warning."""
 
@@ -70,6 +84,7 @@ class _LaneLoss:
         self.loss_fn = loss_fn
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        check_batch(output, target)
         return self.check(self.loss_fn(output, target)).reshape(1)
 
     @staticmethod
@@ -153,6 +168,7 @@ class ReplicateEachStep:
         try:
             output = fn(*args, **kwargs)
             timer.mark("loss")
+            check_batch(output, target)
             loss = _LaneLoss(loss_fn).check(loss_fn(output, target))
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
