@@ -138,6 +138,7 @@ class MainWindow(QMainWindow):
         self.smooth.valueChanged.connect(lambda v: self.plots.set_smoothing(v / 100.0))
         self.log_y.toggled.connect(self.plots.set_log_y)
         self.auto_range.toggled.connect(self.plots.set_auto_range)
+        self.plots.sigAutoXLost.connect(self._auto_range_lost)
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
 
@@ -314,6 +315,12 @@ class MainWindow(QMainWindow):
             msg = f" — {result['message']}" if result.get("message") else ""
             self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
         self.validate()
+
+    def _auto_range_lost(self) -> None:
+        self.auto_range.blockSignals(True)
+        self.auto_range.setChecked(False)
+        self.auto_range.blockSignals(False)
+        self.plots.set_auto_range(False)
 
     def _tick(self) -> None:
         self.plots.refresh()

@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
 from multilane.gui.run_data import RunData, Series
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
@@ -84,6 +84,8 @@ def _curve(
 class PlotPanel(pg.GraphicsLayoutWidget):
     """Every live plot of one run (plus overlaid past runs, for comparison)."""
 
+    sigAutoXLost = Signal()  # the user zoomed or panned: the x range no longer follows the data
+
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
         self.data = RunData()
@@ -143,11 +145,16 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
 
     def _sync_x(self, source, x_range) -> None:
+        """Copy one plot's x range to all; a range the user made (zoom, pan) ends auto x."""
         if self._syncing:
             return
-        if not self.auto_x or self._x_span is None or tuple(x_range) != self._x_span:
-            self.auto_x = self.auto_x and self._x_span is not None and tuple(x_range) == self._x_span
-            self._dirty = True  # zoomed or panned: decimate for the new view at the next refresh
+        span = self._x_span
+        if span is not None and self.auto_x:
+            tol = 1e-6 * max(span[1] - span[0], 1e-12)
+            if abs(x_range[0] - span[0]) > tol or abs(x_range[1] - span[1]) > tol:
+                self.auto_x = False
+                self.sigAutoXLost.emit()
+        self._dirty = True  # decimate for the new view at the next refresh
         self._syncing = True
         try:
             for p in self.plots:
@@ -155,8 +162,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                     p.setXRange(*x_range, padding=0)
         finally:
             self._syncing = False
-        self.auto_x = True  # the x range follows the data, growing in steps (see _follow_x)
-        self._x_span: tuple[float, float] | None = None
 
     # -- data ------------------------------------------------------------------------------------
     def reset(self, data: RunData | None = None) -> None:

@@ -281,6 +281,21 @@ def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
     assert window.plots.loss.ctrl.logYCheck.isChecked()
 
 
+def test_the_x_axis_follows_the_data_until_the_user_zooms(qtbot, window):
+    configure(window, steps=40, log_every=1)
+    start_and_wait(qtbot, window)
+    lo, hi = window.plots.loss.vb.viewRange()[0]
+    assert lo <= 1 and hi >= 40 and window.plots.auto_x
+    assert window.plots.metric.vb.viewRange()[0] == pytest.approx([lo, hi])  # one x range for all
+    window.plots.util.setXRange(10, 20, padding=0)  # the user zooms one plot
+    assert window.plots.loss.vb.viewRange()[0] == pytest.approx([10, 20])
+    assert not window.plots.auto_x and not window.auto_range.isChecked()
+    window.plots.refresh()
+    assert window.plots._curves["loss"].xData.min() >= 9  # only what is in view is drawn
+    window.auto_range.setChecked(True)
+    assert window.plots.auto_x and window.plots.loss.vb.viewRange()[0][1] >= 40
+
+
 def test_switching_the_x_axis_to_wall_time(qtbot, window):
     configure(window, steps=6, log_every=1)
     start_and_wait(qtbot, window)
