@@ -284,15 +284,15 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             if raw is None:
                 raw = self._raw[key] = _curve(plot, color, None, width=1, alpha=60)
                 raw.setZValue(-1)
-            self._show(f"raw:{key}", raw, x, y)
+            self._show(f"raw|{key}", raw, x, y)
             raw.setVisible(True)
             y = self._smooth(key, y)
-            key = f"ema:{key}:{self.smoothing}"
-        elif raw is not None:
-            raw.setVisible(False)
-        self._show(
-            key, self._item(key.split(":")[1] if key.startswith("ema:") else key, plot, color, name, width=width), x, y
-        )
+            data_key = f"ema|{key}|{self.smoothing}"  # a decimation pyramid of its own
+        else:
+            data_key = key
+            if raw is not None:
+                raw.setVisible(False)
+        self._show(data_key, self._item(key, plot, color, name, width=width), x, y)
 
     def refresh(self) -> None:
         """Redraw what changed since the last call (the app calls it from a QTimer)."""

@@ -275,6 +275,11 @@ def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
     from multilane.gui.plots import ema
 
     assert list(smoothed) == pytest.approx(list(ema(np.array(raw_before), 0.8)))
+    legend = [label.text for _, label in window.plots.loss.legend.items]
+    assert sorted(legend) == ["combined", "cpu:0", "cpu:1", "validation"]  # one entry each, none lost
+    assert sorted(k for k in window.plots._curves if k.startswith("loss")) == ["loss", "loss/cpu:0", "loss/cpu:1"]
+    lane1 = window.plots.data.train.get("loss/cpu:1")
+    assert list(window.plots._curves["loss/cpu:1"].yData) == pytest.approx(list(ema(lane1, 0.8)))
     assert smoothed[0] == raw_before[0] and smoothed[-1] != raw_before[-1]
     assert np.std(np.diff(smoothed)) < np.std(np.diff(raw_before))  # smoother
     window.log_y.setChecked(True)
