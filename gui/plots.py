@@ -331,8 +331,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             self._show("val", val, x, ev.get("val_loss"))
             for i, m in enumerate(d.metric_names):
                 item = self._item(f"metric/{m}", self.metric, PALETTE[(i + 2) % len(PALETTE)], m, width=2)
-                item.setSymbol("o" if ev.rows <= 200 else None)  # a first evaluation is one point: show it
-                item.setSymbolSize(4)
                 self._show(f"metric/{m}", item, x, ev.get(f"metric/{m}"))
         if te.rows:
             x = self._x(d, te)
