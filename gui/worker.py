@@ -113,9 +113,6 @@ class RunHandle:
     def start(self) -> None:
         self.thread.start()
 
-    def is_running(self) -> bool:
-        return self.thread.isRunning()
-
     def stop_and_wait(self, timeout_ms: int = 60_000) -> bool:
         """Ask the run to stop (it finishes its step and checkpoints), then wait for the thread."""
         self.worker.control.request_stop()
