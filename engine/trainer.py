@@ -228,6 +228,7 @@ class Trainer:
         n = len(self.devices)
         self._window_reset(n)
         while self.step < self.total_steps:
+            self.control.wait_while_held()
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
             if self.control.stop_requested:

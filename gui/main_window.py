@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -34,7 +35,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-REDRAW_MS = 100  # 10 Hz: each repaint of six plots costs ~30 ms of the GUI thread (bench/gui_redraw.py)
+HOLD_MAX_S = 0.1  # the longest a redraw may hold training (it normally ends after the paint)
+HOLD_WAIT_S = 0.02  # the longest the window waits for the step in progress before redrawing anyway
+REDRAW_MS = 100  # 10 Hz; a refresh and repaint of the six plots cost ~20 ms (bench/gui_latency_probe.py)
+
+
+def _freeze_heap() -> None:
+    """Collect what is garbage now, then exempt every live object from future collections.
+
+    Python's full (generation-2) collections walk every object in the process: with torch, Qt and
+    pyqtgraph loaded that took 100-230 ms, in whichever thread triggered it, holding the GIL: the
+    window froze for that long. After ``gc.freeze()`` they walk only what was made since (the worker
+    freezes again once the run is set up). Unfreezing first, at each Start, lets the previous run's
+    cycles be collected.
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _fmt_duration(s: float) -> str:
@@ -54,6 +71,8 @@ class MainWindow(QMainWindow):
         self._active = False
         self._t_start = 0.0
         self._last_train: dict[str, Any] = {}
+        self.hold_for_redraw = True
+        self._hold_pending = False
 
         # -- left: devices, hyperparameters, controls --------------------------------------------
         self.devices = DevicePicker()
@@ -91,6 +110,7 @@ class MainWindow(QMainWindow):
 
         # -- right: plot controls and plots --------------------------------------------------------
         self.plots = PlotPanel()
+        self.plots.after_paint = self._release_hold
         self.x_mode = QComboBox()
         self.x_mode.addItems(["step", "time"])
         self.x_mode.setToolTip("X axis of every plot: optimizer step or elapsed wall time")
@@ -182,6 +202,17 @@ class MainWindow(QMainWindow):
         self.pause_action = act(r, "Pause / Resume", self.toggle_pause, "Ctrl+P", "action.pause")
         self.stop_action = act(r, "Stop", self.stop, "Ctrl+.", "action.stop")
         act(r, "Resume from run folder…", self.resume_dialog, "Ctrl+Shift+R")
+        r.addSeparator()
+        self.hold_action = QAction("Smooth window (training yields while plots redraw)", self)
+        self.hold_action.setObjectName("action.hold")
+        self.hold_action.setCheckable(True)
+        self.hold_action.setChecked(True)
+        self.hold_action.setToolTip(
+            "Training waits between steps while the plots repaint, so the window stays responsive (on a busy "
+            "CPU training is even faster for it: less fighting over the GIL); untick to give training every cycle"
+        )
+        self.hold_action.toggled.connect(self._set_hold)
+        r.addAction(self.hold_action)
 
     # -- config --------------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
@@ -226,6 +257,7 @@ class MainWindow(QMainWindow):
                 return False
         self.plots.reset()
         self._last_train = {}
+        _freeze_heap()
         worker = TrainWorker(config, resume_from=resume_from)
         worker.started.connect(self._on_started)
         worker.record.connect(self._on_record)
@@ -234,6 +266,7 @@ class MainWindow(QMainWindow):
             self.run.thread.wait(10_000)  # the previous run's thread is past its last signal
         self.run = RunHandle(worker)
         self._active = True
+        self._hold_pending = False
         self.paused = False
         self._t_start = time.monotonic()
         self._set_running(True)
@@ -322,7 +355,28 @@ class MainWindow(QMainWindow):
         self.auto_range.blockSignals(False)
         self.plots.set_auto_range(False)
 
+    def _set_hold(self, on: bool) -> None:
+        self.hold_for_redraw = on
+        self.settings.setValue("hold_for_redraw", on)
+        if not on and self.run is not None:
+            self.run.control.release()
+
     def _tick(self) -> None:
+        if (
+            self.hold_for_redraw
+            and self.is_running()
+            and not self.paused
+            and self.plots.dirty
+            and not self._hold_pending
+        ):
+            # Training waits (between steps) while the plots update and paint: the GUI thread then has
+            # the GIL to itself. We let the step in progress finish first (waiting releases the GIL, so
+            # it finishes sooner), but no longer than HOLD_WAIT_S. The hold ends after the paint, or by
+            # itself after HOLD_MAX_S; while a hold saw no paint (a minimized window paints nothing), no
+            # new one is taken.
+            self._hold_pending = True
+            self.run.control.hold(HOLD_MAX_S)
+            self.run.control.wait_until_held(HOLD_WAIT_S)
         self.plots.refresh()
         if self.is_running() and self._last_train:
             r = self._last_train
@@ -335,6 +389,11 @@ class MainWindow(QMainWindow):
                 f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch', 0):.2f} · "
                 f"{sps:,.0f} samples/s · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
             )
+
+    def _release_hold(self) -> None:
+        self._hold_pending = False
+        if self.run is not None:
+            self.run.control.release()
 
     def _idle_tick(self) -> None:
         if not self.is_running():
@@ -427,6 +486,7 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
         else:
             self.resize(1400, 900)
+        self.hold_action.setChecked(self.settings.value("hold_for_redraw", True, type=bool))
         state = self.settings.value("splitter")
         if isinstance(state, QByteArray):
             self.splitter.restoreState(state)

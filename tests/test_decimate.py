@@ -55,7 +55,7 @@ def test_a_zoomed_view_is_exact_at_its_edges_and_skips_nans():
 
 
 def test_the_incremental_ema_equals_the_ema_of_the_whole_column():
-    from multilane.gui.plots import EmaCache, ema
+    from multilane.gui.smoothing import EmaCache, ema
 
     rng = np.random.default_rng(2)
     y = rng.standard_normal(5000)
@@ -71,3 +71,18 @@ def test_the_incremental_ema_equals_the_ema_of_the_whole_column():
     for v in y[1:50]:
         manual.append(0.1 * v + 0.9 * manual[-1])
     np.testing.assert_allclose(whole[:50], manual, rtol=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.3, 0.5, 0.9, 0.99])
+def test_the_numpy_ema_equals_the_recurrence_across_its_blocks(alpha):
+    from multilane.gui.smoothing import ema_filter
+
+    rng = np.random.default_rng(3)
+    x = np.abs(rng.standard_normal(3000)) * np.geomspace(1e-3, 1e6, 3000)  # losses of every size
+    expected = np.empty_like(x)
+    state = 2.5
+    for i, v in enumerate(x):
+        state = alpha * state + (1 - alpha) * v
+        expected[i] = state
+    np.testing.assert_allclose(ema_filter(x, alpha, 2.5), expected, rtol=1e-10)
+    assert np.isfinite(ema_filter(np.full(5000, 1e30), alpha, 0.0)).all()

@@ -272,7 +272,7 @@ def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
     smoothed = window.plots._curves["loss"].yData
     faint = window.plots._raw["loss"]
     assert faint.isVisible() and list(faint.yData) == raw_before
-    from multilane.gui.plots import ema
+    from multilane.gui.smoothing import ema
 
     assert list(smoothed) == pytest.approx(list(ema(np.array(raw_before), 0.8)))
     legend = [label.text for _, label in window.plots.loss.legend.items]
@@ -308,6 +308,30 @@ def test_switching_the_x_axis_to_wall_time(qtbot, window):
     window.plots.refresh()
     xs = window.plots._curves["loss"].xData
     assert xs[0] >= 0 and xs[-1] < 60 and list(xs) == sorted(xs)
+
+
+def test_training_yields_to_the_window_while_it_repaints_and_not_when_told_not_to(qtbot, window):
+    configure(window, task="mlp", steps=150, log_every=1)
+    window.show()
+    qtbot.waitExposed(window)
+    assert window.hold_action.isChecked()  # the default
+    assert start_and_wait(qtbot, window)["status"] == "finished"
+    assert window.run.control.held_s > 0  # some repaints held the next step
+    window.hold_action.trigger()
+    assert not window.hold_for_redraw
+    assert window.settings.value("hold_for_redraw", type=bool) is False
+    assert start_and_wait(qtbot, window)["status"] == "finished"
+    assert window.run.control.held_s == 0
+
+
+def test_a_window_that_does_not_paint_does_not_hold_training(qtbot, window):
+    # Never shown (like a minimized window): no paint ends a hold, so at most one hold, which
+    # ends by itself, is taken.
+    from multilane.gui.main_window import HOLD_MAX_S
+
+    configure(window, task="mlp", steps=150, log_every=1)
+    assert start_and_wait(qtbot, window)["status"] == "finished"
+    assert window.run.control.held_s <= HOLD_MAX_S + 0.05
 
 
 def test_the_worker_runs_synchronously_too(qtbot, tmp_path):

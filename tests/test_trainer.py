@@ -2,6 +2,7 @@
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -221,6 +222,53 @@ def test_pause_and_resume_from_another_thread(make_config):
         control.request_stop()
     assert rec.events == ["started", "paused", "resumed", "finished"]
     assert [r["step"] for r in rec.logs] == list(range(1, 7))
+
+
+class HoldAtStep3(TrainerCallback):
+    """Takes a hold from inside the run, right after step 3 is logged (no race with the test thread)."""
+
+    def __init__(self, control, seconds):
+        self.control, self.seconds = control, seconds
+
+    def on_log(self, r):
+        if r["step"] == 3:
+            self.control.hold(self.seconds)
+
+
+def test_a_hold_keeps_the_next_step_waiting_until_it_is_released(make_config):
+    control = RunControl()
+    rec = Recorder()
+    trainer = Trainer(
+        make_config(task__name="linear", train__steps=6), callbacks=[HoldAtStep3(control, 60), rec], control=control
+    )
+    t = threading.Thread(target=trainer.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not rec.logs or rec.logs[-1]["step"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.4)
+        assert rec.logs[-1]["step"] == 3  # held: step 4 has not run
+        control.release()
+        t.join(30)
+    finally:
+        control.request_stop()
+    assert [r["step"] for r in rec.logs] == list(range(1, 7))
+    assert control.held_s >= 0.35
+    assert rec.events == ["started", "finished"]  # a hold is not a pause: nothing is logged for it
+
+
+def test_a_hold_nobody_releases_ends_by_itself(make_config):
+    control = RunControl()
+    rec = Recorder()
+    trainer = Trainer(
+        make_config(task__name="linear", train__steps=6), callbacks=[HoldAtStep3(control, 0.3), rec], control=control
+    )
+    result = trainer.run()
+    assert result.status == "finished"
+    assert [r["step"] for r in rec.logs] == list(range(1, 7))
+    assert 0.25 <= control.held_s < 5
 
 
 def test_a_failing_replica_ends_the_run_failed_and_keeps_the_metrics(make_config, tmp_path):

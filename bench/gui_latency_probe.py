@@ -1,0 +1,131 @@
+"""Where the event loop's worst moments go while a run trains: a diagnostic, not a benchmark.
+
+Runs digits on two CPU lanes in the real window (offscreen) for a few seconds and lists, for the
+latest ticks of a 10 ms timer, what the GUI thread did inside them (plot refresh, paint, records) and
+any garbage collection longer than 5 ms (with its thread and CPU time). Also: paints with and without
+a hold on the run, and the collector's state at the end.
+
+    python bench/gui_latency_probe.py [--hold on|off] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QEventLoop, QSettings, Qt, QTimer
+
+T = time.perf_counter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hold", choices=["on", "off"], default="on")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    args = ap.parse_args()
+    app = pg.mkQApp("probe")
+    from multilane.gui import plots as plots_module
+    from multilane.gui.main_window import MainWindow
+
+    events: list[tuple[float, str, float]] = []  # (start, what, duration)
+    paints: list[tuple[bool, float]] = []  # (held, duration)
+    window: list[MainWindow] = []
+
+    refresh = plots_module.PlotPanel.refresh
+    paint = plots_module.PlotPanel.paintEvent
+
+    def timed_refresh(self) -> None:
+        t0, dirty = T(), self.dirty
+        refresh(self)
+        if dirty:
+            events.append((t0, "refresh", T() - t0))
+
+    def timed_paint(self, ev) -> None:
+        w = window[0] if window else None
+        held = bool(w and w.run and not w.run.control._unheld.is_set())
+        t0 = T()
+        paint(self, ev)
+        events.append((t0, "paint", T() - t0))
+        paints.append((held, T() - t0))
+
+    plots_module.PlotPanel.refresh = timed_refresh
+    plots_module.PlotPanel.paintEvent = timed_paint
+
+    gc_start: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start["t"], gc_start["cpu"] = T(), time.thread_time()
+        elif T() - gc_start["t"] > 0.005:
+            cpu = (time.thread_time() - gc_start["cpu"]) * 1000
+            name = f"gc{info['generation']} in {threading.current_thread().name}, cpu {cpu:.0f} ms"
+            events.append((gc_start["t"], name, T() - gc_start["t"]))
+
+    gc.callbacks.append(on_gc)
+    tmp = tempfile.mkdtemp()
+    w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))
+    window.append(w)
+    w.hold_action.setChecked(args.hold == "on")
+    w.form.editors["run.runs_dir"].widget.setText(os.path.join(tmp, "runs"))
+    w.form.editors["train.epochs"].widget.setValue(1000)
+    w.form.editors["train.log_every"].widget.setValue(5)
+    w.devices.set_checked(["cpu:0", "cpu:1"])
+    w.smooth.setValue(50)
+    w.resize(1400, 900)
+    w.show()
+    ticks: list[tuple[float, float]] = []
+    last = [T()]
+
+    def tick() -> None:
+        now = T()
+        ticks.append((last[0], now))
+        last[0] = now
+
+    timer = QTimer()
+    timer.setTimerType(Qt.PreciseTimer)
+    timer.timeout.connect(tick)
+    loop = QEventLoop()
+    w.start()
+    QTimer.singleShot(1000, lambda: (last.__setitem__(0, T()), timer.start(10)))
+    QTimer.singleShot(int((args.seconds + 1) * 1000), loop.quit)
+    loop.exec()
+    timer.stop()
+    held = w.run.control.held_s
+    w.stop()
+    while w.is_running():
+        app.processEvents()
+        time.sleep(0.01)
+    late = np.array([(b - a) * 1000 - 10 for a, b in ticks])
+    print(
+        f"hold {args.hold}: {len(late)} ticks, lateness median {np.median(late):.1f} ms, p99 "
+        f"{np.percentile(late, 99):.1f} ms, max {late.max():.1f} ms; training held {held:.2f} s"
+    )
+    for what in ("refresh", "paint"):
+        d = [e[2] * 1000 for e in events if e[1] == what]
+        if d:
+            print(f"  {what}: n={len(d)} median {np.median(d):.1f} ms, p90 {np.percentile(d, 90):.1f} ms")
+    for h in (True, False):
+        d = [p[1] * 1000 for p in paints if p[0] == h]
+        if d:
+            print(f"  paints {'during a hold' if h else 'without a hold'}: n={len(d)} median {np.median(d):.1f} ms")
+    print("  the 8 latest ticks and what ran inside them (start ms into the tick + duration ms):")
+    for i in np.argsort(-late)[:8]:
+        a, b = ticks[i]
+        inside = [f"{what} @{(t - a) * 1000:.0f}+{d * 1000:.0f}" for t, what, d in events if a <= t < b]
+        print(f"    {late[i]:5.0f} ms: {', '.join(inside) or '(nothing of the GUI thread: it waited for the GIL)'}")
+    print(f"  collector: enabled {gc.isenabled()}, frozen objects {gc.get_freeze_count():,}")
+    from multilane.gui.export import exit_without_qt_teardown
+
+    exit_without_qt_teardown(0)
+
+
+if __name__ == "__main__":
+    main()
