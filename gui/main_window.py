@@ -159,6 +159,9 @@ class MainWindow(QMainWindow):
         self.log_y.toggled.connect(self.plots.set_log_y)
         self.auto_range.toggled.connect(self.plots.set_auto_range)
         self.plots.sigAutoXLost.connect(self._auto_range_lost)
+        self.plots.sigExportRequested.connect(
+            lambda what: self.export_bundle_dialog() if what == "bundle" else self.export_dialog()
+        )
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
 

@@ -15,7 +15,7 @@ from multilane.gui.decimate import PeakPyramid
 from multilane.gui.run_data import RunData, Series
 from multilane.gui.smoothing import EmaCache
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QFont
+from PySide6.QtGui import QAction, QFont
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 PHASES = ["scatter", "replicate", "forward", "loss", "backward", "optimizer"]
@@ -42,6 +42,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
     """Every live plot of one run (plus overlaid past runs, for comparison)."""
 
     sigAutoXLost = Signal()  # the user zoomed or panned: the x range no longer follows the data
+    sigExportRequested = Signal(str)  # "plots" or "bundle", from the plots' own right-click menu
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
@@ -108,6 +109,15 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             p.addItem(line, ignoreBounds=True)
             self._lines.append(line)
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
+        # The right-click menu's "Export..." is pyqtgraph's dialog, whose SVG exporter raises ValueError
+        # with PySide6 6.12 and whose CSV holds only the decimated curve of one plot. Ours instead:
+        # the app's export (PNG at a chosen width, SVG through QSvgGenerator, every logged metric as CSV).
+        self.export_actions = []
+        for text, what in (("Export plots and CSV…", "plots"), ("Export bundle…", "bundle")):
+            action = QAction(text, self.scene())
+            action.triggered.connect(lambda _checked=False, w=what: self.sigExportRequested.emit(w))
+            self.export_actions.append(action)
+        self.scene().contextMenu = list(self.export_actions)
 
     def _sync_x(self, source, x_range) -> None:
         """Copy one plot's x range to all; a range the user made (zoom, pan) ends auto x."""

@@ -86,6 +86,32 @@ def test_export_png_svg_csv_from_the_app(qtbot, window, tmp_path):
     assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 13))
 
 
+def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path, monkeypatch):
+    # pyqtgraph's own "Export..." (its SVG exporter breaks with PySide6 6.12) is replaced by the app's.
+    # The two modal dialogs it opens are answered here, as pytest-qt's documentation recommends.
+    from PySide6.QtWidgets import QFileDialog, QInputDialog
+
+    configure(window, steps=8, log_every=1)
+    start_and_wait(qtbot, window)
+    # the menu pyqtgraph assembles on a right click in a plot (its own items, then the scene's)
+    from types import SimpleNamespace
+
+    from PySide6.QtWidgets import QMenu
+
+    menu = window.plots.scene().addParentContextMenus(window.plots.loss.vb, QMenu(), SimpleNamespace(acceptedItem=None))
+    texts = [a.text() for a in menu.actions()]
+    assert "Export plots and CSV…" in texts and "Export bundle…" in texts
+    assert "Export..." not in texts
+    out = tmp_path / "from-menu"
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(out))
+    monkeypatch.setattr(QInputDialog, "getInt", lambda *a, **k: (1000, True))
+    window.plots.export_actions[0].trigger()
+    assert QImage(str(out / "loss.png")).width() == 1000
+    assert ET.parse(out / "loss.svg").getroot().tag.endswith("svg")
+    assert len((out / "metrics.csv").read_text().splitlines()) == 1 + 8
+    assert "Exported" in window.statusBar().currentMessage()
+
+
 def test_export_to_an_unwritable_place_reports_and_keeps_the_run(qtbot, window, tmp_path):
     configure(window, steps=4, log_every=1)
     result = start_and_wait(qtbot, window)

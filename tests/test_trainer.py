@@ -248,6 +248,7 @@ def test_a_hold_keeps_the_next_step_waiting_until_it_is_released(make_config):
         while not rec.logs or rec.logs[-1]["step"] < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert control.wait_until_held(10)  # the trainer reached the hold and waits on it
         time.sleep(0.4)
         assert rec.logs[-1]["step"] == 3  # held: step 4 has not run
         control.release()
@@ -269,6 +270,7 @@ def test_a_hold_nobody_releases_ends_by_itself(make_config):
     assert result.status == "finished"
     assert [r["step"] for r in rec.logs] == list(range(1, 7))
     assert 0.25 <= control.held_s < 5
+    assert not control.wait_until_held(0.01)  # nobody waits on a hold now
 
 
 def test_a_failing_replica_ends_the_run_failed_and_keeps_the_metrics(make_config, tmp_path):
