@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import tempfile
 import threading
 import time
 
@@ -21,7 +20,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEventLoop, QSettings, Qt, QTimer
+from training_window import stop, tick_gaps, training_window
 
 T = time.perf_counter
 
@@ -31,7 +30,7 @@ def main() -> None:
     ap.add_argument("--hold", choices=["on", "off"], default="on")
     ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args()
-    app = pg.mkQApp("probe")
+    pg.mkQApp("probe")
     from multilane.gui import plots as plots_module
     from multilane.gui.main_window import MainWindow
 
@@ -70,39 +69,11 @@ def main() -> None:
             events.append((gc_start["t"], name, T() - gc_start["t"]))
 
     gc.callbacks.append(on_gc)
-    tmp = tempfile.mkdtemp()
-    w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))
+    w = training_window(args.hold == "on")
     window.append(w)
-    w.hold_action.setChecked(args.hold == "on")
-    w.form.editors["run.runs_dir"].widget.setText(os.path.join(tmp, "runs"))
-    w.form.editors["train.epochs"].widget.setValue(1000)
-    w.form.editors["train.log_every"].widget.setValue(5)
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    w.smooth.setValue(50)
-    w.resize(1400, 900)
-    w.show()
-    ticks: list[tuple[float, float]] = []
-    last = [T()]
-
-    def tick() -> None:
-        now = T()
-        ticks.append((last[0], now))
-        last[0] = now
-
-    timer = QTimer()
-    timer.setTimerType(Qt.PreciseTimer)
-    timer.timeout.connect(tick)
-    loop = QEventLoop()
-    w.start()
-    QTimer.singleShot(1000, lambda: (last.__setitem__(0, T()), timer.start(10)))
-    QTimer.singleShot(int((args.seconds + 1) * 1000), loop.quit)
-    loop.exec()
-    timer.stop()
+    ticks = tick_gaps(w, args.seconds)
     held = w.run.control.held_s
-    w.stop()
-    while w.is_running():
-        app.processEvents()
-        time.sleep(0.01)
+    stop(w)
     late = np.array([(b - a) * 1000 - 10 for a, b in ticks])
     print(
         f"hold {args.hold}: {len(late)} ticks, lateness median {np.median(late):.1f} ms, p99 "

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QSettings, Qt, QTimer
+from training_window import stop, tick_gaps, training_window
 
 
 def paint(widget) -> None:
@@ -76,55 +75,16 @@ def redraw_times(points: int, redraws: int) -> list[float]:
 
 
 def loop_latency(seconds: float, hold: bool) -> tuple[list[float], dict]:
-    """Lateness of a 10 ms QTimer in the real window while digits trains on two CPU lanes, the window's
-    event loop running as in the app. ``hold``: training waits between steps while the plots redraw."""
-    from multilane.gui.main_window import MainWindow
-    from PySide6.QtCore import QEventLoop
-
-    tmp = tempfile.mkdtemp()
-    w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))
-    w.hold_for_redraw = hold
-    w.form.editors["run.runs_dir"].widget.setText(os.path.join(tmp, "runs"))
-    w.form.editors["train.epochs"].widget.setValue(1000)
-    w.form.editors["train.log_every"].widget.setValue(5)
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    w.smooth.setValue(50)
-    w.resize(1400, 900)
-    w.show()
-    lateness: list[float] = []
-    last = [time.perf_counter()]
-
-    def tick() -> None:
-        now = time.perf_counter()
-        lateness.append(max(0.0, (now - last[0]) * 1000 - 10))
-        last[0] = now
-
-    timer = QTimer()
-    timer.setTimerType(Qt.PreciseTimer)
-    timer.timeout.connect(tick)
-    loop = QEventLoop()
-    w.start()
+    """Lateness of a 10 ms QTimer in the real window while digits trains on two CPU lanes.
+    ``hold``: training waits between steps while the plots redraw (Run > Smooth window)."""
+    w = training_window(hold)
     step0 = [0]
-
-    def begin() -> None:  # after start-up
-        step0[0] = w._last_train.get("step", 0)
-        last[0] = time.perf_counter()
-        timer.start(10)
-
-    QTimer.singleShot(1000, begin)
-    QTimer.singleShot(int((seconds + 1) * 1000), loop.quit)
-    loop.exec()
-    timer.stop()
+    gaps = tick_gaps(w, seconds, on_begin=lambda: step0.__setitem__(0, w._last_train.get("step", 0)))
     train = dict(w._last_train)
-    held = w.run.control.held_s
-    w.stop()
-    while w.is_running():
-        pg.mkQApp().processEvents()
-        time.sleep(0.01)
-    w.close()
-    train["held_s"] = held
+    train["held_s"] = w.run.control.held_s
     train["steps_per_s"] = (train.get("step", 0) - step0[0]) / seconds
-    return lateness, train
+    stop(w)
+    return [max(0.0, (b - a) * 1000 - 10) for a, b in gaps], train
 
 
 def main() -> None:

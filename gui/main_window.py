@@ -211,8 +211,8 @@ class MainWindow(QMainWindow):
         self.hold_action.setCheckable(True)
         self.hold_action.setChecked(True)
         self.hold_action.setToolTip(
-            "Training waits between steps while the plots repaint, so the window stays responsive (on a busy "
-            "CPU training is even faster for it: less fighting over the GIL); untick to give training every cycle"
+            "Training waits between steps while the plots repaint, so the two do not fight over Python's GIL "
+            "(on a busy CPU, training in the window is faster for it); untick to give training every cycle"
         )
         self.hold_action.toggled.connect(self._set_hold)
         r.addAction(self.hold_action)
