@@ -2,9 +2,9 @@
 
 Only flags: the trainer checks them between steps, so a step always finishes whole.
 
-A *hold* is a pause of at most a few hundred milliseconds that ends by itself: the app holds the run
-while it redraws its plots, so that its GUI thread does not fight the training threads for the GIL
-(on a busy CPU a repaint then took 3-4 times longer, and the window stuttered). See docs/performance.md.
+A *hold* is a short pause that ends by itself: the app holds the run while it redraws its plots, so
+that its GUI thread does not fight the training threads for the GIL (on a busy CPU its paints took up
+to 60 ms, and training slowed too). See docs/app.md and docs/performance.md.
 """
 
 from __future__ import annotations
