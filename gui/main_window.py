@@ -71,7 +71,6 @@ class MainWindow(QMainWindow):
         self._active = False
         self._t_start = 0.0
         self._last_train: dict[str, Any] = {}
-        self.hold_for_redraw = True
         self._hold_pending = False
 
         # -- left: devices, hyperparameters, controls --------------------------------------------
@@ -358,8 +357,12 @@ class MainWindow(QMainWindow):
         self.auto_range.blockSignals(False)
         self.plots.set_auto_range(False)
 
+    @property
+    def hold_for_redraw(self) -> bool:
+        """Run > Smooth window: training waits while the plots repaint."""
+        return self.hold_action.isChecked()
+
     def _set_hold(self, on: bool) -> None:
-        self.hold_for_redraw = on
         self.settings.setValue("hold_for_redraw", on)
         if not on and self.run is not None:
             self.run.control.release()

@@ -116,7 +116,7 @@ class RunHandle:
 
     def __init__(self, worker: TrainWorker) -> None:
         self.worker = worker
-        self.control = worker.control  # outlives the worker, which Qt deletes after the run
+        self.control = worker.control  # the run's flags, for the window (pause, stop, hold)
         self.thread = QThread()
         self.thread.setObjectName("multilane-train")
         worker.moveToThread(self.thread)
