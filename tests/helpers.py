@@ -1,6 +1,10 @@
-"""Small tasks and models shared by the tests."""
+"""Small tasks, models and a CLI launcher shared by the tests."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from multilane.engine.tasks import ArrayData, Task
@@ -40,3 +44,16 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
         ((p - q).abs().max() / q.abs().max().clamp_min(1e-300)).item()
         for p, q in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+CLI = [sys.executable, "-m", "multilane.engine.cli"]
+
+
+def start_long_cli_run(runs_dir: Path, *settings: str, **popen_kwargs) -> subprocess.Popen:
+    """``multilane train`` of mlp on cpu:0,cpu:1 for far more steps than any test waits for, in a
+    subprocess (for tests that interrupt it); ``settings`` are ``--set KEY=VALUE`` overrides."""
+    args = [*CLI, "train", "--task", "mlp", "--steps", "100000", "--devices", "cpu:0,cpu:1"]
+    args += ["--runs-dir", str(runs_dir)]
+    for setting in settings:
+        args += ["--set", setting]
+    return subprocess.Popen(args, **popen_kwargs)

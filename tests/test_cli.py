@@ -3,15 +3,13 @@
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import CLI, start_long_cli_run
 from multilane.engine.runlog import read_metrics
-
-CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
 
 def multilane(*args, timeout=300):
@@ -106,25 +104,7 @@ def test_resume_from_the_command_line_continues_the_run(tmp_path):
 
 
 def test_ctrl_c_stops_gracefully_with_a_checkpoint(tmp_path):
-    p = subprocess.Popen(
-        [
-            *CLI,
-            "train",
-            "--task",
-            "mlp",
-            "--steps",
-            "100000",
-            "--devices",
-            "cpu:0,cpu:1",
-            "--runs-dir",
-            str(tmp_path),
-            "--set",
-            "train.log_every=5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = start_long_cli_run(tmp_path, "train.log_every=5", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:

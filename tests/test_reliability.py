@@ -3,19 +3,17 @@
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from helpers import CLI, start_long_cli_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.engine.runlog import iter_metrics, read_metrics
 from multilane.engine.trainer import Trainer
-
-CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
 # -- malformed configs ---------------------------------------------------------------------------
 
@@ -156,27 +154,12 @@ KILL_AFTER_S = [0.5, 1.5, 2.5, 3.5, 5.0]
 @pytest.mark.parametrize("delay", KILL_AFTER_S)
 def test_sigkill_at_any_moment_loses_nothing_already_written(tmp_path, delay):
     runs = tmp_path / "runs"
-    p = subprocess.Popen(
-        [
-            *CLI,
-            "train",
-            "--task",
-            "mlp",
-            "--steps",
-            "100000",
-            "--devices",
-            "cpu:0,cpu:1",
-            "--runs-dir",
-            str(runs),
-            "--set",
-            "train.log_every=2",
-            "--set",
-            "train.checkpoint_every=7",
-            "--set",
-            "train.eval_every=5",
-            "--set",
-            "telemetry.record_s=0.2",
-        ],
+    p = start_long_cli_run(
+        runs,
+        "train.log_every=2",
+        "train.checkpoint_every=7",
+        "train.eval_every=5",
+        "telemetry.record_s=0.2",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
