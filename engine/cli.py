@@ -12,9 +12,46 @@ from multilane.engine.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefixes: `--epoch 3` must not silently become `--epochs 3`.
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
-        # One line, exit 2: what is wrong, not a usage screen.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # One line, exit 2: what is wrong (and the option meant, for a typo), not a usage screen.
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(self, message)} (see --help)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, [], argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """ "; did you mean --epochs?" for an unknown option close to a known one."""
+    if "unrecognized arguments:" not in message:
+        return ""
+    import difflib
+
+    known: list[str] = []
+    for action in parser._actions:
+        known += action.option_strings
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            for a in sub._actions:
+                known += a.option_strings
+    for word in message.split(":", 1)[1].split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 def _positive_int(text: str) -> int:
@@ -35,23 +72,45 @@ def _number(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from multilane.engine import __version__
+    from multilane.engine.config import RunConfig
+
+    d0 = RunConfig()  # the defaults the help shows are the config's own
     p = _Parser(prog="multilane", description="Data-parallel PyTorch training across the GPUs of one machine.")
+    p.add_argument("--version", action="version", version=f"multilane {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train headless, with a progress bar", description="Train headless.")
     t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
-    t.add_argument("--task", metavar="NAME|FILE", help="digits, linear, mlp, or a .py file defining a Task")
-    t.add_argument("--devices", metavar="LIST", help="cuda:0,cuda:1 | cpu:0,cpu:1 | auto")
-    t.add_argument("--batch-size", type=_positive_int, metavar="N")
-    t.add_argument("--lr", type=_number, metavar="X")
-    t.add_argument("--optimizer", metavar="NAME", help="sgd, adam or adamw")
+    t.add_argument(
+        "--task",
+        metavar="NAME|FILE",
+        help=f"digits, linear, mlp, or a .py file defining a Task (default: {d0.task.name})",
+    )
+    t.add_argument(
+        "--devices",
+        metavar="LIST",
+        help=f"cuda:0,cuda:1 | cpu:0,cpu:1 | auto: every GPU, else two CPU lanes (default: {d0.devices.use})",
+    )
+    t.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="N",
+        help=f"global batch, split across the devices (default: {d0.data.batch_size})",
+    )
+    t.add_argument("--lr", type=_number, metavar="X", help=f"learning rate (default: {d0.optim.lr:g})")
+    t.add_argument("--optimizer", metavar="NAME", help=f"sgd, adam or adamw (default: {d0.optim.name})")
     budget = t.add_mutually_exclusive_group()
-    budget.add_argument("--epochs", type=_positive_int, metavar="N")
-    budget.add_argument("--steps", type=_positive_int, metavar="N")
-    t.add_argument("--seed", type=int, metavar="N")
-    t.add_argument("--precision", metavar="P", help="fp32, bf16 or fp16")
-    t.add_argument("--runs-dir", metavar="DIR", help="where run folders go (default: ./runs)")
-    t.add_argument("--name", metavar="NAME", help="run name, part of the run folder's name")
+    budget.add_argument(
+        "--epochs", type=_positive_int, metavar="N", help=f"passes over the training data (default: {d0.train.epochs})"
+    )
+    budget.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps, instead of --epochs")
+    t.add_argument(
+        "--seed", type=int, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
+    )
+    t.add_argument("--precision", metavar="P", help=f"fp32, bf16 or fp16 (default: {d0.train.precision})")
+    t.add_argument("--runs-dir", metavar="DIR", help=f"where run folders go (default: ./{d0.run.runs_dir})")
+    t.add_argument("--name", metavar="NAME", help=f"run name, part of the run folder's name (default: {d0.run.name})")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument(
         "--set",
@@ -61,11 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
     )
 
-    e = sub.add_parser("export", help="export a run's plots and metrics (no display needed)")
+    e = sub.add_parser(
+        "export",
+        help="export a run's figures and metrics (no display, no Qt needed)",
+        description="Write loss.* (every device, combined, validation), plots.* (every plot), compare.* "
+        "(with --compare: one curve per run) as PNG, SVG and PDF with real text, and metrics.csv.",
+    )
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
-    e.add_argument("--format", default="png,svg,csv", metavar="LIST", help="any of png,svg,csv (default: all)")
+    e.add_argument("--format", default="png,svg,pdf,csv", metavar="LIST", help="any of png,svg,pdf,csv")
     e.add_argument("--width", type=_positive_int, default=1600, metavar="PX", help="PNG width in pixels")
+    e.add_argument("--compare", action="append", default=[], metavar="RUN_DIR", help="another run to compare with")
+    e.add_argument("--smoothing", type=_number, default=0.0, metavar="A", help="EMA of the train loss, 0 to 0.99")
+    e.add_argument("--x", choices=["step", "time"], default="step", help="x axis: optimizer step or elapsed time")
+    e.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -113,23 +181,29 @@ def _parse_value(raw: str) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from multilane.engine.config import build_config, merge, read_config_file
-    from multilane.engine.control import RunControl
-    from multilane.engine.progress import ProgressDisplay, summary
-    from multilane.engine.trainer import Trainer
 
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
-    control = RunControl()
-    progress = ProgressDisplay()
-    if args.resume:
-        trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
-    else:
+    config = None
+    if not args.resume:
+        # The config is checked before torch is imported: a mistake shows in a fraction of a second.
         base = read_config_file(args.config) if args.config else {}
         if args.task is not None and base.get("task", {}).get("name") not in (None, args.task):
             # Another task's params would not fit this task's schema.
             base.setdefault("task", {})["params"] = {}
         config = build_config(merge(base, overrides), args.config or "config")
+    print("multilane: loading torch, data and model…", file=sys.stderr, flush=True)
+
+    from multilane.engine.control import RunControl
+    from multilane.engine.progress import ProgressDisplay, summary
+    from multilane.engine.trainer import Trainer
+
+    control = RunControl()
+    progress = ProgressDisplay()
+    if config is None:
+        trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
+    else:
         trainer = Trainer(config, callbacks=[progress], control=control)
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -140,7 +214,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     result = trainer.run()
-    print(summary(result, getattr(trainer, "total_steps", None)))
+    print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
     if result.status == "failed":
         print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
         return 1
@@ -189,19 +263,17 @@ def devices_table(rows: list[dict]) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from multilane.gui.export import FORMATS, export_headless
+
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
-    bad = [f for f in formats if f not in ("png", "svg", "csv")]
+    bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
-        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use png, svg, csv")
-    try:
-        from multilane.gui.export import exit_without_qt_teardown, export_headless
-    except ImportError as e:
-        raise UserError(
-            f"export needs PySide6 and pyqtgraph ({e.name or e} missing): pip install 'multilane[gui]'"
-        ) from None
-    for path in export_headless(args.run_dir, args.out, formats, args.width):
+        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
+    if not 0 <= args.smoothing < 1:
+        raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
+    options = {"compare": args.compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
+    for path in export_headless(args.run_dir, args.out, formats, args.width, **options):
         print(path)
-    exit_without_qt_teardown(0)
     return 0
 
 
