@@ -145,8 +145,12 @@ class DevicePicker(QWidget):
 
     # -- live utilization ------------------------------------------------------------------------
     def update_idle(self) -> None:
-        """Refresh the util column from the machine (between runs)."""
+        """Refresh the util column from the machine (between runs).
+
+        A CPU lane is busy only during a run, so between runs its cell is empty and the whole CPU's
+        load is shown once, in the column's header, not repeated on every lane."""
         per_cpu = psutil.cpu_percent(None)
+        has_cpu = False
         for item, _, d in self.items:
             if d.is_cuda and self._nvml is not None:
                 r = self._nvml.read(d.index)
@@ -155,15 +159,20 @@ class DevicePicker(QWidget):
                     item.setText(3, f"{r['util_pct']:.0f}%")
                     item.setText(2, used)
             elif not d.is_cuda:
-                item.setText(3, f"{per_cpu:.0f}%")
-                item.setToolTip(3, "the whole CPU, between runs; during a run, this lane's busy %")
+                has_cpu = True
+                item.setText(3, "–")
+                item.setToolTip(3, "a CPU lane's busy %, during a run; the header shows the whole CPU between runs")
+        header = self.tree.headerItem()
+        header.setText(3, f"util (CPU {per_cpu:.0f}%)" if has_cpu else "util")
 
     def update_from_telemetry(self, rec: dict[str, Any]) -> None:
-        """During a run: each device's utilization, or a CPU lane's busy %."""
+        """During a run: each device's utilization, or a CPU lane's busy %; "–" on devices not in the run."""
         devs = rec.get("devices", {})
+        self.tree.headerItem().setText(3, "util")
         for item, _, d in self.items:
             r = devs.get(d.name)
             if not r:
+                item.setText(3, "–")
                 continue
             rate = r.get("util_pct") or r.get("busy_pct")
             if rate:

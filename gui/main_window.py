@@ -12,9 +12,10 @@ from multilane.engine.config import RunConfig, build_config, load_config, save_c
 from multilane.engine.errors import UserError
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
-from multilane.gui.export import export_run
+from multilane.gui.export_dialog import ExportDialog
 from multilane.gui.plots import PlotPanel
 from multilane.gui.run_data import RunData
+from multilane.gui.runs_table import RunsTable
 from multilane.gui.worker import RunHandle, TrainWorker
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
@@ -23,7 +24,6 @@ from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
     QHBoxLayout,
-    QInputDialog,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSlider,
     QSplitter,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -103,7 +104,16 @@ class MainWindow(QMainWindow):
         left = QWidget()
         left_layout = QVBoxLayout(left)
         left_layout.setContentsMargins(6, 6, 6, 6)
-        left_layout.addWidget(scroll, 1)
+        self.runs_table = RunsTable()
+        self.runs_table.openRequested.connect(self.open_run)
+        self.runs_table.compareRequested.connect(self.compare_runs)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(scroll, "Setup")
+        self.tabs.addTab(self.runs_table, "Runs")
+        self.tabs.currentChanged.connect(
+            lambda i: self.refresh_runs() if self.tabs.widget(i) is self.runs_table else None
+        )
+        left_layout.addWidget(self.tabs, 1)
         left_layout.addWidget(self.why)
         left_layout.addLayout(buttons)
 
@@ -145,8 +155,17 @@ class MainWindow(QMainWindow):
         self.splitter = split
         self.setCentralWidget(split)
 
+        # The run's state (left) and passing notes (right, warnings and exports) in two labels: a
+        # temporary status-bar message would hide the final "Finished at step N".
         self.status_label = QLabel("Ready")
+        self.note_label = QLabel()
+        self.note_label.setObjectName("note")
         self.statusBar().addWidget(self.status_label, 1)
+        self.statusBar().addPermanentWidget(self.note_label)
+        self._note_timer = QTimer(self)
+        self._note_timer.setSingleShot(True)
+        self._note_timer.timeout.connect(self.note_label.clear)
+        self.shown_run_dir: str | None = None
 
         self._make_menus()
         self.start_btn.clicked.connect(lambda: self.start())
@@ -174,7 +193,7 @@ class MainWindow(QMainWindow):
         self._restore()
         self._set_running(False)
         self.validate()
-        self.plots.header.setText("Choose devices and hyperparameters, then press Start (Ctrl+Enter).", size="9pt")
+        self.plots.set_title("Choose devices and hyperparameters, then press Start (Ctrl+Enter).")
 
     # -- menus -------------------------------------------------------------------------------------
     def _make_menus(self) -> None:
@@ -195,7 +214,7 @@ class MainWindow(QMainWindow):
         act(f, "Load preset…", self.load_preset_dialog, "Ctrl+L")
         act(f, "Save preset…", self.save_preset_dialog, "Ctrl+S")
         f.addSeparator()
-        act(f, "Export plots and CSV…", self.export_dialog, "Ctrl+E")
+        act(f, "Export figures and CSV…", self.export_dialog, "Ctrl+E")
         act(f, "Export bundle…", self.export_bundle_dialog, "Ctrl+Shift+E")
         f.addSeparator()
         act(f, "Quit", self.close, "Ctrl+Q")
@@ -310,8 +329,9 @@ class MainWindow(QMainWindow):
     # -- worker signals (GUI thread) -------------------------------------------------------------------
     def _on_started(self, info: dict) -> None:
         self.run_info = info
+        self.shown_run_dir = info["run_dir"]
         self.plots.data.name = Path(info["run_dir"]).name
-        self.plots.header.setText(f"{Path(info['run_dir']).name} · {', '.join(info['devices'])}", size="9pt")
+        self.plots.set_title(f"{Path(info['run_dir']).name} · {', '.join(info['devices'])}")
 
     def _on_record(self, rec: dict) -> None:
         self.plots.add_record(rec)
@@ -321,13 +341,16 @@ class MainWindow(QMainWindow):
         elif kind == "telemetry":
             self.devices.update_from_telemetry(rec)
         elif kind == "event" and rec.get("event") == "warning":
-            self.statusBar().showMessage(f"⚠ {rec['message']}", 15000)
+            self.note(f"⚠ {rec['message']}", 30_000)
 
     def _on_finished(self, result: dict) -> None:
         self.last_result = result
         self._active = False
         self._set_running(False)
         self.plots.refresh()
+        self.plots.fit_x()  # nothing more will come: no empty quarter at the right
+        if self.tabs.currentWidget() is self.runs_table:
+            self.refresh_runs()
         status = result["status"]
         if status == "rejected":
             self.status_label.setText(f"Not started: {result['message']}")
@@ -335,7 +358,8 @@ class MainWindow(QMainWindow):
             box.open()
             self.error_box = box
         elif status == "failed":
-            self.status_label.setText(f"Failed at step {result['step']}: {result['message']}")
+            # The message names the step that failed (the one after the last completed step).
+            self.status_label.setText(f"Failed: {result['message']}")
             box = QMessageBox(
                 QMessageBox.Critical,
                 "Run failed",
@@ -407,18 +431,49 @@ class MainWindow(QMainWindow):
 
     # -- files -----------------------------------------------------------------------------------------
     def open_run(self, path: str, compare: bool = False) -> bool:
+        """Show a past run (its curves, its name, its settings in the form), or overlay it to compare."""
         p = Path(path)
         if not (p / "metrics.jsonl").exists():
             QMessageBox.warning(self, "Not a run folder", f"{p} has no metrics.jsonl")
             return False
+        if self.is_running():
+            QMessageBox.information(self, "A run is in progress", "Stop the run before opening another one.")
+            return False
         data = RunData.from_run_dir(p)
         if compare:
             self.plots.add_overlay(data)
+            names = [self.plots.data.name] + [r.name for r, _ in self.plots.overlays]
+            self.plots.set_title("Comparing " + ", ".join(names))
         else:
             self.plots.reset(data)
+            self.shown_run_dir = str(p)
+            self._show_run_settings(p)
         self.plots.refresh()
+        self.plots.fit_x()
         self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}")
         return True
+
+    def compare_runs(self, paths: list[str]) -> bool:
+        """Show the first run and compare the others with it (the runs table's "Compare selected")."""
+        if not paths or not self.open_run(paths[0]):
+            return False
+        return all(self.open_run(p, compare=True) for p in paths[1:])
+
+    def refresh_runs(self) -> None:
+        """Re-read the runs folder into the runs table."""
+        self.runs_table.load(self._runs_dir())
+
+    def _show_run_settings(self, run_dir: Path) -> None:
+        """The header names the run; the form shows the settings it ran with (not the last live run's)."""
+        title = run_dir.name
+        try:
+            cfg = build_config(json.loads((run_dir / "config.json").read_text(encoding="utf-8")), "run config")
+        except (OSError, ValueError, UserError):
+            cfg = None
+        if cfg is not None:
+            self.set_config(cfg)
+            title += f" · {cfg.task.name} · {cfg.devices.use}"
+        self.plots.set_title(title)
 
     def open_run_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Open run folder", self._runs_dir())
@@ -433,7 +488,20 @@ class MainWindow(QMainWindow):
     def resume_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Resume run folder", self._runs_dir())
         if path:
-            self.start(resume_from=path)
+            self.resume(path)
+
+    def resume(self, path: str) -> bool:
+        """Continue a run from its last checkpoint, its earlier curves and settings shown."""
+        if not self.start(resume_from=path):
+            return False
+        p = Path(path)
+        if (p / "metrics.jsonl").exists():
+            # The curves so far; the 'started' record cuts what came after the checkpoint.
+            self.plots.reset(RunData.from_run_dir(p))
+        self._show_run_settings(p)
+        self.form.setEnabled(False)
+        self.devices.setEnabled(False)
+        return True
 
     def _runs_dir(self) -> str:
         return str(Path(self.form.values()["run"]["runs_dir"]).expanduser().resolve())
@@ -460,22 +528,44 @@ class MainWindow(QMainWindow):
             except UserError as e:
                 QMessageBox.warning(self, "Cannot load preset", str(e))
 
-    def export(self, out_dir: str, formats: list[str], width: int = 1600, bundle: bool = False) -> list[Path]:
-        run_dir = (self.last_result or {}).get("run_dir") or self.run_info.get("run_dir") if bundle else None
-        return export_run(self.plots, out_dir, formats, width, run_dir=run_dir or None)
+    def export(
+        self, out_dir: str, formats: list[str] | None = None, width: int = 1600, bundle: bool = False
+    ) -> list[Path]:
+        """Write the shown run's figures (as shown: smoothing, x axis, log y, compared runs) and CSV."""
+        from multilane.gui.export import DEFAULT_FORMATS, export_run
+        from multilane.gui.figures import FigureOptions
 
-    def export_dialog(self) -> None:
-        out = QFileDialog.getExistingDirectory(self, "Export plots (PNG, SVG) and metrics (CSV) into")
-        if not out:
-            return
-        width, ok = QInputDialog.getInt(self, "PNG size", "PNG width (pixels)", 1600, 200, 10000)
-        if ok:
-            self._export_report(lambda: self.export(out, ["png", "svg", "csv"], width))
+        p = self.plots
+        options = FigureOptions(smoothing=p.smoothing, x_mode=p.x_mode, log_y=self.log_y.isChecked())
+        return export_run(
+            p.data,
+            out_dir,
+            formats or DEFAULT_FORMATS,
+            width,
+            run_dir=self.shown_run_dir,
+            compare=[run for run, _ in p.overlays],
+            options=options,
+            bundle=bundle,
+        )
 
-    def export_bundle_dialog(self) -> None:
-        out = QFileDialog.getExistingDirectory(self, "Export bundle (plots, CSV, config, environment) into")
-        if out:
-            self._export_report(lambda: self.export(out, ["png", "svg", "csv"], bundle=True))
+    def export_dialog(self, bundle: bool = False) -> ExportDialog:
+        """One dialog: folder (in the run's folder to begin with), PNG width, formats."""
+        start = Path(self.shown_run_dir) / "export" if self.shown_run_dir else Path(self._runs_dir()) / "export"
+        width = self.settings.value("export_width", 1600, type=int)
+        dialog = ExportDialog(str(start), width, bundle=bundle, parent=self)
+
+        def accepted() -> None:
+            self.settings.setValue("export_width", dialog.width.value())
+            formats = dialog.chosen_formats()
+            self._export_report(lambda: self.export(dialog.out_dir(), formats, dialog.width.value(), bundle=bundle))
+
+        dialog.accepted.connect(accepted)
+        dialog.open()  # not exec(): the plots keep redrawing while it is open
+        self.export_box = dialog
+        return dialog
+
+    def export_bundle_dialog(self) -> ExportDialog:
+        return self.export_dialog(bundle=True)
 
     def _export_report(self, fn) -> None:
         try:
@@ -483,7 +573,13 @@ class MainWindow(QMainWindow):
         except UserError as e:
             QMessageBox.warning(self, "Export failed", f"{e}\n\nThe run itself is untouched.")
             return
-        self.statusBar().showMessage(f"Exported {len(files)} files to {files[0].parent}", 10000)
+        self.note(f"Exported {len(files)} files to {files[0].parent}" if files else "Nothing exported", 15_000)
+
+    def note(self, text: str, ms: int = 15_000) -> None:
+        """A passing note at the status bar's right; the run's state on the left stays visible."""
+        self.note_label.setText(text)
+        self.note_label.setToolTip(text)
+        self._note_timer.start(ms)
 
     # -- settings and closing ------------------------------------------------------------------------------
     def _restore(self) -> None:

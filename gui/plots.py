@@ -12,14 +12,17 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
+from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
 from multilane.gui.run_data import RunData, Series
+from multilane.gui.run_view import X_LABELS, describe, pause_spans, x_values
 from multilane.gui.smoothing import EmaCache
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont
 
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 PHASES = ["scatter", "replicate", "forward", "loss", "backward", "optimizer"]
-PHASE_COLORS = ["#bcbd22", "#ff9896", "#1f77b4", "#9467bd", "#ff7f0e", "#2ca02c"]
+# Okabe–Ito's colours (colour-blind safe), apart from the device palette: a phase is not a device.
+PHASE_COLORS = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00"]
+PAUSE_BRUSH = (150, 150, 150, 50)
 
 GRID_COLOR = "#e8e8e8"
 
@@ -38,8 +41,17 @@ def _curve(
     return item
 
 
+def _swatch(color: str, dashed: bool = False) -> str:
+    return f'<span style="color:{color}; font-weight:bold;">{"╍╍" if dashed else "━━"}</span>'
+
+
 class PlotPanel(pg.GraphicsLayoutWidget):
-    """Every live plot of one run (plus overlaid past runs, for comparison)."""
+    """Every live plot of one run (plus overlaid past runs, for comparison).
+
+    No plot carries a legend (a legend inside a plot covers data): colours mean the same everywhere,
+    a device's colour in the loss is its colour in utilization and memory, and one key over the plots
+    names them. The hover header names each value with its unit.
+    """
 
     sigAutoXLost = Signal()  # the user zoomed or panned: the x range no longer follows the data
     sigExportRequested = Signal(str)  # "plots" or "bundle", from the plots' own right-click menu
@@ -61,63 +73,82 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.auto_x = True  # the x range follows the data, growing in steps (see _follow_x)
         self._x_span: tuple[float, float] | None = None
         self.after_paint = None  # called once the view has painted (the window ends a run's hold there)
+        self.title_text = ""
+        self._key_state: tuple = ()
+        self._compare_state = False
+        self._pause_items: list = []
+        self._pause_state: tuple = ()
+        self._memory_title = ""
+        self._memory_top = 0.0
+        self.power: pg.PlotItem | None = None
+        self.temperature: pg.PlotItem | None = None
 
         self.header = self.addLabel("", row=0, col=0, colspan=2, justify="left")
-        self.loss = self.addPlot(row=1, col=0, colspan=2)
-        self.metric = self.addPlot(row=2, col=0)
-        self.throughput = self.addPlot(row=2, col=1)
-        self.util = self.addPlot(row=3, col=0)
-        self.memory = self.addPlot(row=3, col=1)
-        self.phases = self.addPlot(row=4, col=0, colspan=2)
+        self.key = self.addLabel("", row=1, col=0, colspan=2, justify="left")
+        self.loss = self.addPlot(row=2, col=0, colspan=2)
+        self.metric = self.addPlot(row=3, col=0)
+        self.throughput = self.addPlot(row=3, col=1)
+        self.lr = self.addPlot(row=4, col=0)
+        self.grad_norm = self.addPlot(row=4, col=1)
+        self.util = self.addPlot(row=5, col=0)
+        self.memory = self.addPlot(row=5, col=1)
+        self.phases = self.addPlot(row=6, col=0, colspan=2)
+        phase_key = " ".join(f"{_swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
         titles = [
-            "Loss (per device, combined, validation)",
+            "Loss",
             "Validation metric",
             "Throughput (samples/s)",
+            "Learning rate",
+            "Gradient norm (before clipping)",
             "Utilization / CPU lane busy (%)",
             "Memory (MiB)",
-            "Step time split (ms, stacked)",
+            f"Step time split (ms, stacked) &nbsp; {phase_key}",
         ]
-        self.ci.layout.setRowStretchFactor(1, 3)
-        for r in (2, 3, 4):
+        self.ci.layout.setRowStretchFactor(2, 3)
+        for r in (3, 4, 5, 6):
             self.ci.layout.setRowStretchFactor(r, 2)
-        self.plots = [self.loss, self.metric, self.throughput, self.util, self.memory, self.phases]
-        for p, title in zip(self.plots, titles, strict=True):
-            p.setTitle(title, size="10pt")
-            for axis in ("left", "bottom"):
-                ax = p.getAxis(axis)
-                # An opaque light-grey grid: pyqtgraph's default translucent one (tick pen at alpha
-                # 0.2) doubled the cost of a repaint (15 ms against 8, bench/gui_paint.py).
-                # Major ticks only: opaque minor lines too made a dense mesh.
-                ax.setStyle(tickFont=_TICK_FONT, tickAlpha=255, maxTickLevel=0)
-                ax.setTickPen(pg.mkPen(GRID_COLOR))
-                ax.setZValue(-200)  # the grid under the view box: under the curves and the legend
-            p.showGrid(x=True, y=True)
-            p.addLegend(offset=(-5, 5), labelTextSize="8pt", verSpacing=-6, brush=pg.mkBrush(255, 255, 255, 170))
-            # One x range for all. Not setXLink: it lines views up by screen pixels, which halves
-            # the range of the half-width plots.
-            p.sigXRangeChanged.connect(self._sync_x)
-            # x follows the data in steps (_follow_x), not at every point: a changed range repaints
-            # every axis of every plot, the largest part of a redraw
-            p.enableAutoRange(axis="x", enable=False)
-        self.util.setYRange(0, 100)
-        self.phases.legend.setColumnCount(3)  # six phases in two rows: one column overflowed the plot
-        self._set_x_label()
+        self.plots: list[pg.PlotItem] = []
         self._lines = []
-        for p in self.plots:
-            line = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=Qt.DashLine))
-            line.setVisible(False)
-            p.addItem(line, ignoreBounds=True)
-            self._lines.append(line)
+        plots = [self.loss, self.metric, self.throughput, self.lr, self.grad_norm, self.util, self.memory, self.phases]
+        for p, title in zip(plots, titles, strict=True):
+            self._style_plot(p, title)
+        self.util.setYRange(0, 100)
+        self.memory.enableAutoRange(axis="y", enable=False)  # from zero, set in refresh()
+        self._set_x_label()
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
         # The right-click menu's "Export..." is pyqtgraph's dialog, whose SVG exporter raises ValueError
-        # with PySide6 6.12 and whose CSV holds only the decimated curve of one plot. Ours instead:
-        # the app's export (PNG at a chosen width, SVG through QSvgGenerator, every logged metric as CSV).
+        # with PySide6 6.12 and whose CSV holds only the decimated curve of one plot. Ours instead.
         self.export_actions = []
-        for text, what in (("Export plots and CSV…", "plots"), ("Export bundle…", "bundle")):
+        for text, what in (("Export figures and CSV…", "plots"), ("Export bundle…", "bundle")):
             action = QAction(text, self.scene())
             action.triggered.connect(lambda _checked=False, w=what: self.sigExportRequested.emit(w))
             self.export_actions.append(action)
         self.scene().contextMenu = list(self.export_actions)
+
+    def _style_plot(self, p: pg.PlotItem, title: str) -> None:
+        p.setTitle(title, size="9pt")
+        for axis in ("left", "bottom"):
+            ax = p.getAxis(axis)
+            # An opaque light-grey grid: pyqtgraph's default translucent one (tick pen at alpha
+            # 0.2) doubled the cost of a repaint (15 ms against 8, bench/gui_paint.py).
+            # Major ticks only: opaque minor lines too made a dense mesh.
+            ax.setStyle(tickFont=_TICK_FONT, tickAlpha=255, maxTickLevel=0)
+            ax.setTickPen(pg.mkPen(GRID_COLOR))
+            ax.setZValue(-200)  # the grid under the view box: under the curves
+        p.showGrid(x=True, y=True)
+        # One x range for all. Not setXLink: it lines views up by screen pixels, which halves
+        # the range of the half-width plots.
+        p.sigXRangeChanged.connect(self._sync_x)
+        # x follows the data in steps (_follow_x), not at every point: a changed range repaints
+        # every axis of every plot, the largest part of a redraw
+        p.enableAutoRange(axis="x", enable=False)
+        line = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=Qt.DashLine))
+        line.setVisible(False)
+        p.addItem(line, ignoreBounds=True)
+        self._lines.append(line)
+        if self._x_span is not None:
+            p.setXRange(*self._x_span, padding=0)
+        self.plots.append(p)
 
     def _sync_x(self, source, x_range) -> None:
         """Copy one plot's x range to all; a range the user made (zoom, pan) ends auto x."""
@@ -144,8 +175,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         for p in self.plots:
             for item in list(p.listDataItems()):
                 p.removeItem(item)
-            if p.legend is not None:
-                p.legend.clear()
+        self._clear_pauses()
         self._curves.clear()
         self._raw.clear()
         self._stack.clear()
@@ -153,7 +183,11 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._pyramids.clear()
         self._ema.clear()
         self.overlays.clear()
+        self._key_state = ()
+        self._compare_state = False
+        self._memory_top = 0.0
         self.data = data or RunData()
+        self._x_span = None
         self._dirty = True
         self.refresh()
 
@@ -162,14 +196,20 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._dirty = True
 
     def add_overlay(self, run: RunData) -> None:
-        """Overlay a past run's combined and validation loss, dashed, for comparison."""
-        color = PALETTE[(len(self.overlays) + 3) % len(PALETTE)]
+        """Compare with a past run: each run in its own colour, train loss solid, validation dashed."""
+        color = series_color(len(self.overlays) + 1)  # the shown run is the first colour
         items = [
-            _curve(self.loss, color, f"{run.name}: loss", style=Qt.DashLine),
-            _curve(self.loss, color, f"{run.name}: val", style=Qt.DotLine, width=2),
+            _curve(self.loss, color, run.name, width=2),
+            _curve(self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2),
         ]
         self.overlays.append((run, items))
+        self._x_span = None
         self._dirty = True
+
+    def set_title(self, text: str) -> None:
+        """What the header says when the mouse is not over a plot: the run's name and devices."""
+        self.title_text = text
+        self.header.setText(text, size="9pt")
 
     def set_x_mode(self, mode: str) -> None:
         self.x_mode = mode
@@ -184,27 +224,52 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._dirty = True
 
     def set_log_y(self, on: bool) -> None:
-        self.loss.setLogMode(y=on)
+        """A log loss axis; the x range and auto range stay as they were."""
+        x_range = self.loss.vb.viewRange()[0]
+        self._syncing = True  # the switch moves the view: not the user's zoom
+        try:
+            self.loss.setLogMode(y=on)
+            if self.auto_x:
+                self.loss.enableAutoRange(axis="y")
+            for p in self.plots:
+                p.setXRange(*x_range, padding=0)
+        finally:
+            self._syncing = False
+        self._dirty = True
 
     def set_auto_range(self, on: bool) -> None:
         self.auto_x = on
         self._x_span = None
         for p in self.plots:
-            if on and p is not self.util:
+            if on and p not in (self.util, self.memory):
                 p.enableAutoRange(axis="y")
             elif not on:
                 p.disableAutoRange()
         self.util.setYRange(0, 100, padding=0.02)  # a percentage: a fixed axis, never repainted for it
+        self._memory_top = 0.0
         self._dirty = True
         self.refresh()
 
-    def _follow_x(self, lo: float, hi: float) -> None:
-        """Keep all data in view, growing the range by a quarter when the data reaches its end."""
-        span = self._x_span
-        if span is not None and span[0] <= lo and hi <= span[1] and (hi - lo) > 0.5 * (span[1] - span[0]):
+    def fit_x(self) -> None:
+        """The x range exactly around the data (a finished run has no more to grow into)."""
+        if not self.auto_x:
             return
-        width = max(hi - lo, 1e-9)
-        new = (lo, hi + 0.25 * width if span is not None else hi + 0.05 * width)
+        ends = self._x_ends()
+        if ends:
+            lo, hi = ends
+            pad = 0.01 * max(hi - lo, 1e-9)
+            self._set_span((lo - pad, hi + pad))
+
+    def _x_ends(self) -> tuple[float, float] | None:
+        d = self.data
+        ends = [(self._x(d, s)[0], self._x(d, s)[-1]) for s in (d.train, d.eval, d.telemetry) if s.rows]
+        ends += [(self._x(r, r.train)[0], self._x(r, r.train)[-1]) for r, _ in self.overlays if r.train.rows]
+        ends = [(a, b) for a, b in ends if np.isfinite(a) and np.isfinite(b)]
+        if not ends:
+            return None
+        return min(a for a, _ in ends), max(b for _, b in ends)
+
+    def _set_span(self, new: tuple[float, float]) -> None:
         self._x_span = new
         self._syncing = True
         try:
@@ -213,13 +278,19 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         finally:
             self._syncing = False
 
+    def _follow_x(self, lo: float, hi: float) -> None:
+        """Keep all data in view, growing the range by a quarter when the data reaches its end."""
+        span = self._x_span
+        if span is not None and span[0] <= lo and hi <= span[1] and (hi - lo) > 0.5 * (span[1] - span[0]):
+            return
+        width = max(hi - lo, 1e-9)
+        self._set_span((lo, hi + 0.25 * width if span is not None else hi + 0.05 * width))
+
     def _set_x_label(self) -> None:
-        self.phases.setLabel("bottom", "step" if self.x_mode == "step" else "elapsed time (s)")
+        self.phases.setLabel("bottom", X_LABELS[self.x_mode])
 
     def _x(self, data: RunData, series: Series) -> np.ndarray:
-        if self.x_mode == "step":
-            return series.get("step")
-        return series.get("wall_time") - (data.t0 or 0.0)
+        return x_values(data, series, self.x_mode)
 
     # -- drawing ---------------------------------------------------------------------------------
     def _item(self, key: str, plot: pg.PlotItem, color: str, name: str, **kw) -> pg.PlotDataItem:
@@ -278,6 +349,10 @@ class PlotPanel(pg.GraphicsLayoutWidget):
     def dirty(self) -> bool:
         return self._dirty
 
+    def _device_color(self, dev: str) -> str:
+        devices = self.data.devices
+        return series_color(devices.index(dev) if dev in devices else len(devices))
+
     def refresh(self) -> None:
         """Redraw what changed since the last call (the app calls it from a QTimer)."""
         if not self._dirty:
@@ -285,57 +360,154 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._dirty = False
         d = self.data
         tr, ev, te = d.train, d.eval, d.telemetry
+        comparing = bool(self.overlays)
         if self.auto_x:
-            ends = [(self._x(d, s)[0], self._x(d, s)[-1]) for s in (tr, ev, te) if s.rows]
-            ends += [(self._x(r, r.train)[0], self._x(r, r.train)[-1]) for r, _ in self.overlays if r.train.rows]
+            ends = self._x_ends()
             if ends:
-                self._follow_x(min(a for a, _ in ends), max(b for _, b in ends))
+                self._follow_x(*ends)
         if tr.rows:
             x = self._x(d, tr)
-            for i, dev in enumerate(d.devices):
-                self._smoothed(f"loss/{dev}", self.loss, PALETTE[i % len(PALETTE)], dev, x, tr.get(f"loss/{dev}"), 1)
+            for dev in d.devices if not comparing else ():  # comparing: one curve per run
+                self._smoothed(f"loss/{dev}", self.loss, self._device_color(dev), dev, x, tr.get(f"loss/{dev}"), 1.5)
             if "loss" in tr.columns:
-                self._smoothed("loss", self.loss, "#000000", "combined", x, tr.get("loss"), 2)
-            if "samples_per_s" in tr.columns:
-                self._show(
-                    "throughput",
-                    self._item("throughput", self.throughput, "#444", "samples/s"),
-                    x,
-                    tr.get("samples_per_s"),
-                )
+                color = series_color(0) if comparing else COMBINED
+                self._smoothed("loss", self.loss, color, "combined", x, tr.get("loss"), 2.5)
+                self._curves["loss"].setZValue(5)
+            for key, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
+                if key in tr.columns:
+                    self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key))
             self._draw_stack(x, tr)
         if ev.rows:
             x = self._x(d, ev)
-            val = self._item("val", self.loss, "#d62728", "validation", width=2, style=Qt.DashLine)
+            val = self._item("val", self.loss, VALIDATION, "validation", width=2, style=Qt.DashLine)
+            val.setZValue(6)
             if val.opts["symbol"] is None and ev.rows <= 200:
                 val.setSymbol("o")
-                val.setSymbolSize(5)
+                val.setSymbolSize(6)
+                val.setSymbolPen(pg.mkPen(VALIDATION))
+                val.setSymbolBrush(pg.mkBrush(VALIDATION))
             elif ev.rows > 200:
                 val.setSymbol(None)
             self._show("val", val, x, ev.get("val_loss"))
             for i, m in enumerate(d.metric_names):
-                item = self._item(f"metric/{m}", self.metric, PALETTE[(i + 2) % len(PALETTE)], m, width=2)
+                item = self._item(f"metric/{m}", self.metric, NEUTRAL if i == 0 else series_color(i), m, width=2)
                 self._show(f"metric/{m}", item, x, ev.get(f"metric/{m}"))
         if te.rows:
-            x = self._x(d, te)
-            names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
-            for i, dev in enumerate(names):
-                color = PALETTE[i % len(PALETTE)]
-                for prefix, plot, label, style in (
-                    ("util", self.util, dev, Qt.SolidLine),
-                    ("mem", self.memory, f"{dev} used", Qt.SolidLine),
-                    ("alloc", self.memory, f"{dev} torch", Qt.DashLine),
-                ):
-                    key = f"{prefix}/{dev}"
-                    if key in te.columns:
-                        self._show(key, self._item(key, plot, color, label, style=style), x, te.get(key))
-            if "rss_mb" in te.columns and not te.names("mem/"):  # CPU lanes: the process's memory
-                self._show("rss", self._item("rss", self.memory, "#555", "process RSS"), x, te.get("rss_mb"))
+            self._draw_telemetry(te)
         for k, (run, (loss_item, val_item)) in enumerate(self.overlays):
             if run.train.rows:
                 self._show(f"overlay{k}:loss", loss_item, self._x(run, run.train), run.train.get("loss"))
             if run.eval.rows:
                 self._show(f"overlay{k}:val", val_item, self._x(run, run.eval), run.eval.get("val_loss"))
+        if comparing != self._compare_state:
+            self._restyle(comparing)
+        self._update_key()
+        self._draw_pauses()
+
+    def _draw_telemetry(self, te: Series) -> None:
+        d = self.data
+        x = self._x(d, te)
+        names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
+        if te.names("power/") and self.power is None:
+            self.power = self.addPlot(row=7, col=0)
+            self._style_plot(self.power, "Power (W)")
+        if te.names("temp/") and self.temperature is None:
+            self.temperature = self.addPlot(row=7, col=1)
+            self._style_plot(self.temperature, "Temperature (°C)")
+        for dev in names:
+            color = self._device_color(dev)
+            for prefix, plot, label, style in (
+                ("util", self.util, dev, Qt.SolidLine),
+                ("mem", self.memory, f"{dev} used", Qt.SolidLine),
+                ("alloc", self.memory, f"{dev} torch", Qt.DashLine),
+                ("power", self.power, dev, Qt.SolidLine),
+                ("temp", self.temperature, dev, Qt.SolidLine),
+            ):
+                key = f"{prefix}/{dev}"
+                if key in te.columns and plot is not None:
+                    self._show(key, self._item(key, plot, color, label, style=style), x, te.get(key))
+        cpu_only = "rss_mb" in te.columns and not te.names("mem/")
+        if cpu_only:  # CPU lanes: the process's memory
+            self._show("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
+        title = "Process memory, RSS (MiB)" if cpu_only else "Memory (MiB): solid used, dashed allocated by torch"
+        if title != self._memory_title and (cpu_only or te.names("mem/")):
+            self._memory_title = title
+            self.memory.setTitle(title, size="9pt")
+        if self.auto_x:
+            # From zero, with headroom: an autoscaled axis made a 0.2 MiB wobble look like a cliff.
+            keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
+            tops = [np.nanmax(te.get(k)) for k in keys if np.isfinite(te.get(k)).any()]
+            top = max(tops, default=0.0)
+            if top > 0 and not (0.8 * self._memory_top <= top * 1.1 <= self._memory_top):
+                self._memory_top = top * 1.25
+                self.memory.setYRange(0, self._memory_top, padding=0)
+
+    def _restyle(self, comparing: bool) -> None:
+        """Comparing runs: one colour per run (the shown run first), its devices hidden."""
+        self._compare_state = comparing
+        for dev in self.data.devices:
+            for store in (self._curves, self._raw):
+                item = store.get(f"loss/{dev}")
+                if item is not None:
+                    item.setVisible(not comparing and (store is self._curves or self.smoothing > 0))
+        combined = self._curves.get("loss")
+        if combined is not None:
+            combined.setPen(pg.mkPen(series_color(0) if comparing else COMBINED, width=2 if comparing else 2.5))
+        val = self._curves.get("val")
+        if val is not None:
+            color = series_color(0) if comparing else VALIDATION
+            val.setPen(pg.mkPen(color, width=2, style=Qt.DashLine))
+            val.setSymbolPen(pg.mkPen(color))
+            val.setSymbolBrush(pg.mkBrush(color))
+
+    def _update_key(self) -> None:
+        """One key over all plots: what each colour and line style means."""
+        d = self.data
+        runs = tuple(r.name for r, _ in self.overlays)
+        state = (tuple(d.devices), runs, d.name, bool(d.eval.rows), self.smoothing > 0)
+        if state == self._key_state:
+            return
+        self._key_state = state
+        if runs:
+            parts = [f"{_swatch(series_color(i))} {name}" for i, name in enumerate((d.name, *runs))]
+            parts.append(f"{_swatch('#555', dashed=True)} validation (same colour)")
+        else:
+            parts = [f"{_swatch(self._device_color(dev))} {dev}" for dev in d.devices]
+            if d.train.rows:
+                parts.append(f"{_swatch(COMBINED)} combined")
+            if d.eval.rows:
+                parts.append(f"{_swatch(VALIDATION, dashed=True)} validation")
+        if self.smoothing > 0 and parts:
+            parts.append("(smoothed; raw faint)")
+        self.key.setText(" &nbsp; ".join(parts), size="9pt")
+
+    def _clear_pauses(self) -> None:
+        for plot, item in self._pause_items:
+            plot.removeItem(item)
+        self._pause_items.clear()
+        self._pause_state = ()
+
+    def _draw_pauses(self) -> None:
+        """A pause is a grey band on the time axis (no data there is not a straight trend) and a
+        dotted line at its step on the step axis."""
+        spans = pause_spans(self.data)
+        state = (self.x_mode, tuple((round(a, 1), round(b, 1), s) for a, b, s in spans))
+        if state == self._pause_state:
+            return
+        self._clear_pauses()
+        self._pause_state = state
+        for a, b, step in spans:
+            for p in self.plots:
+                if self.x_mode == "time":
+                    item = pg.LinearRegionItem(
+                        (a, b), movable=False, brush=pg.mkBrush(*PAUSE_BRUSH), pen=pg.mkPen(None)
+                    )
+                else:
+                    item = pg.InfiniteLine(step, angle=90, movable=False, pen=pg.mkPen("#999", style=Qt.DotLine))
+                item.setZValue(-10)
+                item.setToolTip(f"paused at step {step} for {b - a:.1f} s")
+                p.addItem(item, ignoreBounds=True)
+                self._pause_items.append((p, item))
 
     def _draw_stack(self, x: np.ndarray, tr: Series) -> None:
         present = [p for p in PHASES if f"phase/{p}" in tr.columns]
@@ -369,18 +541,30 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                 x = p.vb.mapSceneToView(pos).x()
                 self.show_values_at(x)
                 return
+        self.clear_values()
+
+    def leaveEvent(self, ev) -> None:
+        super().leaveEvent(ev)
+        self.clear_values()
+
+    def clear_values(self) -> None:
+        """The mouse left the plots: no crosshair, and the header names the run again."""
+        if any(line.isVisible() for line in self._lines):
+            for line in self._lines:
+                line.setVisible(False)
+            self.header.setText(self.title_text, size="9pt")
 
     def show_values_at(self, x: float) -> str:
-        """Move every plot's crosshair to ``x`` and show every curve's value there in the header."""
+        """Move every plot's crosshair to ``x`` and show every curve's value there, named, with units."""
         for line in self._lines:
             line.setPos(x)
             line.setVisible(True)
         d = self.data
-        parts = [f"{'step' if self.x_mode == 'step' else 't'} {x:,.1f}"]
+        parts = [f"step {x:,.0f}" if self.x_mode == "step" else f"elapsed {x:,.1f} s"]
         for series, keys in (
-            (d.train, ["loss"] + [f"loss/{dev}" for dev in d.devices] + ["samples_per_s"]),
+            (d.train, ["loss"] + [f"loss/{dev}" for dev in d.devices] + ["samples_per_s", "lr", "grad_norm"]),
             (d.eval, ["val_loss"] + [f"metric/{m}" for m in d.metric_names]),
-            (d.telemetry, d.telemetry.names("util/") + d.telemetry.names("mem/")),
+            (d.telemetry, d.telemetry.names("util/") + d.telemetry.names("mem/") + ["rss_mb"]),
         ):
             if not series.rows:
                 continue
@@ -391,7 +575,9 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             for k in keys:
                 v = series.get(k)[i]
                 if np.isfinite(v):
-                    parts.append(f"{k.replace('loss/', '').replace('metric/', '')} {v:.4g}")
+                    name, unit = describe(k)
+                    value = f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+                    parts.append(f"{name} {value}{' ' + unit if unit else ''}")
         text = " · ".join(parts)
         self.header.setText(text, size="9pt")
         return text
