@@ -160,20 +160,25 @@ class RunData:
         return [k.split("/", 1)[1] for k in self.eval.names("metric/")]
 
     def write_csv(self, path: str | Path) -> int:
-        """Every logged train step with its columns, validation values joined on step; returns rows."""
+        """Every logged train step with its columns, validation values joined on step, and the latest
+        telemetry sample at that step's time (utilization, memory, power, temperature); returns rows."""
         train_cols = [k for k in self.train.columns if k not in ("step", "wall_time")]
         eval_cols = [k for k in self.eval.columns if k not in ("step", "wall_time")]
+        tele_cols = [k for k in self.telemetry.columns if k not in ("step", "wall_time")]
         eval_by_step = {}
         steps = self.eval.get("step")
         for i, s in enumerate(steps):
             eval_by_step[int(s)] = {k: self.eval.get(k)[i] for k in eval_cols}
         with open(path, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
-            w.writerow(["step", "wall_time", "elapsed_s", *train_cols, *eval_cols])
+            w.writerow(["step", "wall_time", "elapsed_s", *train_cols, *eval_cols, *tele_cols])
             t0 = self.t0 or 0.0
             tsteps, twall = self.train.get("step"), self.train.get("wall_time")
+            # the telemetry sample each train row saw last (none before the first sample)
+            tele_at = np.searchsorted(self.telemetry.get("wall_time"), twall, side="right") - 1
             for i in range(self.train.rows):
                 ev = eval_by_step.get(int(tsteps[i]), {})
+                j = int(tele_at[i]) if self.telemetry.rows else -1
                 w.writerow(
                     [
                         int(tsteps[i]),
@@ -181,6 +186,7 @@ class RunData:
                         f"{twall[i] - t0:.3f}",
                         *(_fmt(self.train.get(k)[i]) for k in train_cols),
                         *(_fmt(ev.get(k, math.nan)) for k in eval_cols),
+                        *(_fmt(self.telemetry.get(k)[j] if j >= 0 else math.nan) for k in tele_cols),
                     ]
                 )
         return self.train.rows

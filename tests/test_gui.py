@@ -69,12 +69,17 @@ def test_two_lanes_run_plots_every_logged_point_of_every_device(qtbot, window):
     assert window.start_btn.isEnabled() and not window.stop_btn.isEnabled()
 
 
-def test_export_png_svg_csv_from_the_app(qtbot, window, tmp_path):
+def test_export_png_svg_pdf_csv_from_the_app(qtbot, window, tmp_path):
     configure(window, steps=12, log_every=1)
-    start_and_wait(qtbot, window)
-    files = window.export(str(tmp_path / "out"), ["png", "svg", "csv"], width=900, bundle=True)
+    result = start_and_wait(qtbot, window)
+    files = window.export(str(tmp_path / "out"), ["png", "svg", "pdf", "csv"], width=900, bundle=True)
     names = {f.name for f in files}
-    assert {"loss.png", "plots.png", "loss.svg", "metrics.csv", "config.json", "environment.json"} <= names
+    assert {"loss.png", "plots.png", "loss.svg", "loss.pdf", "plots.svg", "metrics.csv"} <= names
+    assert {"config.json", "environment.json"} <= names
+    svg_text = " ".join(
+        t.text or "" for t in ET.parse(tmp_path / "out" / "loss.svg").getroot().iter() if t.tag.endswith("text")
+    )
+    assert Path(result["run_dir"]).name in svg_text and "step" in svg_text and "loss" in svg_text
     img = QImage(str(tmp_path / "out" / "loss.png"))
     assert img.width() == 900
     colors = {img.pixel(x, y) for x in range(0, img.width(), 7) for y in range(0, img.height(), 7)}
@@ -86,13 +91,11 @@ def test_export_png_svg_csv_from_the_app(qtbot, window, tmp_path):
     assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 13))
 
 
-def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path, monkeypatch):
-    # pyqtgraph's own "Export..." (its SVG exporter breaks with PySide6 6.12) is replaced by the app's.
-    # The two modal dialogs it opens are answered here, as pytest-qt's documentation recommends.
-    from PySide6.QtWidgets import QFileDialog, QInputDialog
-
+def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path):
+    # pyqtgraph's own "Export..." (its SVG exporter breaks with PySide6 6.12) is replaced by the app's,
+    # which asks once: folder (starting in the run's folder), PNG width and formats in one dialog.
     configure(window, steps=8, log_every=1)
-    start_and_wait(qtbot, window)
+    result = start_and_wait(qtbot, window)
     # the menu pyqtgraph assembles on a right click in a plot (its own items, then the scene's)
     from types import SimpleNamespace
 
@@ -100,16 +103,22 @@ def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path, m
 
     menu = window.plots.scene().addParentContextMenus(window.plots.loss.vb, QMenu(), SimpleNamespace(acceptedItem=None))
     texts = [a.text() for a in menu.actions()]
-    assert "Export plots and CSV…" in texts and "Export bundle…" in texts
+    assert "Export figures and CSV…" in texts and "Export bundle…" in texts
     assert "Export..." not in texts
-    out = tmp_path / "from-menu"
-    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(out))
-    monkeypatch.setattr(QInputDialog, "getInt", lambda *a, **k: (1000, True))
     window.plots.export_actions[0].trigger()
+    dialog = window.export_box
+    assert dialog.isVisible() and dialog.folder.text() == str(Path(result["run_dir"]) / "export")
+    out = tmp_path / "from-menu"
+    dialog.folder.setText(str(out))
+    dialog.width.setValue(1000)
+    dialog.formats["pdf"].setChecked(False)
+    dialog.accept()
     assert QImage(str(out / "loss.png")).width() == 1000
     assert ET.parse(out / "loss.svg").getroot().tag.endswith("svg")
+    assert not (out / "loss.pdf").exists()
     assert len((out / "metrics.csv").read_text().splitlines()) == 1 + 8
-    assert "Exported" in window.statusBar().currentMessage()
+    assert "Exported" in window.note_label.text()
+    assert "Finished at step 8" in window.status_label.text()  # the final state stays in view
 
 
 def test_export_to_an_unwritable_place_reports_and_keeps_the_run(qtbot, window, tmp_path):
@@ -225,7 +234,7 @@ def test_a_task_that_raises_in_forward_shows_the_error_and_the_next_run_works(qt
     assert result["status"] == "failed"
     assert "Caught ValueError in replica" in result["message"] and "my model is broken" in result["message"]
     assert window.error_box.isVisible() and "my model is broken" in window.error_box.detailedText()
-    assert "Failed at step 0" in window.status_label.text()
+    assert "Failed: task broken, step 1:" in window.status_label.text()
     window.error_box.close()
     configure(window, task="linear", steps=5, log_every=1)
     assert start_and_wait(qtbot, window)["status"] == "finished"
@@ -301,8 +310,9 @@ def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
     from multilane.gui.smoothing import ema
 
     assert list(smoothed) == pytest.approx(list(ema(np.array(raw_before), 0.8)))
-    legend = [label.text for _, label in window.plots.loss.legend.items]
-    assert sorted(legend) == ["combined", "cpu:0", "cpu:1", "validation"]  # one entry each, none lost
+    key = window.plots.key.text
+    assert all(key.count(name) == 1 for name in ("combined", "cpu:0", "cpu:1", "validation", "smoothed"))
+    assert window.plots.loss.legend is None  # no legend on the data
     assert sorted(k for k in window.plots._curves if k.startswith("loss")) == ["loss", "loss/cpu:0", "loss/cpu:1"]
     lane1 = window.plots.data.train.get("loss/cpu:1")
     assert list(window.plots._curves["loss/cpu:1"].yData) == pytest.approx(list(ema(lane1, 0.8)))
