@@ -576,7 +576,10 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                 v = series.get(k)[i]
                 if np.isfinite(v):
                     name, unit = describe(k)
-                    value = f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+                    if unit in ("%", "W", "°C") or abs(v) >= 1000:
+                        value = f"{v:,.0f}"
+                    else:
+                        value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
                     parts.append(f"{name} {value}{' ' + unit if unit else ''}")
         text = " · ".join(parts)
         self.header.setText(text, size="9pt")

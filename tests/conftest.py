@@ -29,3 +29,20 @@ def _torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    """The app's main window, offscreen, with its own settings file and runs folder, two CPU lanes."""
+    from multilane.gui.main_window import MainWindow
+    from PySide6.QtCore import QSettings
+
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat)
+    w = MainWindow(settings)
+    qtbot.addWidget(w)
+    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
+    w.form.editors["telemetry.record_s"].widget.setText("0.2")
+    w.devices.set_checked(["cpu:0", "cpu:1"])
+    yield w
+    if w.is_running():
+        w.run.stop_and_wait()

@@ -21,6 +21,7 @@ from multilane.gui.run_data import RunData
 from PIL import Image
 
 WIDTH = 1400
+TELEMETRY = ["--set", "telemetry.record_s=0.1"]
 
 
 def synthetic_run(name="demo-run", steps=60, devices=("cpu:0", "cpu:1"), scale=1.0) -> RunData:
@@ -143,8 +144,19 @@ def test_multilane_export_needs_no_qt_and_makes_every_file(tmp_path):
     # A tiny real run, then `multilane export` in a process that must never import Qt.
     runs = tmp_path / "runs"
     r = subprocess.run(
-        [*CLI, "train", "--task", "mlp", "--steps", "60", "--devices", "cpu:0,cpu:1", "--runs-dir", str(runs)]
-        + ["--set", "telemetry.record_s=0.1"],
+        [
+            *CLI,
+            "train",
+            "--task",
+            "mlp",
+            "--steps",
+            "60",
+            "--devices",
+            "cpu:0,cpu:1",
+            "--runs-dir",
+            str(runs),
+            *TELEMETRY,
+        ],
         capture_output=True,
         text=True,
         timeout=180,

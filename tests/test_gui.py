@@ -19,19 +19,6 @@ from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QImage
 
 
-@pytest.fixture
-def window(qtbot, tmp_path):
-    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat)
-    w = MainWindow(settings)
-    qtbot.addWidget(w)
-    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
-    w.form.editors["telemetry.record_s"].widget.setText("0.2")
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    yield w
-    if w.is_running():
-        w.run.stop_and_wait()
-
-
 def configure(w, task="linear", steps=20, log_every=2, eval_every=10):
     w.form.set_task(task)
     w.form.editors["train.steps"].widget.setValue(steps)
@@ -279,7 +266,7 @@ def test_open_a_past_run_and_overlay_another(qtbot, window):
     assert overlay.name == Path(second).name
     assert len(loss_item.yData) == 8
     text = window.plots.show_values_at(3)
-    assert "step 3.0" in text and "loss" in text and "cpu:0" in text
+    assert text.startswith("step 3 ·") and "train loss" in text and "cpu:0 loss" in text
 
 
 def test_presets_and_the_remembered_config(qtbot, window, tmp_path):
