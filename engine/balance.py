@@ -27,7 +27,7 @@ def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None
                 if v < IMBALANCE_RATIO * best:
                     out.append(
                         f"cuda:{i} ({props[i]['model']}) has {v:,} {what} against {best:,} on the best chosen GPU: "
-                        "an even split waits for it every step; give it a smaller share (devices.weights)"
+                        "an even split waits for it every step; give it a smaller share (the app's share column; devices.weights in a config)"
                     )
     cpu_lanes = [d for d in devices if not d.is_cuda]
     cores = os.cpu_count() or 1

@@ -31,6 +31,18 @@ from PySide6.QtWidgets import (
 INVALID_STYLE = "border: 1px solid #d62728; background: #fff0f0;"
 CUSTOM = "Custom task file…"
 HIDDEN = {("task", "params"), ("task", "name"), ("devices", "use"), ("devices", "weights"), ("devices", "output")}
+# Sections in the order a user fills them in: how long to train first, housekeeping last.
+ORDER = ["train", "data", "optim", "schedule", "run", "telemetry"]
+# Fields that only some choices use: (field, the field that decides, the values it applies to).
+APPLIES = {
+    "optim.momentum": ("optim.name", {"sgd"}),
+    "optim.nesterov": ("optim.name", {"sgd"}),
+    "optim.beta1": ("optim.name", {"adam", "adamw"}),
+    "optim.beta2": ("optim.name", {"adam", "adamw"}),
+    "schedule.min_lr_ratio": ("schedule.kind", {"cosine"}),
+    "schedule.step_size": ("schedule.kind", {"step"}),
+    "schedule.gamma": ("schedule.kind", {"step"}),
+}
 TITLES = {
     "data": "Data",
     "optim": "Optimizer",
@@ -145,9 +157,11 @@ class ConfigForm(QWidget):
         self.task_error = ""
         layout.addWidget(task_box)
 
-        for section, sfield in RunConfig.model_fields.items():
-            if section in ("task", "devices"):
+        sections = RunConfig.model_fields
+        for section in [*ORDER, *(k for k in sections if k not in ORDER)]:
+            if section in ("task", "devices") or section not in sections:
                 continue
+            sfield = sections[section]
             box = QGroupBox(TITLES.get(section, section))
             form = QFormLayout(box)
             form.setFieldGrowthPolicy(QFormLayout.AllNonFixedFieldsGrow)
@@ -206,8 +220,23 @@ class ConfigForm(QWidget):
 
     # -- values ----------------------------------------------------------------------------------
     def _changed(self, *_: Any) -> None:
+        self._update_applicable()
         if not self._loading:
             self.changed.emit()
+
+    def _update_applicable(self) -> None:
+        """Grey out what the chosen optimizer, schedule or budget does not use."""
+        for key, (decider, values) in APPLIES.items():
+            ed, choice = self.editors.get(key), self.editors.get(decider)
+            if ed is not None and choice is not None:
+                on = choice.get() in values
+                ed.widget.setEnabled(on)
+                ed.widget.setToolTip(ed.description + ("" if on else f" (not used with {decider} = {choice.get()})"))
+        epochs, steps = self.editors.get("train.epochs"), self.editors.get("train.steps")
+        if epochs is not None and steps is not None:
+            on = steps.get() is None
+            epochs.widget.setEnabled(on)
+            epochs.widget.setToolTip(epochs.description + ("" if on else " (not used: steps is set)"))
 
     def set_config(self, cfg: RunConfig) -> None:
         self._loading = True
@@ -219,6 +248,7 @@ class ConfigForm(QWidget):
             self.set_task(cfg.task.name, cfg.task.params)
         finally:
             self._loading = False
+        self._update_applicable()
         self.changed.emit()
 
     def values(self) -> dict[str, Any]:
