@@ -278,6 +278,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_app() -> int:
+    from multilane.gui.platform_check import window_problem
+
+    problem = window_problem()  # before Qt, which would abort with a message naming one library
+    if problem:
+        raise UserError(problem)
     try:
         from multilane.gui.app import main as app_main
     except ImportError as e:
