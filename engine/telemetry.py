@@ -153,7 +153,7 @@ class TelemetrySampler:
                 self.warned.add("memory")
                 out.append(
                     f"output device {self.output_name} uses {ahead:,.0f} MiB, the others about {typical:,.0f} MiB: "
-                    "it holds the gathered outputs and the original model; give it a smaller share (devices.weights)"
+                    "it holds the gathered outputs and the original model; give it a smaller share (the app's share column; devices.weights in a config)"
                 )
         load = {k: (v.get("busy_pct") or v.get("util_pct") or {}).get("mean") for k, v in devs.items()}
         load = {k: v for k, v in load.items() if v is not None}
@@ -164,7 +164,7 @@ class TelemetrySampler:
                 self.warned.add("busy")
                 out.append(
                     f"{low_name} is busy {low:.0f}% of the time against {top:.0f}% on the busiest device: "
-                    "an uneven split or a slower device; adjust devices.weights"
+                    "an uneven split or a slower device; adjust its share (the app's share column; devices.weights in a config)"
                 )
         return out
 

@@ -31,6 +31,7 @@ class DevicePicker(QWidget):
 
     def __init__(self, parent=None, max_cpu_lanes: int = 8) -> None:
         super().__init__(parent)
+        self.cpu_pct = 0.0  # the whole CPU's load, between runs (update_idle)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         self.tree = QTreeWidget()
@@ -147,10 +148,10 @@ class DevicePicker(QWidget):
     def update_idle(self) -> None:
         """Refresh the util column from the machine (between runs).
 
-        A CPU lane is busy only during a run, so between runs its cell is empty and the whole CPU's
-        load is shown once, in the column's header, not repeated on every lane."""
+        A CPU lane is busy only during a run, so between runs its cell is empty; the whole CPU's load
+        (``cpu_pct``) is shown once, by the window, not repeated on every lane."""
         per_cpu = psutil.cpu_percent(None)
-        has_cpu = False
+        self.cpu_pct = per_cpu
         for item, _, d in self.items:
             if d.is_cuda and self._nvml is not None:
                 r = self._nvml.read(d.index)
@@ -159,16 +160,12 @@ class DevicePicker(QWidget):
                     item.setText(3, f"{r['util_pct']:.0f}%")
                     item.setText(2, used)
             elif not d.is_cuda:
-                has_cpu = True
                 item.setText(3, "–")
-                item.setToolTip(3, "a CPU lane's busy %, during a run; the header shows the whole CPU between runs")
-        header = self.tree.headerItem()
-        header.setText(3, f"util (CPU {per_cpu:.0f}%)" if has_cpu else "util")
+                item.setToolTip(3, "a CPU lane's busy %, during a run")
 
     def update_from_telemetry(self, rec: dict[str, Any]) -> None:
         """During a run: each device's utilization, or a CPU lane's busy %; "–" on devices not in the run."""
         devs = rec.get("devices", {})
-        self.tree.headerItem().setText(3, "util")
         for item, _, d in self.items:
             r = devs.get(d.name)
             if not r:

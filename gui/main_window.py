@@ -79,7 +79,8 @@ class MainWindow(QMainWindow):
         self.form = ConfigForm()
         left_inner = QWidget()
         lv = QVBoxLayout(left_inner)
-        lv.addWidget(QLabel("<b>Devices</b>"))
+        self.devices_label = QLabel("<b>Devices</b>")
+        lv.addWidget(self.devices_label)
         lv.addWidget(self.devices)
         lv.addWidget(self.form)
         scroll = QScrollArea()
@@ -428,6 +429,7 @@ class MainWindow(QMainWindow):
     def _idle_tick(self) -> None:
         if not self.is_running():
             self.devices.update_idle()
+            self.devices_label.setText(f"<b>Devices</b> &nbsp; CPU {self.devices.cpu_pct:.0f}% busy")
 
     # -- files -----------------------------------------------------------------------------------------
     def open_run(self, path: str, compare: bool = False) -> bool:
@@ -577,7 +579,8 @@ class MainWindow(QMainWindow):
 
     def note(self, text: str, ms: int = 15_000) -> None:
         """A passing note at the status bar's right; the run's state on the left stays visible."""
-        self.note_label.setText(text)
+        width = max(200, self.width() // 2)
+        self.note_label.setText(self.note_label.fontMetrics().elidedText(text, Qt.ElideRight, width))
         self.note_label.setToolTip(text)
         self._note_timer.start(ms)
 

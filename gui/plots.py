@@ -41,6 +41,33 @@ def _curve(
     return item
 
 
+class _WrappingLabel(pg.LabelItem):
+    """A label that wraps at the panel's width. pyqtgraph's own takes its text's full width as its
+    minimum, so a long hover line widened the whole layout and pushed the right-hand plots out of view."""
+
+    min_lines = 1
+
+    def updateMin(self) -> None:
+        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes
+        line = self.item.document().documentLayout().blockBoundingRect(self.item.document().begin()).height()
+        h = max(self.itemRect().height(), self.min_lines * line if self.text else 0)
+        self.setMinimumWidth(10)
+        self.setMinimumHeight(h)
+        self._sizeHint = {
+            Qt.SizeHint.MinimumSize: (10, h),
+            Qt.SizeHint.PreferredSize: (10, h),
+            Qt.SizeHint.MaximumSize: (-1, -1),
+            Qt.SizeHint.MinimumDescent: (0, 0),
+        }
+        self.updateGeometry()
+
+    def resizeEvent(self, ev) -> None:
+        width = max(10.0, self.width())
+        if abs(self.item.textWidth() - width) > 0.5:
+            self.item.setTextWidth(width)
+        super().resizeEvent(ev)
+
+
 def _swatch(color: str, dashed: bool = False) -> str:
     return f'<span style="color:{color}; font-weight:bold;">{"╍╍" if dashed else "━━"}</span>'
 
@@ -79,41 +106,49 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self._pause_items: list = []
         self._pause_state: tuple = ()
         self._memory_title = ""
-        self._memory_top = 0.0
+        self._tops: dict[int, float] = {}  # y top of the plots whose axis starts at zero
+        self._grad_title = "Gradient norm"
         self.power: pg.PlotItem | None = None
         self.temperature: pg.PlotItem | None = None
 
-        self.header = self.addLabel("", row=0, col=0, colspan=2, justify="left")
-        self.key = self.addLabel("", row=1, col=0, colspan=2, justify="left")
-        self.loss = self.addPlot(row=2, col=0, colspan=2)
+        self.header = _WrappingLabel("", justify="left")
+        self.header.min_lines = 2
+        self.addItem(self.header, row=0, col=0, colspan=3)
+        self.key = _WrappingLabel("", justify="left")
+        self.addItem(self.key, row=1, col=0, colspan=3)
+        # The loss, as wide and tall as the panel allows; three small plots a row under it, so that
+        # at 1024×700 the loss still gets most of the height.
+        self.loss = self.addPlot(row=2, col=0, colspan=3)
         self.metric = self.addPlot(row=3, col=0)
         self.throughput = self.addPlot(row=3, col=1)
-        self.lr = self.addPlot(row=4, col=0)
-        self.grad_norm = self.addPlot(row=4, col=1)
-        self.util = self.addPlot(row=5, col=0)
-        self.memory = self.addPlot(row=5, col=1)
-        self.phases = self.addPlot(row=6, col=0, colspan=2)
+        self.lr = self.addPlot(row=3, col=2)
+        self.util = self.addPlot(row=4, col=0)
+        self.memory = self.addPlot(row=4, col=1)
+        self.grad_norm = self.addPlot(row=4, col=2)
+        self.phases = self.addPlot(row=5, col=0, colspan=3)
         phase_key = " ".join(f"{_swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
         titles = [
             "Loss",
             "Validation metric",
             "Throughput (samples/s)",
             "Learning rate",
-            "Gradient norm (before clipping)",
-            "Utilization / CPU lane busy (%)",
+            "Utilization (%)",
             "Memory (MiB)",
-            f"Step time split (ms, stacked) &nbsp; {phase_key}",
+            "Gradient norm",
+            f"Step time (ms) &nbsp; {phase_key}",
         ]
-        self.ci.layout.setRowStretchFactor(2, 3)
+        self.ci.layout.setRowStretchFactor(2, 5)
         for r in (3, 4, 5, 6):
             self.ci.layout.setRowStretchFactor(r, 2)
         self.plots: list[pg.PlotItem] = []
         self._lines = []
-        plots = [self.loss, self.metric, self.throughput, self.lr, self.grad_norm, self.util, self.memory, self.phases]
+        plots = [self.loss, self.metric, self.throughput, self.lr, self.util, self.memory, self.grad_norm, self.phases]
         for p, title in zip(plots, titles, strict=True):
             self._style_plot(p, title)
         self.util.setYRange(0, 100)
-        self.memory.enableAutoRange(axis="y", enable=False)  # from zero, set in refresh()
+        self.zero_based = (self.memory, self.lr)  # y from zero, set in refresh(): see _from_zero
+        for p in self.zero_based:
+            p.enableAutoRange(axis="y", enable=False)
         self._set_x_label()
         self._proxy = pg.SignalProxy(self.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
         # The right-click menu's "Export..." is pyqtgraph's dialog, whose SVG exporter raises ValueError
@@ -185,7 +220,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.overlays.clear()
         self._key_state = ()
         self._compare_state = False
-        self._memory_top = 0.0
+        self._tops.clear()
         self.data = data or RunData()
         self._x_span = None
         self._dirty = True
@@ -241,12 +276,12 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.auto_x = on
         self._x_span = None
         for p in self.plots:
-            if on and p not in (self.util, self.memory):
+            if on and p is not self.util and p not in self.zero_based:
                 p.enableAutoRange(axis="y")
             elif not on:
                 p.disableAutoRange()
         self.util.setYRange(0, 100, padding=0.02)  # a percentage: a fixed axis, never repainted for it
-        self._memory_top = 0.0
+        self._tops.clear()
         self._dirty = True
         self.refresh()
 
@@ -376,6 +411,13 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             for key, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
                 if key in tr.columns:
                     self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key))
+            if "lr" in tr.columns:
+                self._from_zero(self.lr, [tr.get("lr")])
+            # logged only where it costs nothing: when clipping computes it
+            title = "Gradient norm" if "grad_norm" in tr.columns else "Gradient norm (logged with grad clip > 0)"
+            if title != self._grad_title:
+                self._grad_title = title
+                self.grad_norm.setTitle(title, size="9pt")
             self._draw_stack(x, tr)
         if ev.rows:
             x = self._x(d, ev)
@@ -409,10 +451,10 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         x = self._x(d, te)
         names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
         if te.names("power/") and self.power is None:
-            self.power = self.addPlot(row=7, col=0)
+            self.power = self.addPlot(row=6, col=0)
             self._style_plot(self.power, "Power (W)")
         if te.names("temp/") and self.temperature is None:
-            self.temperature = self.addPlot(row=7, col=1)
+            self.temperature = self.addPlot(row=6, col=1)
             self._style_plot(self.temperature, "Temperature (°C)")
         for dev in names:
             color = self._device_color(dev)
@@ -429,18 +471,24 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         cpu_only = "rss_mb" in te.columns and not te.names("mem/")
         if cpu_only:  # CPU lanes: the process's memory
             self._show("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
-        title = "Process memory, RSS (MiB)" if cpu_only else "Memory (MiB): solid used, dashed allocated by torch"
+        title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
             self.memory.setTitle(title, size="9pt")
-        if self.auto_x:
-            # From zero, with headroom: an autoscaled axis made a 0.2 MiB wobble look like a cliff.
-            keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
-            tops = [np.nanmax(te.get(k)) for k in keys if np.isfinite(te.get(k)).any()]
-            top = max(tops, default=0.0)
-            if top > 0 and not (0.8 * self._memory_top <= top * 1.1 <= self._memory_top):
-                self._memory_top = top * 1.25
-                self.memory.setYRange(0, self._memory_top, padding=0)
+        keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
+        self._from_zero(self.memory, [te.get(k) for k in keys])
+
+    def _from_zero(self, plot: pg.PlotItem, columns: list[np.ndarray]) -> None:
+        """A y axis from zero with headroom, changed only when the data outgrows it (or shrinks a lot):
+        autoscaled, a flat 0.2 MiB wobble in memory looked like a cliff and a constant lr a wall."""
+        if not self.auto_x:
+            return
+        tops = [np.nanmax(c) for c in columns if len(c) and np.isfinite(c).any()]
+        top = max(tops, default=0.0)
+        shown = self._tops.get(id(plot), 0.0)
+        if top > 0 and not (0.5 * shown <= top <= shown / 1.05):
+            self._tops[id(plot)] = top * 1.25
+            plot.setYRange(0, top * 1.25, padding=0)
 
     def _restyle(self, comparing: bool) -> None:
         """Comparing runs: one colour per run (the shown run first), its devices hidden."""
@@ -580,7 +628,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                         value = f"{v:,.0f}"
                     else:
                         value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
-                    parts.append(f"{name} {value}{' ' + unit if unit else ''}")
+                    parts.append(f"{name} {value}{'' if unit in ('', '%') else ' '}{unit}")
         text = " · ".join(parts)
         self.header.setText(text, size="9pt")
         return text
