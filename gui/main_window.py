@@ -111,9 +111,8 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(scroll, "Setup")
         self.tabs.addTab(self.runs_table, "Runs")
-        self.tabs.currentChanged.connect(
-            lambda i: self.refresh_runs() if self.tabs.widget(i) is self.runs_table else None
-        )
+        self.tabs.currentChanged.connect(self._tab_changed)
+        self._setup_sizes: list[int] | None = None
         left_layout.addWidget(self.tabs, 1)
         left_layout.addWidget(self.why)
         left_layout.addLayout(buttons)
@@ -460,6 +459,18 @@ class MainWindow(QMainWindow):
         if not paths or not self.open_run(paths[0]):
             return False
         return all(self.open_run(p, compare=True) for p in paths[1:])
+
+    def _tab_changed(self, index: int) -> None:
+        """The runs table wants room for its columns: the left side widens while it is shown."""
+        if self.tabs.widget(index) is self.runs_table:
+            self.refresh_runs()
+            self._setup_sizes = self.splitter.sizes()
+            total = sum(self._setup_sizes)
+            left = max(self._setup_sizes[0], min(760, total // 2))
+            self.splitter.setSizes([left, total - left])
+        elif self._setup_sizes is not None:
+            self.splitter.setSizes(self._setup_sizes)
+            self._setup_sizes = None
 
     def refresh_runs(self) -> None:
         """Re-read the runs folder into the runs table."""
