@@ -193,18 +193,29 @@ def cmd_train(args: argparse.Namespace) -> int:
             # Another task's params would not fit this task's schema.
             base.setdefault("task", {})["params"] = {}
         config = build_config(merge(base, overrides), args.config or "config")
-    print("multilane: loading torch, data and model…", file=sys.stderr, flush=True)
+    from rich.console import Console
 
-    from multilane.engine.control import RunControl
-    from multilane.engine.progress import ProgressDisplay, summary
-    from multilane.engine.trainer import Trainer
+    # On a terminal, a spinner until the first step (imports, data and model take seconds); it goes
+    # away when the progress bar starts or an error is printed, so an error stays one line.
+    console = Console(stderr=True)
+    waiting = console.status("loading torch, data and model…") if console.is_terminal else None
+    if waiting is not None:
+        waiting.start()
+    try:
+        from multilane.engine.control import RunControl
+        from multilane.engine.progress import ProgressDisplay, summary
+        from multilane.engine.trainer import Trainer
 
-    control = RunControl()
-    progress = ProgressDisplay()
-    if config is None:
-        trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
-    else:
-        trainer = Trainer(config, callbacks=[progress], control=control)
+        control = RunControl()
+        progress = ProgressDisplay(console, waiting=waiting)
+        if config is None:
+            trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
+        else:
+            trainer = Trainer(config, callbacks=[progress], control=control)
+    except BaseException:
+        if waiting is not None:
+            waiting.stop()
+        raise
 
     def on_signal(signum: int, frame: Any) -> None:
         progress.console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
@@ -213,7 +224,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    finally:
+        progress.stop_waiting()
     print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
     if result.status == "failed":
         print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)

@@ -23,12 +23,13 @@ class ProgressDisplay(TrainerCallback):
 
     PLAIN_EVERY_S = 5.0
 
-    def __init__(self, console: Console | None = None) -> None:
+    def __init__(self, console: Console | None = None, waiting: Any = None) -> None:
         self.console = console or Console(stderr=True)
+        self._waiting = waiting  # a rich Status shown until training starts
         self.live = self.console.is_terminal
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=20),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
@@ -46,6 +47,7 @@ class ProgressDisplay(TrainerCallback):
         self._t_end: float | None = None
 
     def on_train_start(self, trainer: Trainer) -> None:
+        self.stop_waiting()
         self._t_train_start = time.time()
         self._total = trainer.total_steps
         lanes = ",".join(trainer.backend.lane_names)
@@ -99,7 +101,14 @@ class ProgressDisplay(TrainerCallback):
             elif not self.live:
                 self._plain(f"{record['event']} at step {record['step']}")
 
+    def stop_waiting(self) -> None:
+        """End the "loading…" spinner (idempotent)."""
+        if self._waiting is not None:
+            self._waiting.stop()
+            self._waiting = None
+
     def on_train_end(self, result: RunResult) -> None:
+        self.stop_waiting()
         self._t_end = time.time()
         if self.live:
             self.progress.stop()
