@@ -612,7 +612,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         for series, keys in (
             (d.train, ["loss"] + [f"loss/{dev}" for dev in d.devices] + ["samples_per_s", "lr", "grad_norm"]),
             (d.eval, ["val_loss"] + [f"metric/{m}" for m in d.metric_names]),
-            (d.telemetry, d.telemetry.names("util/") + d.telemetry.names("mem/") + ["rss_mb"]),
+            (d.telemetry, [n for k in ("util/", "mem/", "power/", "temp/") for n in d.telemetry.names(k)] + ["rss_mb"]),
         ):
             if not series.rows:
                 continue
@@ -628,7 +628,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                         value = f"{v:,.0f}"
                     else:
                         value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
-                    parts.append(f"{name} {value}{'' if unit in ('', '%') else ' '}{unit}")
+                    parts.append(f"{name} {value}{'' if unit in ('', '%', '°C') else ' '}{unit}")
         text = " · ".join(parts)
         self.header.setText(text, size="9pt")
         return text

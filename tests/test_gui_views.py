@@ -1,6 +1,7 @@
 """Telling runs apart and reading the plots right: the window, offscreen, driven as a user would."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,27 @@ def test_resume_from_a_run_folder_shows_its_earlier_curves_and_settings(qtbot, w
     wait_finished(qtbot, window, 60_000)
     steps = list(window.plots.data.train.get("step"))
     assert steps[0] <= 2 and steps == sorted(steps) and steps[-1] > stopped_at
+
+
+def test_gpu_power_and_temperature_plots_and_pause_bands_from_records(qtbot, window):
+    # Records as a GPU run writes them (no GPU here: the records are what NVML telemetry produces).
+    p = window.plots
+    t0 = 1_700_000_000.0
+    for s in range(1, 21):
+        p.add_record({"kind": "train", "step": s, "wall_time": t0 + s, "loss": 1 / s, "device_loss": {"cuda:0": 1 / s}})
+        dev = {"util_pct": {"mean": 90.0}, "mem_used_mb": 4000.0 + s, "power_w": 250.0, "temp_c": 70.0 + s / 10}
+        p.add_record({"kind": "telemetry", "wall_time": t0 + s + 0.5, "step": s, "devices": {"cuda:0": dev}})
+    p.add_record({"kind": "event", "event": "paused", "step": 10, "wall_time": t0 + 10.2})
+    p.add_record({"kind": "event", "event": "resumed", "step": 10, "wall_time": t0 + 14.0})
+    p.refresh()
+    assert p.power is not None and p.temperature is not None
+    assert list(p._curves["power/cuda:0"].yData[:3]) == [250.0] * 3
+    assert p.memory.vb.viewRange()[1][0] == pytest.approx(0)  # memory from zero, not from 4,001 MiB
+    assert len(p._pause_items) == len(p.plots)  # one dotted line per plot on the step axis
+    window.x_mode.setCurrentText("time")
+    p.refresh()
+    (region, *_) = [item for _, item in p._pause_items]
+    assert region.getRegion() == pytest.approx((9.2, 13.0))  # seconds since the first record
+    text = p.show_values_at(5)
+    assert "cuda:0 power 250 W" in text and re.search(r"cuda:0 temperature 7\d°C", text)
+    assert "cuda:0 utilization 90%" in text and "cuda:0 memory used 4,005.0 MiB" in text
