@@ -17,6 +17,7 @@ import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from multilane.engine.errors import UserError
 from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
 from multilane.gui.run_data import RunData
@@ -83,10 +84,16 @@ def _finish_axes(ax: Axes, opts: FigureOptions, ylabel: str, log_y: bool = False
         ax.set_yscale("log")
 
 
-def _legend(ax: Axes) -> None:
-    """Outside the axes, right of them: a legend there covers no data however the curves run."""
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
+def _legend(ax: Axes, handles: list | None = None, labels: list[str] | None = None) -> None:
+    """Outside the axes — right of them, or under them when the names are long: a legend there
+    covers no data however the curves run."""
+    if handles is None or labels is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    if max(len(label) for label in labels) > 22:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, borderaxespad=0.0)
+    else:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
@@ -175,7 +182,16 @@ def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None
             _validation(ax, run, opts, color, f"{run.name} (validation)")
         _finish_axes(ax, opts, "loss", log_y=opts.log_y and _positive(runs))
         _title(fig, ax, f"Loss · {len(runs)} runs compared", None, opts.smoothing)
-        _legend(ax)
+        # one entry per run, and what solid and dashed mean once, not a validation entry per run
+        handles = [Line2D([], [], color=series_color(i), linewidth=1.8) for i in range(len(runs))]
+        labels = [r.name for r in runs]
+        if any(r.eval.rows for r in runs):
+            handles += [
+                Line2D([], [], color="#555", linewidth=1.8),
+                Line2D([], [], color="#555", linestyle=(0, (4, 2))),
+            ]
+            labels += ["train (solid)", "validation (dashed)"]
+        _legend(ax, handles, labels)
     return fig
 
 
@@ -196,7 +212,11 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
     if ev.rows and run.metric_names:
         xe = x_values(run, ev, opts.x_mode)
         curves = [
-            (xe, ev.get(f"metric/{m}"), {"color": series_color(i + 2), "label": m, "marker": "o", "ms": 3})
+            (
+                xe,
+                ev.get(f"metric/{m}"),
+                {"color": NEUTRAL if i == 0 else series_color(i), "label": m, "marker": "o", "ms": 3},
+            )
             for i, m in enumerate(run.metric_names)
         ]
         panels.append(("Validation metric", ", ".join(run.metric_names), curves, False))
