@@ -202,8 +202,11 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
     panels: list[tuple[str, str, list[tuple[np.ndarray, np.ndarray, dict]], bool]] = []
     if tr.rows:
         x = x_values(run, tr, opts.x_mode)
-        curves = [(x, tr.get(f"loss/{d}"), {"color": series_color(i), "label": d}) for i, d in enumerate(run.devices)]
-        curves.append((x, tr.get("loss"), {"color": COMBINED, "linewidth": 2.0, "label": "combined"}))
+        smooth = (lambda y: ema(y, opts.smoothing)) if opts.smoothing > 0 else (lambda y: y)
+        curves = [
+            (x, smooth(tr.get(f"loss/{d}")), {"color": series_color(i), "label": d}) for i, d in enumerate(run.devices)
+        ]
+        curves.append((x, smooth(tr.get("loss")), {"color": COMBINED, "linewidth": 2.0, "label": "combined"}))
         if ev.rows:
             xe = x_values(run, ev, opts.x_mode)
             style = {"color": VALIDATION, "linestyle": (0, (4, 2)), "label": "validation"}
