@@ -13,8 +13,9 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
 from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
+from multilane.gui.plot_items import WrappingLabel, make_curve, swatch
 from multilane.gui.run_data import RunData, Series
-from multilane.gui.run_view import X_LABELS, describe, pause_spans, x_values
+from multilane.gui.run_view import X_LABELS, pause_spans, values_at, x_values
 from multilane.gui.smoothing import EmaCache
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont
@@ -29,47 +30,6 @@ GRID_COLOR = "#e8e8e8"
 pg.setConfigOptions(antialias=False, background="w", foreground="#333")
 _TICK_FONT = QFont()
 _TICK_FONT.setPointSize(8)
-
-
-def _curve(
-    plot: pg.PlotItem, color: str, name: str | None = None, width: float = 1.5, style=Qt.SolidLine, alpha: int = 255
-) -> pg.PlotDataItem:
-    c = pg.mkColor(color)
-    c.setAlpha(alpha)
-    # Width-1 pens for dense curves: wider lines cost Qt's raster engine twice the time.
-    item = plot.plot([], [], pen=pg.mkPen(c, width=width, style=style), name=name, connect="finite")
-    return item
-
-
-class _WrappingLabel(pg.LabelItem):
-    """A label that wraps at the panel's width. pyqtgraph's own takes its text's full width as its
-    minimum, so a long hover line widened the whole layout and pushed the right-hand plots out of view."""
-
-    min_lines = 1
-
-    def updateMin(self) -> None:
-        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes
-        line = self.item.document().documentLayout().blockBoundingRect(self.item.document().begin()).height()
-        h = max(self.itemRect().height(), self.min_lines * line if self.text else 0)
-        self.setMinimumWidth(10)
-        self.setMinimumHeight(h)
-        self._sizeHint = {
-            Qt.SizeHint.MinimumSize: (10, h),
-            Qt.SizeHint.PreferredSize: (10, h),
-            Qt.SizeHint.MaximumSize: (-1, -1),
-            Qt.SizeHint.MinimumDescent: (0, 0),
-        }
-        self.updateGeometry()
-
-    def resizeEvent(self, ev) -> None:
-        width = max(10.0, self.width())
-        if abs(self.item.textWidth() - width) > 0.5:
-            self.item.setTextWidth(width)
-        super().resizeEvent(ev)
-
-
-def _swatch(color: str, dashed: bool = False) -> str:
-    return f'<span style="color:{color}; font-weight:bold;">{"╍╍" if dashed else "━━"}</span>'
 
 
 class PlotPanel(pg.GraphicsLayoutWidget):
@@ -111,10 +71,10 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.power: pg.PlotItem | None = None
         self.temperature: pg.PlotItem | None = None
 
-        self.header = _WrappingLabel("", justify="left")
+        self.header = WrappingLabel("", justify="left")
         self.header.min_lines = 2
         self.addItem(self.header, row=0, col=0, colspan=3)
-        self.key = _WrappingLabel("", justify="left")
+        self.key = WrappingLabel("", justify="left")
         self.addItem(self.key, row=1, col=0, colspan=3)
         # The loss, as wide and tall as the panel allows; three small plots a row under it, so that
         # at 1024×700 the loss still gets most of the height.
@@ -126,7 +86,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.memory = self.addPlot(row=4, col=1)
         self.grad_norm = self.addPlot(row=4, col=2)
         self.phases = self.addPlot(row=5, col=0, colspan=3)
-        phase_key = " ".join(f"{_swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
+        phase_key = " ".join(f"{swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
         titles = [
             "Loss",
             "Validation metric",
@@ -234,8 +194,8 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         """Compare with a past run: each run in its own colour, train loss solid, validation dashed."""
         color = series_color(len(self.overlays) + 1)  # the shown run is the first colour
         items = [
-            _curve(self.loss, color, run.name, width=2),
-            _curve(self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2),
+            make_curve(self.loss, color, run.name, width=2),
+            make_curve(self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2),
         ]
         self.overlays.append((run, items))
         self._x_span = None
@@ -331,7 +291,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
     def _item(self, key: str, plot: pg.PlotItem, color: str, name: str, **kw) -> pg.PlotDataItem:
         item = self._curves.get(key)
         if item is None:
-            item = self._curves[key] = _curve(plot, color, name, **kw)
+            item = self._curves[key] = make_curve(plot, color, name, **kw)
         return item
 
     def _show(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
@@ -363,7 +323,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         raw = self._raw.get(key)
         if self.smoothing > 0:
             if raw is None:
-                raw = self._raw[key] = _curve(plot, color, None, width=1, alpha=60)
+                raw = self._raw[key] = make_curve(plot, color, None, width=1, alpha=60)
                 raw.setZValue(-1)
             self._show(f"raw|{key}", raw, x, y)
             raw.setVisible(True)
@@ -517,14 +477,14 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             return
         self._key_state = state
         if runs:
-            parts = [f"{_swatch(series_color(i))} {name}" for i, name in enumerate((d.name, *runs))]
-            parts.append(f"{_swatch('#555', dashed=True)} validation (same colour)")
+            parts = [f"{swatch(series_color(i))} {name}" for i, name in enumerate((d.name, *runs))]
+            parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
         else:
-            parts = [f"{_swatch(self._device_color(dev))} {dev}" for dev in d.devices]
+            parts = [f"{swatch(self._device_color(dev))} {dev}" for dev in d.devices]
             if d.train.rows:
-                parts.append(f"{_swatch(COMBINED)} combined")
+                parts.append(f"{swatch(COMBINED)} combined")
             if d.eval.rows:
-                parts.append(f"{_swatch(VALIDATION, dashed=True)} validation")
+                parts.append(f"{swatch(VALIDATION, dashed=True)} validation")
         if self.smoothing > 0 and parts:
             parts.append("(smoothed; raw faint)")
         self.key.setText(" &nbsp; ".join(parts), size="9pt")
@@ -607,28 +567,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         for line in self._lines:
             line.setPos(x)
             line.setVisible(True)
-        d = self.data
-        parts = [f"step {x:,.0f}" if self.x_mode == "step" else f"elapsed {x:,.1f} s"]
-        for series, keys in (
-            (d.train, ["loss"] + [f"loss/{dev}" for dev in d.devices] + ["samples_per_s", "lr", "grad_norm"]),
-            (d.eval, ["val_loss"] + [f"metric/{m}" for m in d.metric_names]),
-            (d.telemetry, [n for k in ("util/", "mem/", "power/", "temp/") for n in d.telemetry.names(k)] + ["rss_mb"]),
-        ):
-            if not series.rows:
-                continue
-            xs = self._x(d, series)
-            i = int(np.clip(np.searchsorted(xs, x), 0, series.rows - 1))
-            if i > 0 and abs(xs[i - 1] - x) < abs(xs[i] - x):
-                i -= 1
-            for k in keys:
-                v = series.get(k)[i]
-                if np.isfinite(v):
-                    name, unit = describe(k)
-                    if unit in ("%", "W", "°C") or abs(v) >= 1000:
-                        value = f"{v:,.0f}"
-                    else:
-                        value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
-                    parts.append(f"{name} {value}{'' if unit in ('', '%', '°C') else ' '}{unit}")
-        text = " · ".join(parts)
+        text = values_at(self.data, x, self.x_mode)
         self.header.setText(text, size="9pt")
         return text

@@ -68,3 +68,30 @@ def describe(key: str) -> tuple[str, str]:
         return f"{dev} {name}", UNITS[head]
     name = LABELS.get(key, key).split(" (")[0]
     return name, UNITS.get(key, "")
+
+
+def values_at(run: RunData, x: float, x_mode: str) -> str:
+    """Every logged value at ``x`` (the nearest record of each kind), named, with its unit: the hover line."""
+    parts = [f"step {x:,.0f}" if x_mode == "step" else f"elapsed {x:,.1f} s"]
+    te = run.telemetry
+    for series, keys in (
+        (run.train, ["loss", *(f"loss/{dev}" for dev in run.devices), "samples_per_s", "lr", "grad_norm"]),
+        (run.eval, ["val_loss", *(f"metric/{m}" for m in run.metric_names)]),
+        (te, [*(n for k in ("util/", "mem/", "power/", "temp/") for n in te.names(k)), "rss_mb"]),
+    ):
+        if not series.rows:
+            continue
+        xs = x_values(run, series, x_mode)
+        i = int(np.clip(np.searchsorted(xs, x), 0, series.rows - 1))
+        if i > 0 and abs(xs[i - 1] - x) < abs(xs[i] - x):
+            i -= 1
+        for k in keys:
+            v = series.get(k)[i]
+            if np.isfinite(v):
+                name, unit = describe(k)
+                if unit in ("%", "W", "°C") or abs(v) >= 1000:
+                    value = f"{v:,.0f}"
+                else:
+                    value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
+                parts.append(f"{name} {value}{'' if unit in ('', '%', '°C') else ' '}{unit}")
+    return " · ".join(parts)
