@@ -20,14 +20,14 @@ from multilane.engine import __version__
 from multilane.engine.balance import balance_warnings
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
-from multilane.engine.data import Batches, eval_batches, split_data
 from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
+from multilane.engine.loader import build_loader
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
 from multilane.engine.parallel.tree import move_tree
-from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
+from multilane.engine.runlog import CONFIG, ENVIRONMENT, SAMPLES, RunDir
 from multilane.engine.tasks import Task, make_task
 from multilane.engine.telemetry import TelemetrySampler
 
@@ -139,19 +139,16 @@ class Trainer:
         self.backend = make_backend(self.devices, cfg.devices.output)
         self.strategy = ReplicateEachStep(self.backend, cfg.train.precision)
         dev = self.backend.model_device
-        data = self.task.data()
-        train, val = split_data(data, cfg.data.val_fraction, cfg.train.seed)
-        if len(train) == 0:
-            raise UserError(f"task {self.task.name}: no training samples")
+        self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         self.model = self.task.build_model().to(dev)
-        data_dev = dev if dev.type == "cuda" else None
-        self.batches = Batches(train, cfg.data.batch_size, cfg.train.seed, data_dev)
-        self.val = None
-        if val is not None:
-            self.val = val if data_dev is None else type(val)(move_tree(val.inputs, dev), move_tree(val.target, dev))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * self.batches.per_epoch / accum)
+        per_epoch = self.loader.per_epoch
+        if cfg.train.steps is None and per_epoch is None:
+            raise UserError(
+                f"task {self.task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
+            )
+        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * per_epoch / accum)
         self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
         weights = cfg.devices.weights or None
         self._sizes_cache: dict[int, list[int]] = {}
@@ -166,6 +163,8 @@ class Trainer:
             if isinstance(ck.get("rng"), torch.Tensor):
                 torch.set_rng_state(ck["rng"])
             self.step = int(ck["step"])
+        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
+        self.loader.start(self.step * accum, self.total_steps * accum)
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -194,7 +193,7 @@ class Trainer:
         self.sampler = self._make_sampler()
         self.t_start = time.time()
         self._energy_at_log = self._energy_at_epoch = 0.0
-        self._epoch = self.step * cfg.train.grad_accum // self.batches.per_epoch
+        self._epoch = self._epoch_at(self.step)
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
         resumed = self._checkpoint is not None
@@ -236,7 +235,7 @@ class Trainer:
                 return "stopped", f"stopped at step {self.step}"
             self._train_step(accum)
             self.step += 1
-            epoch = self.step * accum // self.batches.per_epoch
+            epoch = self._epoch_at(self.step)
             if epoch > self._epoch:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
@@ -254,13 +253,20 @@ class Trainer:
                 self._save_checkpoint()
         return "finished", None
 
+    def _epoch_at(self, step: int) -> int:
+        per_epoch = self.loader.per_epoch
+        return step * self.config.train.grad_accum // per_epoch if per_epoch else 0
+
     def _train_step(self, accum: int) -> None:
         cfg = self.config
         timer, opt = self.timer, self.optimizer
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
-            inputs, target, size = self.batches.get(self.step * accum + k)
+            timer.mark(None)
+            t0 = time.perf_counter()
+            inputs, target, size = self.loader.next()
+            timer.add("data", time.perf_counter() - t0)
             sizes = self._sizes(size)
             out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, sizes, timer)
             timer.mark("backward")
@@ -322,7 +328,9 @@ class Trainer:
         rec: dict[str, Any] = {
             "kind": "train",
             "step": self.step,
-            "epoch": round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
+            "epoch": round(self.step * self.config.train.grad_accum / self.loader.per_epoch, 4)
+            if self.loader.per_epoch
+            else None,
             "wall_time": time.time(),
             "loss": loss,
             "device_loss": device_loss,
@@ -361,13 +369,13 @@ class Trainer:
             used = energy - self._energy_at_epoch
             extra["energy_j"] = used
             if used > 0:
-                extra["samples_per_j"] = (epoch - self._epoch) * self.batches.n / used
+                extra["samples_per_j"] = (epoch - self._epoch) * (self.loader.n or 0) / used
             self._energy_at_epoch = energy
         self._epoch = epoch
         self._event("epoch_end", **extra)
 
     def _evaluate(self) -> None:
-        if self.val is None:
+        if not self.loader.has_val:
             return
         model, task = self.model, self.task
         was_training = model.training
@@ -377,7 +385,7 @@ class Trainer:
         keys: list[str] = []
         dev_out = self.backend.output_device
         with torch.no_grad():
-            for inputs, target, size in eval_batches(self.val, self.config.data.batch_size):
+            for inputs, target, size in self.loader.eval_batches():
                 output = self.strategy.forward(model, inputs, self._sizes(size))
                 target = move_tree(target, dev_out)
                 loss = task.loss(output, target)
@@ -396,6 +404,11 @@ class Trainer:
             "val_loss": values[0],
             "metrics": dict(zip(keys, values[1:], strict=True)),
         }
+        text = task.sample_text(model, self.backend.model_device, self.step)
+        if text:
+            rec["sample"] = text
+            assert self.run_dir is not None
+            self.run_dir.append_text(SAMPLES, f"--- step {self.step}\n{text}\n")
         self._last_eval = rec
         for cb in self.callbacks:
             cb.on_eval(rec)
@@ -473,6 +486,8 @@ class Trainer:
         with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
             self._event(status, **extra)
         rd.close()
+        if hasattr(self, "loader"):
+            self.loader.close()
         if hasattr(self, "backend"):
             self.backend.close()
         result = RunResult(
