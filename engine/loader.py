@@ -110,7 +110,7 @@ def _non_empty(data: Any, task: Task) -> Any:
 def _check_dataset(task: Task, obj: Any, what: str) -> None:
     if isinstance(obj, IterableDataset):
         return
-    if not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")) or isinstance(obj, (str, bytes, ArrayData)):
+    if not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")) or isinstance(obj, (str, bytes, dict, ArrayData)):
         raise UserError(
             f"task {task.name}: {what} is a {type(obj).__name__}; data() returns ArrayData, a torch Dataset "
             "(map-style or IterableDataset), or a pair (train, validation) of them"
