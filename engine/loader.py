@@ -51,6 +51,12 @@ class Loader(Protocol):
     def start(self, m0: int, stop: int) -> None:
         """The run takes micro-batches ``m0`` to ``stop - 1``, in that order."""
 
+    def epoch_at(self, m: int) -> int:
+        """The epoch micro-batch ``m`` falls in (0 for a stream of unknown length)."""
+
+    def epoch_fraction(self, m: int) -> float | None:
+        """Epochs done after ``m`` micro-batches (None for a stream of unknown length)."""
+
     def next(self) -> Batch:
         """The next micro-batch: ``(inputs, target, samples)``."""
 
@@ -170,7 +176,17 @@ def _next(it: Iterator[Any], workers: int) -> Any:
         raise
 
 
-class ArrayLoader:
+class _Epochs:
+    per_epoch: int | None
+
+    def epoch_at(self, m: int) -> int:
+        return m // self.per_epoch if self.per_epoch else 0
+
+    def epoch_fraction(self, m: int) -> float | None:
+        return round(m / self.per_epoch, 4) if self.per_epoch else None
+
+
+class ArrayLoader(_Epochs):
     """In-memory data: micro-batch ``m`` is one indexing of the tensors (``Batches``), no DataLoader."""
 
     workers = 0
@@ -206,7 +222,7 @@ class ArrayLoader:
         pass
 
 
-class DatasetLoader:
+class DatasetLoader(_Epochs):
     """A map-style Dataset read by a DataLoader whose sampler starts at the run's micro-batch ``m0``."""
 
     def __init__(
@@ -302,7 +318,7 @@ class _CountedStream(IterableDataset):
             yield item
 
 
-class StreamLoader:
+class StreamLoader(_Epochs):
     """An IterableDataset: read in order, pass after pass. Its resume replays: the stream is read from its
     start again and the micro-batches the run had already taken are dropped (a stream cannot seek)."""
 

@@ -195,7 +195,7 @@ def test_an_iterable_dataset_trains_in_passes_and_resumes_by_replaying(tmp_path)
     assert resumed.run().status == "finished"
     for p, q in zip(resumed.model.parameters(), straight.model.parameters(), strict=True):
         assert torch.equal(p, q)
-    with pytest.raises(UserError, match="set train.steps"):
+    with pytest.raises(UserError, match=r"set train\.steps"):
         Trainer(config(tmp_path, train__steps=None), task=StreamTask()).run()
 
 
