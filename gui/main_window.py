@@ -323,6 +323,10 @@ class MainWindow(QMainWindow):
             self.devices.update_from_telemetry(rec)
         elif kind == "event" and rec.get("event") == "warning":
             self.statusBar().showMessage(f"⚠ {rec['message']}", 15000)
+        elif kind == "eval" and rec.get("sample"):
+            # A task's text sample (charlm): one line in the status bar; all of it is in samples.txt.
+            text = " ⏎ ".join(line for line in rec["sample"].splitlines() if line.strip())
+            self.statusBar().showMessage(f"Sample at step {rec['step']}: {text[:300]}", 30000)
 
     def _on_finished(self, result: dict) -> None:
         self.last_result = result
