@@ -101,7 +101,8 @@ def main() -> None:
         runs = str(Path(tmp) / "runs")
         print(
             f"torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} intra-op threads; "
-            f"{args.rounds} rounds of {args.steps} steps each, settings in turn; medians\n"
+            f"{args.rounds} rounds of {args.steps} steps each, settings in turn; medians; "
+            f"load average {os.getloadavg()[0]:.1f}\n"
         )
         print("Table 1: PNG folder (96x96 PNGs, random crop to 32 + flip + normalize), small CNN, batch 64, cpu:0")
         results: dict[int, list[dict]] = {0: [], 1: [], 2: []}
