@@ -32,7 +32,7 @@ from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
-from multilane.engine.tasks import Task, make_task
+from multilane.engine.tasks import Task, loss_weight_fn, make_task
 from multilane.engine.telemetry import TelemetrySampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -92,6 +92,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
         self.strategy = ReplicateEachStep(self.backend, cfg.train.precision)
+        self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         self.model = self.task.build_model().to(dev)
@@ -212,7 +213,9 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, target, size = self.loader.next()
             timer.add("data", time.perf_counter() - t0)
-            out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, self._sizes(size), timer)
+            out = self.strategy.forward_loss(
+                self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
+            )
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
