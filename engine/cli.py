@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--task",
         metavar="NAME|FILE",
-        help=f"digits, linear, mlp, or a .py file defining a Task (default: {d0.task.name})",
+        help=f"digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task (default: {d0.task.name})",
     )
     t.add_argument(
         "--devices",

@@ -63,7 +63,7 @@ class ProgressDisplay(TrainerCallback):
         if r is None:
             return ""
         sps = r.get("samples_per_s") or 0.0
-        return f"loss {r['loss']:.4f} {self._val}{sps:,.0f} samples/s {self._tele}".rstrip()
+        return f"loss {r['loss']:.4f} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
 
     def _show(self, force: bool = False) -> None:
         if self._last is None:
@@ -125,6 +125,20 @@ class ProgressDisplay(TrainerCallback):
             out["to_first_step"] = self._t_train_start - start
             out["training"] = end - self._t_train_start
         return out
+
+
+DATA_WAIT_SHOWN = 0.05
+"""Waiting on data is shown once it takes this share of the step time."""
+
+
+def data_wait(record: dict[str, Any]) -> str:
+    """ " · waiting on data 42%" when a train record's steps spent a noticeable share waiting for the next
+    batch (``phase_ms["data"]`` over ``step_ms``), else ""."""
+    wait = (record.get("phase_ms") or {}).get("data")
+    step = record.get("step_ms")
+    if not wait or not step or wait / step < DATA_WAIT_SHOWN:
+        return ""
+    return f" · waiting on data {min(1.0, wait / step):.0%}"
 
 
 def format_telemetry(record: dict[str, Any]) -> str:
