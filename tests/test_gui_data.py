@@ -59,6 +59,6 @@ def test_a_charlm_run_in_the_app_shows_the_models_text(qtbot, window, tmp_path):
     qtbot.waitUntil(lambda: window.is_running(), timeout=10_000)
     qtbot.waitUntil(lambda: not window.is_running(), timeout=120_000)
     assert window.last_result["status"] == "finished"
-    assert window.statusBar().currentMessage().startswith("Sample at step 6: ")
+    assert window.note_label.toolTip().startswith("Sample at step 6: ")  # beside the run's state, not over it
     samples = Path(window.last_result["run_dir"]) / "samples.txt"
     assert samples.read_text().count("--- step ") == 2
