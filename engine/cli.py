@@ -17,21 +17,46 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
+MAX_WHOLE = 10**12  # no count of steps, epochs or pixels is larger; int() of 5,000 digits is refused
+MIN_WIDTH, MAX_WIDTH = 200, 10_000  # the app's PNG width dialog takes the same range
+
+
+def _short_text(text: str) -> str:
+    return repr(text) if len(text) <= 24 else repr(text[:20] + "...")
+
+
+def _whole(text: str, low: int = 0, high: int = MAX_WHOLE) -> int:
+    digits = text.strip().lstrip("+-")
+    if digits.isdigit() and len(digits) > 15:
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is too large (at most {high:,})")
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is not a whole number") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {low}")
+    if v > high:
+        raise argparse.ArgumentTypeError(f"{v} is too large (at most {high:,})")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _seed(text: str) -> int:
+    return _whole(text, 0, 2**32 - 1)
+
+
+def _width(text: str) -> int:
+    return _whole(text, MIN_WIDTH, MAX_WIDTH)
 
 
 def _number(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is not a number") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget = t.add_mutually_exclusive_group()
     budget.add_argument("--epochs", type=_positive_int, metavar="N")
     budget.add_argument("--steps", type=_positive_int, metavar="N")
-    t.add_argument("--seed", type=int, metavar="N")
+    t.add_argument("--seed", type=_seed, metavar="N")
     t.add_argument("--precision", metavar="P", help="fp32, bf16 or fp16")
     t.add_argument("--runs-dir", metavar="DIR", help="where run folders go (default: ./runs)")
     t.add_argument("--name", metavar="NAME", help="run name, part of the run folder's name")
@@ -65,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
     e.add_argument("--format", default="png,svg,csv", metavar="LIST", help="any of png,svg,csv (default: all)")
-    e.add_argument("--width", type=_positive_int, default=1600, metavar="PX", help="PNG width in pixels")
+    e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -98,17 +123,27 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         o.setdefault("task.params", {})
     for item in args.set:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. train.log_every=5")
-        o[key.strip()] = _parse_value(raw.strip())
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--set {_short_text(item)}: expected KEY=VALUE, e.g. train.log_every=5")
+        if not all(part.strip() for part in key.split(".")):
+            raise UserError(f"--set {_short_text(item)}: {key!r} is not a key; keys are names joined by dots")
+        o[key] = _parse_value(raw.strip(), key)
     return o
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, key: str) -> Any:
+    """JSON where it parses (numbers, lists, true/false), else the text itself."""
+    if len(raw) > 100_000:
+        raise UserError(f"--set {key}: the value is {len(raw):,} characters long; give it in a --config file")
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
+    except RecursionError:
+        raise UserError(f"--set {key}: the value is nested too deeply") from None
+    except ValueError as e:  # a number of thousands of digits
+        raise UserError(f"--set {key}: {str(e).split(';')[0]}") from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -189,10 +224,25 @@ def devices_table(rows: list[dict]) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multilane.engine.runlog import load_metrics
+
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in ("png", "svg", "csv")]
     if bad or not formats:
         raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use png, svg, csv")
+    run, out = Path(args.run_dir), Path(args.out)
+    try:
+        if not (run / "metrics.jsonl").exists():
+            raise UserError(f"export: {run} is not a run folder (no metrics.jsonl)")
+        if out.exists() and out.resolve() == run.resolve():
+            raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"export: not a usable path ({e})") from None
+    note = load_metrics(run).skipped_note()  # a folder or unreadable file is one line here
+    if note:
+        print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
     try:
         from multilane.gui.export import exit_without_qt_teardown, export_headless
     except ImportError as e:

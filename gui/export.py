@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pyqtgraph as pg
 from multilane.engine.errors import UserError
+from multilane.engine.runlog import read_json
 from pyqtgraph.exporters import ImageExporter
 from PySide6.QtCore import QRectF, QSize
 from PySide6.QtGui import QPainter
@@ -91,8 +91,11 @@ def export_run(
     if run_dir is not None:
         for name in ("config.json", "environment.json", "status.json"):
             src = Path(run_dir) / name
-            if src.exists():
-                shutil.copyfile(src, out / name)
+            if src.is_file() and (out / name).resolve() != src.resolve():
+                try:
+                    shutil.copyfile(src, out / name)
+                except OSError as e:
+                    raise UserError(f"export: cannot copy {src} ({e.strerror or e})") from None
                 written.append(out / name)
     return written
 
@@ -115,12 +118,9 @@ def export_headless(run_dir: str | Path, out_dir: str | Path, formats: list[str]
     panel.resize(1400, 1000)
     panel.show()  # laid out as in the app: linked axes follow by the views' geometry
     panel.reset(RunData.from_run_dir(rd))
-    cfg = rd / "config.json"
-    if cfg.exists():
-        try:
-            panel.header.setText(f"{rd.name} — task {json.loads(cfg.read_text())['task']['name']}", size="9pt")
-        except (ValueError, KeyError):
-            pass
+    task = (read_json(rd / "config.json") or {}).get("task")  # None unless a readable JSON object
+    if isinstance(task, dict) and isinstance(task.get("name"), str):
+        panel.header.setText(f"{rd.name} — task {task['name'][:200]}", size="9pt")
     for _ in range(3):
         app.processEvents()
     return export_run(panel, out_dir, formats, width, run_dir=rd)
