@@ -143,7 +143,8 @@ class RunConfig(Section):
 def describe_error(err: ValidationError, prefix: str = "") -> str:
     """One line naming the key, the value and the rule it broke (the first error; the count if more)."""
     e = err.errors()[0]
-    key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+    key = ".".join(_key_part(p) for p in e["loc"])
+    key = f"{prefix}.{key}" if prefix and key else prefix or key
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         text = f"{key}: unknown key"
@@ -153,6 +154,14 @@ def describe_error(err: ValidationError, prefix: str = "") -> str:
         text = f"{key} = {_short(e.get('input'))}: {msg}"
     more = len(err.errors()) - 1
     return text + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def _key_part(part: Any) -> str:
+    """A key as typed, or quoted when it is empty or holds characters that would break the line."""
+    text = str(part)
+    if text and text.isprintable() and " " not in text and "." not in text:
+        return text
+    return _short(text)
 
 
 def _short(value: Any) -> str:

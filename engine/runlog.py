@@ -43,6 +43,8 @@ from multilane.engine.runread import (
     load_metrics,
     read_json,
     read_metrics,
+    record_problem,
+    run_task_name,
 )
 
 __all__ = [
@@ -62,6 +64,8 @@ __all__ = [
     "load_metrics",
     "read_json",
     "read_metrics",
+    "record_problem",
+    "run_task_name",
 ]
 
 LOCK = ".lock"

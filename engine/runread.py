@@ -138,6 +138,13 @@ def read_json(path: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def run_task_name(run_dir: str | Path) -> str | None:
+    """The task named by a run folder's config.json, or None if it names none readably."""
+    task = (read_json(Path(run_dir) / CONFIG) or {}).get("task")
+    name = task.get("name") if isinstance(task, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def checkpoint_problem(ck: Any) -> str | None:
     """What a resume cannot use in a loaded checkpoint, or None."""
     if not isinstance(ck, dict):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import read_json
+from multilane.engine.runlog import run_task_name
 from pyqtgraph.exporters import ImageExporter
 from PySide6.QtCore import QRectF, QSize
 from PySide6.QtGui import QPainter
@@ -118,9 +118,9 @@ def export_headless(run_dir: str | Path, out_dir: str | Path, formats: list[str]
     panel.resize(1400, 1000)
     panel.show()  # laid out as in the app: linked axes follow by the views' geometry
     panel.reset(RunData.from_run_dir(rd))
-    task = (read_json(rd / "config.json") or {}).get("task")  # None unless a readable JSON object
-    if isinstance(task, dict) and isinstance(task.get("name"), str):
-        panel.header.setText(f"{rd.name} — task {task['name'][:200]}", size="9pt")
+    task = run_task_name(rd)  # None unless config.json is readable and names one
+    if task is not None:
+        panel.header.setText(f"{rd.name} — task {task[:200]}", size="9pt")
     for _ in range(3):
         app.processEvents()
     return export_run(panel, out_dir, formats, width, run_dir=rd)

@@ -10,6 +10,7 @@ from typing import Any
 
 from multilane.engine.config import RunConfig, build_config, load_config, save_config
 from multilane.engine.errors import UserError
+from multilane.engine.tasks.loader import is_task_file
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.export import export_run
@@ -272,7 +273,7 @@ class MainWindow(QMainWindow):
         self.paused = False
         self._t_start = time.monotonic()
         self._set_running(True)
-        self.status_label.setText("Starting…")
+        self.status_label.setText(_starting_text(config))
         self.run.start()
         if config is not None:
             self.settings.setValue("last_config", json.dumps(config.to_dict()))
@@ -411,13 +412,18 @@ class MainWindow(QMainWindow):
         if not (p / "metrics.jsonl").exists():
             QMessageBox.warning(self, "Not a run folder", f"{p} has no metrics.jsonl")
             return False
-        data = RunData.from_run_dir(p)
+        try:
+            data = RunData.from_run_dir(p)
+        except UserError as e:  # metrics.jsonl is a folder, or unreadable
+            QMessageBox.warning(self, "Cannot open run", str(e))
+            return False
         if compare:
             self.plots.add_overlay(data)
         else:
             self.plots.reset(data)
         self.plots.refresh()
-        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}")
+        skipped = f" ({data.skipped} unreadable line{'s' if data.skipped != 1 else ''} skipped)" if data.skipped else ""
+        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}{skipped}")
         return True
 
     def open_run_dialog(self) -> None:
@@ -523,3 +529,10 @@ class MainWindow(QMainWindow):
         self.timer.stop()
         self.idle_timer.stop()
         event.accept()
+
+
+def _starting_text(config: RunConfig | None) -> str:
+    """What the status bar says at Start: a task file that is about to run is named in full."""
+    if config is not None and is_task_file(config.task.name):
+        return f"Starting… running task file {Path(config.task.name).expanduser().resolve()}"
+    return "Starting…"
