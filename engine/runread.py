@@ -112,16 +112,23 @@ def load_metrics(run_dir: str | Path) -> Metrics:
 
     When a run resumes from a checkpoint at step S, records it had logged past S (after that
     checkpoint, before the crash or stop) are superseded by the resumed run's own: they are dropped.
+    So is the partial record a stop logs for its open log window (``"partial": true``): the
+    checkpoint carries that window, and the resumed run logs it whole.
     """
     m = Metrics()
     out: list[dict[str, Any]] = []
     for rec in iter_metrics(Path(run_dir) / METRICS, m):
         s = rec.get("resumed_from_step") if rec["kind"] == "event" else None
         if s is not None:
-            out = [r for r in out if r["kind"] in ("event", "telemetry") or (r.get("step") or 0) <= s]
+            out = [r for r in out if r["kind"] in ("event", "telemetry") or not _superseded(r, s)]
         out.append(rec)
     m.records = out
     return m
+
+
+def _superseded(rec: dict[str, Any], resumed_from: int) -> bool:
+    step = rec.get("step") or 0
+    return step > resumed_from or (step == resumed_from and rec.get("partial") is True)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
