@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from typing import Any, NoReturn
 
+from multilane.engine.callbacks import TrainerCallback
 from multilane.engine.errors import UserError
 
 
@@ -157,31 +159,56 @@ def cmd_train(args: argparse.Namespace) -> int:
         del overrides["task.params"]
     control = RunControl()
     progress = ProgressDisplay()
+    _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
+    callbacks = [progress, _NameTaskFile()]
     if args.resume:
-        trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
+        trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
     else:
         base = read_config_file(args.config) if args.config else {}
-        if args.task is not None and base.get("task", {}).get("name") not in (None, args.task):
+        section = base.get("task")
+        if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
             # Another task's params would not fit this task's schema.
-            base.setdefault("task", {})["params"] = {}
+            section["params"] = {}
         config = build_config(merge(base, overrides), args.config or "config")
-        trainer = Trainer(config, callbacks=[progress], control=control)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        progress.console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
-        control.request_stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+        trainer = Trainer(config, callbacks=callbacks, control=control)
     result = trainer.run()
     print(summary(result, getattr(trainer, "total_steps", None)))
     if result.status == "failed":
-        print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
+        if result.traceback:
+            print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
         return 1
+    if result.status == "aborted":
+        return 130
     if result.status == "stopped" and not control.stop_requested:
         return 1  # stopped by the engine itself (a non-finite loss)
     return 0
+
+
+class _NameTaskFile(TrainerCallback):
+    """Says which file is about to run, before it is imported."""
+
+    def on_task_file(self, path: str) -> None:
+        print(f"running task file {path}", flush=True)
+
+
+def _stop_on_signals(control: Any, console: Any) -> None:
+    """Ctrl+C or SIGTERM: the first finishes the step (or the set-up) and stops with a checkpoint; the
+    second aborts (KeyboardInterrupt, recorded as "aborted"); a third exits at once."""
+    count = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal count
+        count += 1
+        if count == 1:
+            console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
+            control.request_stop()
+        elif count == 2:
+            raise KeyboardInterrupt
+        else:
+            os._exit(130)  # the abort itself is stuck: leave now, as a kill would
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -280,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"multilane: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a run began (its set-up, the task's import): nothing to record
+        print("multilane: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

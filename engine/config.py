@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type
 MAX_DEPTH = 32  # tables and lists nested deeper than this are not a config
 MAX_FILE_BYTES = 1 << 20  # a config is a few KiB
+CHECKPOINT_MINUTES = 2.0  # the default wall-time cadence; its cost is measured in bench/checkpoint_cost.py
 
 
 class Section(BaseModel):
@@ -106,7 +107,14 @@ class TrainSection(Section):
         50, ge=0, le=MAX_COUNT, description="Evaluate on the validation set every N steps; 0: at the end only"
     )
     checkpoint_every: int = Field(
-        0, ge=0, le=MAX_COUNT, description="Save a checkpoint every N steps; 0: only at the end or a stop"
+        0, ge=0, le=MAX_COUNT, description="Save a checkpoint every N steps; 0: by time only (and at the end or a stop)"
+    )
+    checkpoint_minutes: float = Field(
+        CHECKPOINT_MINUTES,
+        ge=0.0,
+        le=1e6,
+        description="Also save a checkpoint when this many minutes have passed since the last one, so that a "
+        "crash loses at most that much work; 0 turns it off",
     )
     on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
 

@@ -69,6 +69,8 @@ __all__ = [
 ]
 
 LOCK = ".lock"
+RESERVE = ".reserve"  # disk held back while a run writes, so that a full disk can still be reported
+RESERVE_BYTES = 256 << 10
 _TEMP = re.compile(r"^\..+\.\d+\.tmp$")  # what _temp_name makes: .<name>.<pid>.tmp
 _WRITTEN = (CONFIG, ENVIRONMENT, STATUS, METRICS, ERROR, TASK_FILE)
 
@@ -147,6 +149,31 @@ def check_writable(folder: Path, what: str = "runs folder") -> None:
     finally:
         if probe is not None:
             _remove(probe)
+
+
+class _KeepWriteError:
+    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write (torch replaces it)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
 
 
 class RunInUse(UserError):
@@ -239,7 +266,7 @@ class RunDir:
         for folder in (self.path, self.path / "checkpoints"):
             with contextlib.suppress(OSError):
                 for f in folder.iterdir():
-                    if _TEMP.match(f.name) and not f.is_dir():
+                    if (_TEMP.match(f.name) or f.name == RESERVE) and not f.is_dir():
                         _remove(f)
                         removed.append(f)
         return removed
@@ -273,23 +300,44 @@ class RunDir:
         _atomic_write_bytes(self.path / ERROR, text.encode("utf-8", "replace"))
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
+        """Write ``checkpoints/last.pt`` atomically. On a full disk: ``OSError`` (ENOSPC), the
+        temporary file removed, the previous checkpoint untouched."""
         target = self.path / CHECKPOINT
         target.parent.mkdir(exist_ok=True)
         tmp = _temp_name(target)
         try:
-            torch.save(state, tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                out = _KeepWriteError(f)
+                try:
+                    torch.save(state, out)
+                except RuntimeError:
+                    # torch reports a failed write as "unexpected pos ..."; the OSError says why.
+                    if out.error is not None:
+                        raise out.error from None
+                    raise
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
             _remove(tmp)  # the previous checkpoint stays; the disk gets its space back
             raise
 
+    def reserve_space(self, nbytes: int = RESERVE_BYTES) -> None:
+        """Hold ``nbytes`` of disk in a file, freed to record a failure when the disk fills up."""
+        with contextlib.suppress(OSError):
+            _atomic_write_bytes(self.path / RESERVE, b"\0" * nbytes)
+
+    def free_reserve(self) -> None:
+        _remove(self.path / RESERVE)
+
+    def remove(self, name: str) -> None:
+        """Remove a file of the run folder, if it is there."""
+        _remove(self.path / name)
+
     def close(self) -> None:
-        """Close the metrics file and release the folder's lock. Safe to call twice."""
+        """Close the metrics file, free the reserve, release the folder's lock. Safe to call twice."""
+        self.free_reserve()
         with self._lock:
             if self._metrics_fd is not None:
                 with contextlib.suppress(OSError):

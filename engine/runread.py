@@ -167,6 +167,8 @@ def checkpoint_problem(ck: Any) -> str | None:
         return "total_steps is not a whole number"
     if ck.get("rng") is not None and not isinstance(ck["rng"], torch.Tensor):
         return "its random state is not a tensor"
+    if ck.get("metrics_window") is not None and not isinstance(ck["metrics_window"], dict):
+        return "its metrics window is not a table"
     if ck.get("scaler") is not None and not isinstance(ck["scaler"], dict):
         return "its scaler state is not a table"
     return None
