@@ -172,6 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = build_config(merge(base, overrides), args.config or "config")
         trainer = Trainer(config, callbacks=callbacks, control=control)
     result = trainer.run()
+    _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
     print(summary(result, getattr(trainer, "total_steps", None)))
     if result.status == "failed":
         if result.traceback:
@@ -189,6 +190,14 @@ class _NameTaskFile(TrainerCallback):
 
     def on_task_file(self, path: str) -> None:
         print(f"running task file {path}", flush=True)
+
+
+def _exit_on_signals() -> None:
+    def on_signal(signum: int, frame: Any) -> None:
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 
 
 def _stop_on_signals(control: Any, console: Any) -> None:

@@ -84,6 +84,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _name_it(e: OSError, path: Path) -> None:
+    """A failed write names the file it was for (``os.write`` and ``file.write`` name none)."""
+    if e.filename is None:
+        e.filename = str(path)
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = _temp_name(path)
     try:
@@ -94,8 +100,10 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         _remove(tmp)  # a full disk must not stay full of our temporary files
+        if isinstance(e, OSError):
+            _name_it(e, path)
         raise
 
 
@@ -127,7 +135,7 @@ def check_writable(folder: Path, what: str = "runs folder") -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"{what} {folder}: cannot create it ({describe_os_error(e)})") from None
+        raise UserError(f"{what} {folder}: not writable (cannot create it: {describe_os_error(e)})") from None
     except ValueError as e:  # an embedded NUL
         raise UserError(f"{what} {folder!r}: not a usable path ({e})") from None
     if not folder.is_dir():
@@ -288,8 +296,10 @@ class RunDir:
                 line = b"\n" + line  # end the torn line first: this record keeps its own line
             try:
                 _write_all(self._metrics_fd, line)  # one write as a rule: a kill leaves whole lines
-            except BaseException:
+            except BaseException as e:
                 self._fresh_line = True  # part of the line may be in the file
+                if isinstance(e, OSError):
+                    _name_it(e, self.path / METRICS)
                 raise
             self._fresh_line = False
 
@@ -319,8 +329,10 @@ class RunDir:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException as e:
             _remove(tmp)  # the previous checkpoint stays; the disk gets its space back
+            if isinstance(e, OSError):
+                _name_it(e, target)
             raise
 
     def reserve_space(self, nbytes: int = RESERVE_BYTES) -> None:
