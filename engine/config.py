@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type
 MAX_DEPTH = 32  # tables and lists nested deeper than this are not a config
 MAX_FILE_BYTES = 1 << 20  # a config is a few KiB
-CHECKPOINT_MINUTES = 2.0  # the default wall-time cadence; its cost is measured in bench/checkpoint_cost.py
+CHECKPOINT_MINUTES = 5.0  # the default wall-time cadence; its cost is measured in bench/checkpoint_cost.py
 
 
 class Section(BaseModel):
