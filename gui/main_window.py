@@ -70,6 +70,7 @@ class MainWindow(QMainWindow):
         self.last_result: dict[str, Any] | None = None
         self.paused = False
         self._active = False
+        self._resume_from: str | None = None  # the run folder the current run resumes, if any
         self._t_start = 0.0
         self._last_train: dict[str, Any] = {}
         self._hold_pending = False
@@ -246,7 +247,7 @@ class MainWindow(QMainWindow):
         """A run is active from Start until its finished signal reaches the window."""
         return self._active
 
-    def start(self, resume_from: str | None = None) -> bool:
+    def start(self, resume_from: str | None = None, overrides: dict[str, Any] | None = None) -> bool:
         if self.is_running():
             return False
         if not resume_from and self.validate():
@@ -261,7 +262,8 @@ class MainWindow(QMainWindow):
         self.plots.reset()
         self._last_train = {}
         _freeze_heap()
-        worker = TrainWorker(config, resume_from=resume_from)
+        self._resume_from = resume_from
+        worker = TrainWorker(config, resume_from=resume_from, overrides=overrides)
         worker.started.connect(self._on_started)
         worker.record.connect(self._on_record)
         worker.finished.connect(self._on_finished)
@@ -330,7 +332,9 @@ class MainWindow(QMainWindow):
         self._set_running(False)
         self.plots.refresh()
         status = result["status"]
-        if status == "rejected":
+        if status == "rejected" and result.get("task_file_changed") and self._resume_from:
+            self._ask_to_run_changed_task_file(self._resume_from, result)
+        elif status == "rejected":
             self.status_label.setText(f"Not started: {result['message']}")
             box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
             box.open()
@@ -351,6 +355,18 @@ class MainWindow(QMainWindow):
             msg = f" — {result['message']}" if result.get("message") else ""
             self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
         self.validate()
+
+    def _ask_to_run_changed_task_file(self, run_dir: str, result: dict) -> None:
+        """A resume whose task file moved or changed: say so, and run the file as it is now only if
+        the user agrees (the CLI's ``--task``)."""
+        path = result["task_file_changed"]
+        answer = QMessageBox.question(
+            self, "Task file changed", f"{result['message']}\n\nResume the run with {path} as it is now?"
+        )
+        if answer == QMessageBox.Yes:
+            self.start(resume_from=run_dir, overrides={"task.name": path})
+        else:
+            self.status_label.setText(f"Not resumed: {result['message']}")
 
     def _auto_range_lost(self) -> None:
         self.auto_range.blockSignals(True)

@@ -332,3 +332,37 @@ def test_loading_a_preset_or_the_last_config_never_imports_its_task_file(qtbot, 
     qtbot.waitUntil(lambda: not again.is_running(), timeout=120_000)
     assert again.last_result["status"] == "finished", again.last_result
     assert marker.read_text() == "x"  # Start ran it, once
+
+
+@pytest.mark.parametrize("agree", [False, True])
+def test_the_app_asks_before_resuming_with_a_changed_task_file(qtbot, tmp_path, make_config, monkeypatch, agree):
+    pytest.importorskip("PySide6")
+    from multilane.gui.main_window import MainWindow
+    from PySide6.QtCore import QSettings
+    from PySide6.QtWidgets import QMessageBox
+
+    marker = tmp_path / "ran"
+    task = tmp_path / "mine.py"
+    source = "from multilane.engine.tasks.builtin import LinearTask\nopen({m!r}, 'a').write({t!r})\nclass M(LinearTask):\n    name = 'm'\n"
+    task.write_text(source.format(m=str(marker), t="a"))
+    cfg = make_config(task__name=str(task), train__steps=2, devices__use="cpu:0", telemetry__enabled=False)
+    run = Trainer(cfg).run().run_dir
+    task.write_text(source.format(m=str(marker), t="b"))
+    asked = []
+
+    def question(parent, title, text, *rest):
+        asked.append(text)
+        return QMessageBox.Yes if agree else QMessageBox.No
+
+    monkeypatch.setattr(QMessageBox, "question", question)
+    w = MainWindow(QSettings(str(tmp_path / "s.ini"), QSettings.IniFormat))
+    qtbot.addWidget(w)
+    w.start(resume_from=str(run))
+    qtbot.waitUntil(lambda: bool(asked) and not w.is_running(), timeout=120_000)
+    assert f"the run's task file {task.resolve()} changed since the run started" in asked[0]
+    assert f"Resume the run with {task.resolve()} as it is now?" in asked[0]
+    if agree:
+        assert w.last_result["status"] == "finished", w.last_result
+        assert marker.read_text() == "ab"
+    else:
+        assert "Not resumed" in w.status_label.text() and marker.read_text() == "a"
