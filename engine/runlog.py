@@ -22,6 +22,7 @@ import stat
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -379,7 +380,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not stat.S_ISREG(st.st_mode):
         raise UserError(f"checkpoint {path}: is {kind_of(st.st_mode)}, not a file")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns (several lines) about odd pickle protocols in junk
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {path}: cannot load it ({_torch_load_reason(e)})") from None
     problem = checkpoint_problem(ck)
