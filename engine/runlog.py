@@ -55,6 +55,7 @@ __all__ = [
     "ERROR",
     "LOCK",
     "METRICS",
+    "SAMPLES",
     "STATUS",
     "TASK_FILE",
     "Metrics",
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 LOCK = ".lock"
+SAMPLES = "samples.txt"
 RESERVE = ".reserve"  # disk held back while a run writes, so that a full disk can still be reported
 RESERVE_BYTES = 256 << 10
 _TEMP = re.compile(r"^\..+\.\d+\.tmp$")  # what _temp_name makes: .<name>.<pid>.tmp
@@ -306,6 +308,11 @@ class RunDir:
 
     def set_status(self, state: str, message: str | None = None, **extra: Any) -> None:
         self.write_json(STATUS, {"state": state, "message": message, "updated": time.time(), **extra})
+
+    def append_text(self, name: str, text: str) -> None:
+        """Append ``text`` to a text file of the run (one write on an append-only file)."""
+        with open(self.path / name, "ab") as f:
+            f.write(text.encode("utf-8"))
 
     def write_error(self, text: str) -> None:
         _atomic_write_bytes(self.path / ERROR, text.encode("utf-8", "replace"))
