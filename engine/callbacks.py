@@ -21,6 +21,9 @@ class TrainerCallback:
     thread: keep them short, and never touch a widget from them.
     """
 
+    def on_task_file(self, path: str) -> None:
+        """A task file (its full path) is about to be imported, that is, run."""
+
     def on_train_start(self, trainer: Trainer) -> None: ...
 
     def on_log(self, record: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ dicts only, never a pickled object.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,3 +48,12 @@ def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None
     t.run_dir.save_checkpoint(checkpoint_state(t))
+    t.checkpoint_step = t.step
+    t.checkpoint_time = time.monotonic()
+
+
+def due(t: Trainer) -> bool:
+    """Whether ``train.checkpoint_minutes`` of wall time have passed since the last checkpoint (or
+    the start): the default cadence, so that a crash never costs more than that much work."""
+    minutes = t.config.train.checkpoint_minutes
+    return minutes > 0 and time.monotonic() - t.checkpoint_time >= 60.0 * minutes

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from typing import Any, NoReturn
 
+from multilane.engine.callbacks import TrainerCallback
 from multilane.engine.errors import UserError
 
 
@@ -54,21 +56,46 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-def _positive_int(text: str) -> int:
+MAX_WHOLE = 10**12  # no count of steps, epochs or pixels is larger; int() of 5,000 digits is refused
+MIN_WIDTH, MAX_WIDTH = 200, 10_000  # the app's PNG width dialog takes the same range
+
+
+def _short_text(text: str) -> str:
+    return repr(text) if len(text) <= 24 else repr(text[:20] + "...")
+
+
+def _whole(text: str, low: int = 0, high: int = MAX_WHOLE) -> int:
+    digits = text.strip().lstrip("+-")
+    if digits.isdigit() and len(digits) > 15:
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is too large (at most {high:,})")
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is not a whole number") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {low}")
+    if v > high:
+        raise argparse.ArgumentTypeError(f"{v} is too large (at most {high:,})")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _seed(text: str) -> int:
+    return _whole(text, 0, 2**32 - 1)
+
+
+def _width(text: str) -> int:
+    return _whole(text, MIN_WIDTH, MAX_WIDTH)
 
 
 def _number(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{_short_text(text)} is not a number") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     budget.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps, instead of --epochs")
     t.add_argument(
-        "--seed", type=int, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
+        "--seed", type=_seed, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
     )
     t.add_argument("--precision", metavar="P", help=f"fp32, bf16 or fp16 (default: {d0.train.precision})")
     t.add_argument("--runs-dir", metavar="DIR", help=f"where run folders go (default: ./{d0.run.runs_dir})")
@@ -129,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
     e.add_argument("--format", default="png,svg,pdf,csv", metavar="LIST", help="any of png,svg,pdf,csv")
-    e.add_argument("--width", type=_positive_int, default=1600, metavar="PX", help="PNG width in pixels")
+    e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
     e.add_argument("--compare", action="append", default=[], metavar="RUN_DIR", help="another run to compare with")
     e.add_argument("--smoothing", type=_number, default=0.0, metavar="A", help="EMA of the train loss, 0 to 0.99")
     e.add_argument("--x", choices=["step", "time"], default="step", help="x axis: optimizer step or elapsed time")
@@ -166,17 +193,27 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         o.setdefault("task.params", {})
     for item in args.set:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. train.log_every=5")
-        o[key.strip()] = _parse_value(raw.strip())
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--set {_short_text(item)}: expected KEY=VALUE, e.g. train.log_every=5")
+        if not all(part.strip() for part in key.split(".")):
+            raise UserError(f"--set {_short_text(item)}: {key!r} is not a key; keys are names joined by dots")
+        o[key] = _parse_value(raw.strip(), key)
     return o
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, key: str) -> Any:
+    """JSON where it parses (numbers, lists, true/false), else the text itself."""
+    if len(raw) > 100_000:
+        raise UserError(f"--set {key}: the value is {len(raw):,} characters long; give it in a --config file")
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
+    except RecursionError:
+        raise UserError(f"--set {key}: the value is nested too deeply") from None
+    except ValueError as e:  # a number of thousands of digits
+        raise UserError(f"--set {key}: {str(e).split(';')[0]}") from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -189,9 +226,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:
         # The config is checked before torch is imported: a mistake shows in a fraction of a second.
         base = read_config_file(args.config) if args.config else {}
-        if args.task is not None and base.get("task", {}).get("name") not in (None, args.task):
+        section = base.get("task")
+        if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
             # Another task's params would not fit this task's schema.
-            base.setdefault("task", {})["params"] = {}
+            section["params"] = {}
         config = build_config(merge(base, overrides), args.config or "config")
     from rich.console import Console
 
@@ -208,33 +246,66 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         control = RunControl()
         progress = ProgressDisplay(console, waiting=waiting)
+        _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
+        callbacks = [progress, _NameTaskFile()]
         if config is None:
-            trainer = Trainer(callbacks=[progress], control=control, resume_from=args.resume, overrides=overrides)
+            trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
         else:
-            trainer = Trainer(config, callbacks=[progress], control=control)
+            trainer = Trainer(config, callbacks=callbacks, control=control)
     except BaseException:
         if waiting is not None:
             waiting.stop()
         raise
-
-    def on_signal(signum: int, frame: Any) -> None:
-        progress.console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
-        control.request_stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
         result = trainer.run()
     finally:
         progress.stop_waiting()
+    _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
     print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
     if result.status == "failed":
-        print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
+        if result.traceback:
+            print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
         return 1
+    if result.status == "aborted":
+        return 130
     if result.status == "stopped" and not control.stop_requested:
         return 1  # stopped by the engine itself (a non-finite loss)
     return 0
+
+
+class _NameTaskFile(TrainerCallback):
+    """Says which file is about to run, before it is imported."""
+
+    def on_task_file(self, path: str) -> None:
+        print(f"running task file {path}", flush=True)
+
+
+def _exit_on_signals() -> None:
+    def on_signal(signum: int, frame: Any) -> None:
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def _stop_on_signals(control: Any, console: Any) -> None:
+    """Ctrl+C or SIGTERM: the first finishes the step (or the set-up) and stops with a checkpoint; the
+    second aborts (KeyboardInterrupt, recorded as "aborted"); a third exits at once."""
+    count = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal count
+        count += 1
+        if count == 1:
+            console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
+            control.request_stop()
+        elif count == 2:
+            raise KeyboardInterrupt
+        else:
+            os._exit(130)  # the abort itself is stuck: leave now, as a kill would
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -277,6 +348,9 @@ def devices_table(rows: list[dict]) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multilane.engine.runlog import load_metrics
     from multilane.gui.export import FORMATS, export_headless
 
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
@@ -285,6 +359,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
     if not 0 <= args.smoothing < 1:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
+    run, out = Path(args.run_dir), Path(args.out)
+    try:
+        if not (run / "metrics.jsonl").exists():
+            raise UserError(f"export: {run} is not a run folder (no metrics.jsonl)")
+        if out.exists() and out.resolve() == run.resolve():
+            raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"export: not a usable path ({e})") from None
+    note = load_metrics(run).skipped_note()  # a folder or unreadable file is one line here
+    if note:
+        print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
     options = {"compare": args.compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
     for path in export_headless(args.run_dir, args.out, formats, args.width, **options):
         print(path)
@@ -321,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"multilane: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a run began (its set-up, the task's import): nothing to record
+        print("multilane: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

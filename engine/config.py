@@ -10,15 +10,29 @@ import copy
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from multilane.engine.errors import UserError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from multilane.engine.readfile import describe_os_error, read_regular_file
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type
+MAX_DEPTH = 32  # tables and lists nested deeper than this are not a config
+MAX_FILE_BYTES = 1 << 20  # a config is a few KiB
+CHECKPOINT_MINUTES = 5.0  # the default wall-time cadence; its cost is measured in bench/checkpoint_cost.py
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: NaN and inf are refused in every float field, with "a finite number".
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("must not contain a NUL character")
+        return value
 
 
 class TaskSection(Section):
@@ -38,7 +52,7 @@ class DevicesSection(Section):
         "(every GPU; without one, two CPU lanes)",
     )
     output: int = Field(0, ge=0, description="Index (in the device list) of the device that gathers the losses")
-    weights: list[float] = Field(
+    weights: list[Annotated[float, Field(ge=0.0, le=1e6)]] = Field(
         default_factory=list,
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
@@ -82,24 +96,39 @@ class OptimSection(Section):
 
 class ScheduleSection(Section):
     kind: Literal["constant", "cosine", "step"] = Field("constant", description="Learning-rate schedule")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps")
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT, description="Linear warmup from 0 to lr over this many steps")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine: final lr as a fraction of lr")
-    step_size: int = Field(100, ge=1, description="Step schedule: multiply lr by gamma every this many steps")
+    step_size: int = Field(
+        100, ge=1, le=MAX_COUNT, description="Step schedule: multiply lr by gamma every this many steps"
+    )
     gamma: float = Field(0.5, gt=0.0, le=1.0, description="Step schedule: factor applied every step_size steps")
 
 
 class TrainSection(Section):
     epochs: int = Field(5, ge=1, le=100_000, description="Passes over the training data (unless steps is set)")
-    steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides epochs when set")
+    steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Optimizer steps to run; overrides epochs when set")
     grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step")
-    grad_clip: float = Field(0.0, ge=0.0, description="Clip the gradient norm to this value; 0 turns it off")
+    grad_clip: float = Field(0.0, ge=0.0, le=1e12, description="Clip the gradient norm to this value; 0 turns it off")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="fp32, or mixed precision (autocast in each replica) with bf16 or fp16"
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for the model, the split and the data order")
-    log_every: int = Field(10, ge=1, description="Read metrics from the devices every N steps (a device sync)")
-    eval_every: int = Field(50, ge=0, description="Evaluate on the validation set every N steps; 0: at the end only")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0: only at the end or a stop")
+    log_every: int = Field(
+        10, ge=1, le=MAX_COUNT, description="Read metrics from the devices every N steps (a device sync)"
+    )
+    eval_every: int = Field(
+        50, ge=0, le=MAX_COUNT, description="Evaluate on the validation set every N steps; 0: at the end only"
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Save a checkpoint every N steps; 0: by time only (and at the end or a stop)"
+    )
+    checkpoint_minutes: float = Field(
+        CHECKPOINT_MINUTES,
+        ge=0.0,
+        le=1e6,
+        description="Also save a checkpoint when this many minutes have passed since the last one, so that a "
+        "crash loses at most that much work; 0 turns it off",
+    )
     on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
 
 
@@ -135,7 +164,8 @@ class RunConfig(Section):
 def describe_error(err: ValidationError, prefix: str = "") -> str:
     """One line naming the key, the value and the rule it broke (the first error; the count if more)."""
     e = err.errors()[0]
-    key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+    key = ".".join(_key_part(p) for p in e["loc"])
+    key = f"{prefix}.{key}" if prefix and key else prefix or key
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         text = f"{key}: unknown key"
@@ -147,15 +177,39 @@ def describe_error(err: ValidationError, prefix: str = "") -> str:
     return text + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
 
+def _key_part(part: Any) -> str:
+    """A key as typed, or quoted when it is empty or holds characters that would break the line."""
+    text = str(part)
+    if text and text.isprintable() and " " not in text and "." not in text:
+        return text
+    return _short(text)
+
+
 def _short(value: Any) -> str:
     s = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _too_deep(data: Any, depth: int = 0, path: str = "") -> str | None:
+    """The dotted key where ``data`` nests deeper than MAX_DEPTH, or None."""
+    if depth > MAX_DEPTH:
+        return path or "config"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            found = _too_deep(v, depth + 1, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    return None
 
 
 def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Validate a plain dict into a RunConfig, or raise UserError with one clear line."""
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a table of sections, got {type(data).__name__}")
+    deep = _too_deep(data)
+    if deep:
+        raise UserError(f"{source}: {deep}: nested more than {MAX_DEPTH} levels deep")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
@@ -165,28 +219,33 @@ def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON config file into a dict, or raise UserError naming the file and the problem."""
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such config file")
-    if p.is_dir():
-        raise UserError(f"{p}: is a folder, not a config file")
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{p}: cannot read it ({e.__class__.__name__}: {e})") from None
+        raw = read_regular_file(p, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such config file") from None
+    except OSError as e:
+        raise UserError(f"{p}: cannot read it as a config file ({describe_os_error(e)})") from None
+    except ValueError as e:  # an embedded NUL in the path
+        raise UserError(f"{path!r}: not a usable path ({e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not UTF-8 text (byte {e.start})") from None
     if not text.strip():
         raise UserError(f"{p}: the file is empty")
-    if p.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    elif p.suffix.lower() == ".toml":
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"{p}: not valid TOML: {e}") from None
-    else:
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".toml"):
         raise UserError(f"{p}: unknown config format {p.suffix!r}; use .toml or .json")
+    try:
+        data = json.loads(text) if suffix == ".json" else tomllib.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise UserError(f"{p}: nested too deeply to be a config") from None
+    except ValueError as e:  # an integer of thousands of digits
+        raise UserError(f"{p}: {str(e).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a table of sections at the top, got {type(data).__name__}")
     return data
@@ -218,9 +277,11 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         *parents, leaf = dotted.split(".")
         for k in parents:
             child = node.get(k)
-            if not isinstance(child, dict):
-                child = {}
-                node[k] = child
+            if child is None:
+                child = node[k] = {}
+            elif not isinstance(child, dict):
+                break  # junk where a section belongs: kept, so that validation names it
             node = child
-        node[leaf] = value
+        else:
+            node[leaf] = value
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import re
 import traceback
 from pathlib import Path
 
@@ -30,3 +32,40 @@ def where(e: BaseException) -> str:
 def release_cuda_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+DISK_FULL = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file size limit",
+}
+
+
+def disk_full(e: BaseException) -> str | None:
+    """What ran out, if ``e`` is a write that found no room (ENOSPC, EDQUOT, EFBIG); else None."""
+    return DISK_FULL.get(getattr(e, "errno", None) or -1) if isinstance(e, OSError) else None
+
+
+def outcome(
+    e: BaseException, task: str, step: int, run_dir: Path | None, checkpoint_step: int | None
+) -> tuple[str, str]:
+    """The recorded state and its one-line message for whatever ended a run: (status, message)."""
+    kept = (
+        f"the last checkpoint (step {checkpoint_step}) is intact"
+        if checkpoint_step is not None
+        else "there is no checkpoint yet"
+    )
+    if isinstance(e, KeyboardInterrupt):
+        return "aborted", f"aborted during step {step} (a second Ctrl+C or SIGTERM); {kept}"
+    if isinstance(e, SystemExit):
+        return "failed", f"task {task}, step {step}: the task's code called sys.exit({e.code!r}); {kept}"
+    full = disk_full(e)
+    if full:
+        assert isinstance(e, OSError)
+        name = re.sub(r"^\.(.+)\.\d+\.tmp$", r"\1", Path(e.filename).name) if e.filename else "a file"
+        where = f" in {run_dir}" if run_dir is not None else ""
+        return "failed", f"no room to write {name}{where}: {full} ({e.strerror}); {kept}; free space, then resume"
+    message = f"task {task}, step {step}: {one_line(e)}"
+    if isinstance(e, torch.OutOfMemoryError):
+        message += OOM_HINT
+    return "failed", message

@@ -26,13 +26,14 @@ from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
 from multilane.engine.evaluation import evaluate, write_sample
-from multilane.engine.failures import OOM_HINT, one_line, release_cuda_memory, where
+from multilane.engine.failures import one_line, outcome, release_cuda_memory, where
 from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
-from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
+from multilane.engine.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
+from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
 from multilane.engine.telemetry import TelemetrySampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -56,21 +57,45 @@ class Trainer:
         task: Task | None = None,
     ) -> None:
         self.control = control or RunControl()
+        self.callbacks = list(callbacks)
         self._checkpoint: dict[str, Any] | None = None
         self._resume_dir: RunDir | None = None
+        self.checkpoint_step: int | None = None  # the step of the checkpoint on disk, if any
+        self.run_dir: RunDir | None = None
+        self.sampler: TelemetrySampler | None = None
+        self.step = 0
         if resume_from is not None:
-            self._resume_dir = RunDir.open_existing(resume_from)
+            self._resume_dir = RunDir.open_existing(resume_from)  # locked: this process is its one writer
+        try:
+            self._configure(config, overrides or {}, task)
+        except BaseException:
+            if self._resume_dir is not None:
+                self._resume_dir.close()
+            raise
+
+    def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
+        expect_sha256 = None
+        if self._resume_dir is not None:
             self._checkpoint = self._resume_dir.load_checkpoint()
-            base = self._checkpoint.get("config")
-            if not isinstance(base, dict):
-                raise UserError(f"resume: {resume_from}: the checkpoint holds no config")
-            config = build_config(merge(base, overrides or {}), "resume config")
+            self.checkpoint_step = self._checkpoint["step"]
+            config = build_config(merge(self._checkpoint["config"], overrides), "resume config")
+            if task is None and is_task_file(config.task.name) and "task.name" not in overrides:
+                # A run folder is data: its task file runs only as the run recorded it (or --task).
+                recorded = self._resume_dir.read_json(TASK_FILE)
+                expect_sha256 = check_resume_task_file(config.task.name, recorded)
         elif config is None:
-            config = build_config(merge({}, overrides or {}))
+            config = build_config(merge({}, overrides))
         elif overrides:
             config = build_config(merge(config.to_dict(), overrides))
+        if task is None and is_task_file(config.task.name):
+            # The full path, in the saved config too: a resume from another folder runs the same file.
+            config = config.model_copy(deep=True)
+            config.task.name = str(Path(config.task.name).expanduser().resolve())
+            for cb in self.callbacks:
+                cb.on_task_file(config.task.name)
         self.config = config
-        self.task = task or make_task(config.task.name, config.task.params)
+        self.task = task or make_task(config.task.name, config.task.params, expect_sha256)
+        self.task_file = task_file_record(type(self.task))  # {"path", "sha256"} of a task file, else None
         self.devices: list[Device] = parse_devices(config.devices.use)
         if config.devices.output >= len(self.devices):
             raise UserError(
@@ -81,10 +106,6 @@ class Trainer:
             raise UserError(f"devices.weights: {len(config.devices.weights)} weights for {len(self.devices)} devices")
         if config.train.precision == "fp16" and not self.devices[0].is_cuda:
             raise UserError("train.precision = fp16: fp16 needs a GPU; on CPU lanes use bf16 or fp32")
-        self.callbacks = list(callbacks)
-        self.run_dir: RunDir | None = None
-        self.sampler: TelemetrySampler | None = None
-        self.step = 0
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -123,23 +144,30 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        """Set up, train, and record how the run ended — whatever ended it (an error, the task's own
+        ``sys.exit``, a second Ctrl+C, a full disk): status.json and the last event say so."""
+        try:
+            return self._run()
+        finally:
+            for rd in (self.run_dir, self._resume_dir):
+                if rd is not None:
+                    rd.close()  # the lock goes on every way out (a no-op after _finish)
+
+    def _run(self) -> RunResult:
         cfg = self.config
         try:
             self._setup()
-        except UserError:
+        except (UserError, KeyboardInterrupt):
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
         if self._resume_dir is not None:
             self.run_dir = self._resume_dir
         else:
             self.run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name)
         rd = self.run_dir
-        rd.write_json(CONFIG, cfg.to_dict())
-        rd.write_json(ENVIRONMENT, environment())
-        self.callbacks.insert(0, MetricsWriter(rd))
-        self.sampler = self._make_sampler()
         self.t_start = time.time()
+        self.checkpoint_time = time.monotonic()
         self._energy_at_log = self._energy_at_epoch = 0.0
         self._at_step = self.step  # the step a failure is reported at
         self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
@@ -148,6 +176,15 @@ class Trainer:
         resumed = self._checkpoint is not None
         status, message, tb = "finished", None, None
         try:
+            rd.reserve_space()  # freed to record a failure if the disk fills up
+            rd.write_json(CONFIG, cfg.to_dict())
+            if self.task_file is not None:
+                rd.write_json(TASK_FILE, self.task_file)
+            else:
+                rd.remove(TASK_FILE)
+            rd.write_json(ENVIRONMENT, environment())
+            self.callbacks.insert(0, MetricsWriter(rd))
+            self.sampler = self._make_sampler()
             rd.set_status("running", step=self.step, total_steps=self.total_steps)
             for cb in self.callbacks:
                 cb.on_train_start(self)
@@ -158,16 +195,12 @@ class Trainer:
             if self.sampler is not None:
                 self.sampler.start()
             status, message = self._loop()
-        except Exception as e:
-            status = "failed"
-            message = f"task {self.task.name}, step {self._at_step}: {one_line(e)}"
-            tb = traceback.format_exc()
+        except BaseException as e:  # KeyboardInterrupt and SystemExit too: never recorded as "finished"
+            status, message = outcome(e, self.task.name, self._at_step, rd.path, self.checkpoint_step)
+            tb = None if isinstance(e, KeyboardInterrupt) else traceback.format_exc()
             if isinstance(e, torch.OutOfMemoryError):
-                message += OOM_HINT
                 release_cuda_memory()
-        finally:
-            result = self._finish(status, message, tb)
-        return result
+        return self._finish(status, message, tb)
 
     def _loop(self) -> tuple[str, str | None]:
         cfg = self.config
@@ -199,7 +232,7 @@ class Trainer:
                     return "stopped", str(e)
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
-            if (ckpt_every and self.step % ckpt_every == 0) or last:
+            if (ckpt_every and self.step % ckpt_every == 0) or last or checkpointer.due(self):
                 checkpointer.save(self)
         return "finished", None
 
@@ -351,12 +384,17 @@ class Trainer:
             with contextlib.suppress(Exception):
                 self.sampler.stop()
         elapsed = time.time() - self.t_start
-        if tb:
-            rd.write_error(tb)
+        if status != "finished":
+            rd.free_reserve()  # room to record the failure, on a disk that filled up
+        try:
+            if tb:
+                rd.write_error(tb)
+            rd.set_status(status, message, step=self.step, total_steps=getattr(self, "total_steps", None))
+        except OSError as e:  # the run's outcome is still returned (and printed) as it was
+            message = f"{message or status} (the run folder could not record it: {e.strerror or e})"
         extra: dict[str, Any] = {"message": message} if message else {}
         if tb:
             extra["traceback"] = tb
-        rd.set_status(status, message, step=self.step, total_steps=getattr(self, "total_steps", None))
         with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
             self._event(status, **extra)
         rd.close()

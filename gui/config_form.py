@@ -13,6 +13,7 @@ from typing import Any, Literal
 from multilane.engine.config import RunConfig, describe_error
 from multilane.engine.errors import UserError
 from multilane.engine.tasks import BUILTIN_TASKS, task_class
+from multilane.engine.tasks.loader import is_task_file
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from PySide6.QtCore import Signal
@@ -190,6 +191,7 @@ class ConfigForm(QWidget):
         self.task_combo.activated.connect(self._task_chosen)
         self.task_form.addRow("task", self.task_combo)
         self.task_error = ""
+        self.task_deferred = False  # a task file named by a loaded config, not imported yet
         layout.addWidget(task_box)
 
         sections = RunConfig.model_fields
@@ -224,8 +226,12 @@ class ConfigForm(QWidget):
             self.set_task(self.task_combo.itemText(index))
         self._changed()
 
-    def set_task(self, name: str, params: dict[str, Any] | None = None) -> None:
-        """Choose a task and rebuild its own hyperparameter fields from its schema."""
+    def set_task(self, name: str, params: dict[str, Any] | None = None, load: bool = True) -> None:
+        """Choose a task and rebuild its own hyperparameter fields from its schema.
+
+        ``load=False`` (a preset, the remembered last config): a task *file* is not imported — that
+        would run its code before the user asked for a run. Its params are kept as they are and its
+        fields appear once the file is picked again; Start runs it, naming it first."""
         if self.task_combo.findText(name) < 0:
             self.task_combo.insertItem(self.task_combo.count() - 1, name)
         self.task_combo.setCurrentText(name)
@@ -235,6 +241,10 @@ class ConfigForm(QWidget):
             self.task_form.removeRow(ed.row)
         self.param_editors.clear()
         self.task_error = ""
+        self.task_deferred = not load and is_task_file(name)
+        if self.task_deferred:
+            self._mark_task()
+            return
         try:
             cls = task_class(name)
         except UserError as e:
@@ -251,7 +261,10 @@ class ConfigForm(QWidget):
 
     def _mark_task(self) -> None:
         self.task_combo.setStyleSheet(INVALID_STYLE if self.task_error else "")
-        self.task_combo.setToolTip(self.task_error or "Built-in task or a .py file defining a Task")
+        tip = self.task_error or "Built-in task or a .py file defining a Task"
+        if self.task_deferred:
+            tip = f'Task file {self._task_name}: not loaded yet (it runs when you press Start); its own fields show when you pick it from this list\'s "{CUSTOM}"'
+        self.task_combo.setToolTip(tip)
 
     # -- values ----------------------------------------------------------------------------------
     def _changed(self, *_: Any) -> None:
@@ -280,7 +293,7 @@ class ConfigForm(QWidget):
             for key, ed in self.editors.items():
                 section, name = key.split(".")
                 ed.set(data[section][name])
-            self.set_task(cfg.task.name, cfg.task.params)
+            self.set_task(cfg.task.name, cfg.task.params, load=False)  # a config is data: no task file runs
         finally:
             self._loading = False
         self._update_applicable()

@@ -60,8 +60,11 @@ def export_run(
     if bundle and run_dir is not None:
         for name in ("config.json", "environment.json", "status.json"):
             src = Path(run_dir) / name
-            if src.exists():
-                shutil.copyfile(src, out / name)
+            if src.is_file() and (out / name).resolve() != src.resolve():
+                try:
+                    shutil.copyfile(src, out / name)
+                except OSError as e:
+                    raise UserError(f"export: cannot copy {src} ({e.strerror or e})") from None
                 written.append(out / name)
     return written
 

@@ -71,7 +71,7 @@ def run_caption(run_dir: str | Path) -> str | None:
         task, optim = cfg["task"]["name"], cfg["optim"]
         parts = [f"task {task}", f"devices {cfg['devices']['use']}", f"batch {cfg['data']['batch_size']}"]
         parts.append(f"{optim['name']} lr {optim['lr']:g}")
-        return " · ".join(parts)
+        return " · ".join(parts)[:200]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

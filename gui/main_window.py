@@ -11,6 +11,7 @@ from typing import Any
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.engine.progress import data_wait
+from multilane.engine.tasks.loader import is_task_file
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.plots import PlotPanel
@@ -69,6 +70,7 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.last_result: dict[str, Any] | None = None
         self.paused = False
         self._active = False
+        self._resume_from: str | None = None  # the run folder the current run resumes, if any
         self._t_start = 0.0
         self._last_train: dict[str, Any] = {}
         self._hold_pending = False
@@ -263,7 +265,7 @@ class MainWindow(RunFilesMixin, QMainWindow):
         """A run is active from Start until its finished signal reaches the window."""
         return self._active
 
-    def start(self, resume_from: str | None = None) -> bool:
+    def start(self, resume_from: str | None = None, overrides: dict[str, Any] | None = None) -> bool:
         if self.is_running():
             return False
         if not resume_from and self.validate():
@@ -278,7 +280,8 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.plots.reset()
         self._last_train = {}
         _freeze_heap()
-        worker = TrainWorker(config, resume_from=resume_from)
+        self._resume_from = resume_from
+        worker = TrainWorker(config, resume_from=resume_from, overrides=overrides)
         worker.started.connect(self._on_started)
         worker.record.connect(self._on_record)
         worker.finished.connect(self._on_finished)
@@ -290,7 +293,7 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.paused = False
         self._t_start = time.monotonic()
         self._set_running(True)
-        self.status_label.setText("Starting…")
+        self.status_label.setText(_starting_text(config))
         self.run.start()
         if config is not None:
             self.settings.setValue("last_config", json.dumps(config.to_dict()))
@@ -355,7 +358,9 @@ class MainWindow(RunFilesMixin, QMainWindow):
         if self.tabs.currentWidget() is self.runs_table:
             self.refresh_runs()
         status = result["status"]
-        if status == "rejected":
+        if status == "rejected" and result.get("task_file_changed") and self._resume_from:
+            self._ask_to_run_changed_task_file(self._resume_from, result)
+        elif status == "rejected":
             self.status_label.setText(f"Not started: {result['message']}")
             box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
             box.open()
@@ -377,6 +382,18 @@ class MainWindow(RunFilesMixin, QMainWindow):
             msg = f" — {result['message']}" if result.get("message") else ""
             self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
         self.validate()
+
+    def _ask_to_run_changed_task_file(self, run_dir: str, result: dict) -> None:
+        """A resume whose task file moved or changed: say so, and run the file as it is now only if
+        the user agrees (the CLI's ``--task``)."""
+        path = result["task_file_changed"]
+        answer = QMessageBox.question(
+            self, "Task file changed", f"{result['message']}\n\nResume the run with {path} as it is now?"
+        )
+        if answer == QMessageBox.Yes:
+            self.start(resume_from=run_dir, overrides={"task.name": path})
+        else:
+            self.status_label.setText(f"Not resumed: {result['message']}")
 
     def _auto_range_lost(self) -> None:
         self.auto_range.blockSignals(True)
@@ -471,3 +488,10 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.timer.stop()
         self.idle_timer.stop()
         event.accept()
+
+
+def _starting_text(config: RunConfig | None) -> str:
+    """What the status bar says at Start: a task file that is about to run is named in full."""
+    if config is not None and is_task_file(config.task.name):
+        return f"Starting… running task file {Path(config.task.name).expanduser().resolve()}"
+    return "Starting…"

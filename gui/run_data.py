@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from multilane.engine.runlog import read_metrics
+from multilane.engine.runlog import load_metrics
 
 
 class Column:
@@ -43,7 +43,12 @@ class Column:
 def _num(v: Any) -> float:
     if isinstance(v, dict):
         v = v.get("mean")
-    return float(v) if isinstance(v, (int, float)) else math.nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    try:
+        return float(v)
+    except OverflowError:  # an integer past float's range, from a hand-edited file
+        return math.nan
 
 
 class Series:
@@ -93,6 +98,7 @@ class RunData:
         self.devices: list[str] = []
         self.t0: float | None = None
         self.last_step = 0
+        self.skipped = 0  # unreadable lines of the run's metrics.jsonl, left out
 
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("kind")
@@ -151,8 +157,10 @@ class RunData:
     def from_run_dir(cls, path: str | Path) -> RunData:
         p = Path(path)
         data = cls(p.name)
-        for rec in read_metrics(p):
+        metrics = load_metrics(p)  # bad lines are skipped and counted, never fatal
+        for rec in metrics.records:
             data.add(rec)
+        data.skipped = metrics.skipped
         return data
 
     @property

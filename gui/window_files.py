@@ -25,7 +25,11 @@ class RunFilesMixin:
         if self.is_running():
             QMessageBox.information(self, "A run is in progress", "Stop the run before opening another one.")
             return False
-        data = RunData.from_run_dir(p)
+        try:
+            data = RunData.from_run_dir(p)
+        except UserError as e:  # metrics.jsonl is a folder, or unreadable
+            QMessageBox.warning(self, "Cannot open run", str(e))
+            return False
         if compare:
             self.plots.add_overlay(data)
             names = [self.plots.data.name] + [r.name for r, _ in self.plots.overlays]
@@ -36,7 +40,8 @@ class RunFilesMixin:
             self._show_run_settings(p)
         self.plots.refresh()
         self.plots.fit_x()
-        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}")
+        skipped = f" ({data.skipped} unreadable line{'s' if data.skipped != 1 else ''} skipped)" if data.skipped else ""
+        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}{skipped}")
         return True
 
     def compare_runs(self, paths: list[str]) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from multilane.engine.config import RunConfig
 from multilane.engine.control import RunControl
 from multilane.engine.errors import UserError
+from multilane.engine.tasks.loader import TaskFileChanged
 from multilane.engine.trainer import RunResult, Trainer, TrainerCallback
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
@@ -53,10 +54,13 @@ class TrainWorker(QObject):
     finished = Signal(object)  # status, step, run_dir, message, traceback
     rejected = Signal(str)  # bad input found before the run began: one line
 
-    def __init__(self, config: RunConfig | None, resume_from: str | None = None) -> None:
+    def __init__(
+        self, config: RunConfig | None, resume_from: str | None = None, overrides: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.resume_from = resume_from
+        self.overrides = overrides  # a resume's changes to the saved config (the task file, once the user agreed)
         self.control = RunControl()
 
     @Slot()
@@ -73,12 +77,19 @@ class TrainWorker(QObject):
     def _run(self) -> None:
         try:
             trainer = Trainer(
-                self.config, callbacks=[_Emitter(self)], control=self.control, resume_from=self.resume_from
+                self.config,
+                callbacks=[_Emitter(self)],
+                control=self.control,
+                resume_from=self.resume_from,
+                overrides=self.overrides,
             )
             result = trainer.run()
         except UserError as e:
             self.rejected.emit(str(e))
-            self.finished.emit({"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "traceback": None})
+            rejected = {"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "traceback": None}
+            if isinstance(e, TaskFileChanged):  # the window asks whether to run the file as it is now
+                rejected["task_file_changed"] = e.path
+            self.finished.emit(rejected)
             return
         except Exception as e:
             import traceback

@@ -1,0 +1,64 @@
+"""Reading a file the user named without hanging or exhausting memory on what it turns out to be.
+
+A path can name a FIFO (a read blocks forever), ``/dev/zero`` (a read never ends), a folder, or a
+file far larger than any config. ``read_regular_file`` opens without blocking, checks that it holds
+a regular file and reads at most ``limit`` bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class NotRegularFile(OSError):
+    """The path is a folder, a FIFO, a device or a socket."""
+
+
+class TooLarge(OSError):
+    """The file is larger than the reader accepts."""
+
+
+def kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def read_regular_file(path: str | Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file; ``NotRegularFile`` / ``TooLarge`` / ``OSError`` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{kind_of(st.st_mode)}, not a file")
+        if limit is not None and st.st_size > limit:
+            raise TooLarge(f"{st.st_size:,} bytes; the limit is {limit:,}")
+        chunks = []
+        left = st.st_size if limit is None else limit + 1
+        while True:
+            chunk = os.read(fd, min(1 << 20, left) if limit is not None else 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if limit is not None:
+                left -= len(chunk)
+                if left <= 0:
+                    raise TooLarge(f"more than {limit:,} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def describe_os_error(e: OSError) -> str:
+    """A short reason: the strerror for system errors, the message for ours."""
+    if isinstance(e, (NotRegularFile, TooLarge)):
+        return str(e)
+    return e.strerror or str(e)
