@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
     c.add_argument("run_dir", metavar="RUN_DIR")
-    c.add_argument("command", choices=["pause", "resume", "stop"])
+    c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -206,8 +206,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_control(args: argparse.Namespace) -> int:
     from multilane.engine.control_file import write_control
 
-    path = write_control(args.run_dir, args.command)
-    print(f"{args.command} requested: {path}")
+    path = write_control(args.run_dir, args.action)
+    print(f"{args.action} requested: {path}")
     return 0
 
 
