@@ -182,7 +182,7 @@ def test_a_sigkilled_rank_fails_the_run_within_seconds_and_the_run_resumes(tmp_p
     assert last_train_step(run) == step + 3
 
 
-FAILING_TASK = '''
+FAILING_TASK = """
 import os
 from multilane.engine.tasks.builtin import BUILTIN_TASKS
 
@@ -195,7 +195,7 @@ class Failing(BUILTIN_TASKS["linear"]):
         if os.environ.get("RANK") == "1" and Failing.calls > 6:
             raise ValueError("boom on purpose")
         return super().loss(output, target)
-'''
+"""
 
 
 def test_a_rank_that_raises_fails_the_run_naming_the_rank_and_its_error(tmp_path):

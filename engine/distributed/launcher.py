@@ -146,13 +146,15 @@ def report_failure(run_dir: Path, rank: int, message: str, tb: str | None) -> No
     """Write the run's outcome: status failed, a failed event naming the rank, the traceback."""
     rd = RunDir(run_dir)
     old = rd.read_json(STATUS) or {}
-    step = max((r.get("step", 0) for r in iter_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"), default=0)
-    if tb:
-        rd.write_error(tb)
-    elif (run_dir / ERROR).exists() is False:
-        rd.write_error(message + "\n")
+    step = max(
+        (r.get("step", 0) for r in iter_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"), default=0
+    )
+    if tb or not (run_dir / ERROR).exists():
+        rd.write_error(tb or message + "\n")
     rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
-    rd.append_metric({"kind": "event", "event": "failed", "step": step, "wall_time": time.time(), "message": message, "rank": rank})
+    rd.append_metric(
+        {"kind": "event", "event": "failed", "step": step, "wall_time": time.time(), "message": message, "rank": rank}
+    )
     rd.close()
 
 
