@@ -79,7 +79,9 @@ def launch(
         host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else ("127.0.0.1", free_port())
         check_port_free(host, port)
         endpoint = f"{host}:{port}"
-        if run_dir is None:  # the launcher makes the folder, so that it can report any rank's failure
+        if run_dir is None and os.environ.get(RUN_DIR_ENV):  # made by the app that started us
+            run_dir = Path(os.environ[RUN_DIR_ENV])
+        elif run_dir is None:  # the launcher makes the folder, so that it can report any rank's failure
             run_dir = RunDir.create(config.run.runs_dir, config.run.name).path
             os.environ[RUN_DIR_ENV] = str(run_dir)
     else:
