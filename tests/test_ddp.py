@@ -305,3 +305,23 @@ def test_a_port_in_use_and_a_rendezvous_that_never_completes_are_one_line_each(t
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "rendezvous" in lines[0], r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_ranks_whose_launcher_was_sigkilled_stop_with_a_checkpoint(tmp_path):
+    runs = tmp_path / "runs"
+    p = long_ddp_run(runs)
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+        wait_for(lambda: last_train_step(run) >= 5, 120, "training")
+        ranks = [wait_for(lambda r=r: rank_pid(p, r), 30, f"rank {r}") for r in (0, 1)]
+        p.kill()
+        p.wait(timeout=30)
+        state = lambda: json.loads((run / "status.json").read_text())["state"]  # noqa: E731
+        wait_for(lambda: state() == "stopped", 30, "the ranks to stop")
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in ranks), 30, "the ranks to exit")
+    finally:
+        for pid in ranks if "ranks" in locals() else []:
+            if psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
+    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert int(ck["step"]) == json.loads((run / "status.json").read_text())["step"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ class DdpTrainer(Trainer):
         self._tele_buffer: list[dict[str, Any]] = []
         self._busy_s = 0.0
         self._keys: list[str] = [info.key]
+        self._parent = os.getppid()
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -194,6 +196,8 @@ class DdpTrainer(Trainer):
         step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
         act on the same agreed flags at the same step."""
         self._control_file.apply(self.requests)
+        if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
+            self.requests.request_stop()
         if self._pending is not None:
             work, flags = self._pending
             self._pending = None
