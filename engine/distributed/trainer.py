@@ -28,10 +28,11 @@ from multilane.engine.errors import UserError
 from multilane.engine.metrics_window import check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes
-from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import first_tensor, move_tree
 from multilane.engine.runlog import RunDir
+from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
 from multilane.engine.trainer import Trainer
 from torch.nn.parallel import DistributedDataParallel
@@ -102,6 +103,7 @@ class DdpTrainer(Trainer):
         self.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
         self.window = ShardWindow()
         self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
+        self._loss_weight = loss_weight_fn(self.task)
         if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
             checkpointer.restore(self, {**self._checkpoint, "metrics_window": None})
         self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if info.device.is_cuda else None)
@@ -153,14 +155,15 @@ class DdpTrainer(Trainer):
             sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
             with sync:
                 timer.mark("forward")
-                output, shard_loss = self._forward(inputs, target, n)
+                output, shard_loss, weight = self._forward(inputs, target, n)
                 timer.mark("backward")
-                if shard_loss is not None:
-                    contrib = shard_loss * (n / size)  # this shard's part of the full-batch mean
+                share = n / size if self._loss_weight is None else self._weight_share(weight)
+                if shard_loss is not None and share > 0:
+                    contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
-                else:  # no samples for this rank in this micro-batch: a zero gradient, still reduced
-                    out = first_tensor(output)
-                    local = out.sum() * 0.0
+                else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
+                    shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
+                    local = first_tensor(output).sum() * 0.0
                     contrib = local.detach().float()
                 if k == 0:
                     opt.zero_grad(set_to_none=True)
@@ -176,16 +179,33 @@ class DdpTrainer(Trainer):
         self.window.end_step()
         self._busy_s += time.perf_counter() - t0
 
-    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None]:
+    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
         args, kwargs = model_args(inputs)
         dtype = self.autocast_dtype
         cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
         with cast:
             output = self.ddp(*args, **kwargs)
             if n == 0:
-                return output, None
+                return output, None, None
             check_batch(output, target)
-            return output, _LaneLoss.check(self.task.loss(output, target))
+            loss = _LaneLoss.check(self.task.loss(output, target))
+            weight = None
+            if self._loss_weight is not None:
+                weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
+            return output, loss, weight
+
+    def _weight_share(self, weight: torch.Tensor | None) -> float:
+        """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
+        e.g. its non-padding tokens). The sum over ranks is one small all-reduce per micro-batch, on the
+        CPU group; only tasks that define ``loss_weight`` pay it."""
+        w = 0.0 if weight is None else float(weight)
+        if not 0 <= w < math.inf:
+            raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
+        total = torch.tensor([w], dtype=torch.float64)
+        dist.all_reduce(total, group=self._control_group)
+        t = float(total[0])
+        return w / t if t > 0 else 0.0
 
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, a: bool, b: bool) -> torch.Tensor:
@@ -284,7 +304,8 @@ class DdpTrainer(Trainer):
         model, task, bs = self.model, self.task, self.config.data.batch_size
         was_training = model.training
         model.eval()
-        total: torch.Tensor | None = None
+        loss_sum = weight_sum = 0.0
+        metric_sums: list[float] = []
         keys: list[str] = []
         count, n_val = 0, len(self.val)
         dtype = self.autocast_dtype
@@ -299,25 +320,34 @@ class DdpTrainer(Trainer):
                     cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
                     with cast:
                         output = model(*args, **kwargs)
-                    loss, metrics = task.loss(output, target), task.metrics(output, target)
+                        loss = _LaneLoss.check(task.loss(output, target))
+                        w = float(n)
+                        if self._loss_weight is not None:
+                            w = float(_LaneLoss.weight(self._loss_weight(output, target), loss))
+                    if w > 0:  # a shard holding no weight (all padding) adds nothing; its mean is 0/0
+                        loss_sum += float(loss.double()) * w
+                        weight_sum += w
+                    metrics = task.metrics(output, target)
                     keys = list(metrics)
-                    vec = torch.stack([loss.float(), *(torch.as_tensor(metrics[k]).float() for k in keys)]) * n
-                    total = vec if total is None else total + vec
+                    values = [float(torch.as_tensor(metrics[k]).double()) * n for k in keys]
+                    metric_sums = (
+                        values if not metric_sums else [a + b for a, b in zip(metric_sums, values, strict=True)]
+                    )
                     count += n
         finally:
             model.train(was_training)
         everyone: list[Any] = [None] * self.info.world
-        dist.all_gather_object(everyone, (None if total is None else total.tolist(), keys, count))
-        parts = [e for e in everyone if e[0] is not None]
-        keys = parts[0][1]
-        n_all = sum(e[2] for e in parts)
-        values = [sum(e[0][i] for e in parts) / n_all for i in range(len(parts[0][0]))]
+        dist.all_gather_object(everyone, (loss_sum, weight_sum, metric_sums, keys, count))
+        parts = [e for e in everyone if e[4] > 0]
+        keys = parts[0][3]
+        n_all = sum(e[4] for e in parts)
+        w_all = sum(e[1] for e in everyone)
         rec = {
             "kind": "eval",
             "step": self.step,
             "wall_time": time.time(),
-            "val_loss": values[0],
-            "metrics": dict(zip(keys, values[1:], strict=True)),
+            "val_loss": sum(e[0] for e in everyone) / w_all if w_all > 0 else math.nan,
+            "metrics": {k: sum(e[2][i] for e in parts) / n_all for i, k in enumerate(keys)},
         }
         self._last_eval = rec
         for cb in self.callbacks:
