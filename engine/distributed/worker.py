@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
 from multilane.engine.control import RunControl
 from multilane.engine.distributed.rank import RankInfo, init_process_group
+from multilane.engine.errors import UserError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
@@ -67,9 +69,21 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
     return 0
 
 
-def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
-    """Run this rank; exit status 1 (quietly: the launcher reports it) when the run failed."""
+def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> NoReturn:
+    """Run this rank and exit: 0, or 1 (quietly: the launcher reports it) when the run failed.
+
+    The process ends with ``os._exit`` once everything is written (files are closed, the checkpoint
+    fsynced, the error file recorded): at interpreter teardown a c10d background thread could still
+    be joinable, and its destructor aborted the process now and then ("terminate called without an
+    active exception", SIGABRT), which turned a finished rank into a failed one.
+    """
     try:
-        return rank_main(config, resume_from, overrides)
+        code = rank_main(config, resume_from, overrides)
     except RankFailed:
-        return 1
+        code = 1
+    except UserError as e:
+        print(f"multilane: error: {e}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
