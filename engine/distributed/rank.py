@@ -13,13 +13,6 @@ import torch.distributed as dist
 from multilane.engine.devices import Device, cuda_count, parse_devices
 from multilane.engine.errors import UserError
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def in_worker() -> bool:
-    """True inside a process started by torchrun or the elastic agent."""
-    return all(k in os.environ for k in _ENV)
-
 
 @dataclass(frozen=True)
 class RankInfo:
