@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 from multilane.engine import checkpointer
 from multilane.engine.control import RunControl
-from multilane.engine.data import Batches, split_data
 from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
+from multilane.engine.loader import ArrayLoader, build_loader
 from multilane.engine.metrics_window import check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.parallel.tree import first_tensor, move_tree
+from multilane.engine.parallel.tree import first_tensor
 from multilane.engine.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
@@ -83,15 +83,14 @@ class DdpTrainer(Trainer):
         if not info.device.is_cuda:
             torch.set_num_threads(cpu_threads_per_rank(info.local_world))
         dev = info.device.torch_device()
-        train, val = split_data(self.task.data(), cfg.data.val_fraction, cfg.train.seed)
-        if len(train) == 0:
-            raise UserError(f"task {self.task.name}: no training samples")
+        self.loader = build_loader(self.task, cfg, dev if info.device.is_cuda else None)
+        if not isinstance(self.loader, ArrayLoader):
+            raise UserError(
+                f"task {self.task.name}: devices.strategy = ddp takes in-memory data (ArrayData) for now; "
+                "a Dataset or stream task runs with the replicate strategy"
+            )
+        self.batches, self.val = self.loader.batches, self.loader.val
         self.model = self.task.build_model().to(dev)
-        data_dev = dev if info.device.is_cuda else None
-        self.batches = Batches(train, cfg.data.batch_size, cfg.train.seed, data_dev)
-        self.val = None
-        if val is not None:
-            self.val = val if data_dev is None else type(val)(move_tree(val.inputs, dev), move_tree(val.target, dev))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * self.batches.per_epoch / accum)
