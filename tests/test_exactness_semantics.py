@@ -48,6 +48,43 @@ def test_every_lane_gets_its_own_copy_of_each_parameter_and_sees_it_in_parameter
     assert len(seen) == 3 * len(originals)
 
 
+def test_once_a_model_is_known_not_to_write_its_parameters_lanes_get_views_not_copies(three_lanes):
+    model = net()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randn(9, 2, dtype=torch.float64)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append([p.data_ptr() for p in m.parameters()]))
+    for _ in range(2):
+        three_lanes.forward_loss(model, x, y, F.mse_loss, chunk_sizes(9, 3), PhaseTimer()).loss.backward()
+    originals = [p.data_ptr() for p in model.parameters()]
+    first, second = seen[:3], seen[3:]
+    assert all(ptrs != originals for ptrs in first)  # step 1: private copies on every lane
+    assert all(ptrs == originals for ptrs in second)  # then views of the original data: no copy
+
+
+class WritesFromStepTwo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1).double()
+        self.calls = [0]  # shared by the replicas (each has its own copy of the module's attributes)
+
+    def forward(self, x):
+        self.calls[0] += 1
+        if self.calls[0] > 3:  # after the first (3-lane) forward
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+def test_a_model_that_starts_writing_its_parameters_later_is_refused(three_lanes):
+    m = WritesFromStepTwo()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    three_lanes.forward(m, x, chunk_sizes(6, 3))
+    with pytest.raises(
+        InplaceParameterError, match=r"parameter 'lin.weight' was changed in place during this forward but not"
+    ):
+        three_lanes.forward(m, x, chunk_sizes(6, 3))
+
+
 def test_the_gpu_backend_replicates_with_the_same_function():
     # CudaBackend.replicate is replicate_module over its devices; here over CPU devices, the same code.
     model = net()

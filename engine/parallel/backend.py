@@ -49,9 +49,10 @@ class Backend(ABC):
         """Split the batch ``obj`` along dim 0 into chunks of ``sizes``, one per lane in ``lanes``."""
 
     @abstractmethod
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
-        """One true replica of ``model`` per lane (engine/parallel/replica.py): each its own copy of every
-        parameter, listed in ``.params``; gradients of every replica flow back to ``model``."""
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
+        """One true replica of ``model`` per lane (engine/parallel/replica.py: ``replicate_module``): each
+        its own tensor for every parameter, listed in ``.params``; gradients of every replica flow back
+        to ``model``. ``share``: views instead of copies where a lane sits on the parameters' device."""
 
     @abstractmethod
     def parallel_apply(

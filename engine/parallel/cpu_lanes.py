@@ -44,10 +44,10 @@ class CpuLanesBackend(Backend):
             return [obj]
         return scatter_tree(obj, len(lanes), lambda t: torch.split(t, list(sizes), dim=0))
 
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
         cpu = torch.device("cpu")
         owner = list(lanes).index(0) if 0 in lanes else None
-        return replicate_module(model, [cpu] * len(lanes), detach, owner)
+        return replicate_module(model, [cpu] * len(lanes), detach, owner, share)
 
     def parallel_apply(
         self,

@@ -32,10 +32,10 @@ class CudaBackend(Backend):
         chunks = list(sizes)
         return scatter_tree(obj, len(lanes), lambda t: Scatter.apply(gpus, chunks, 0, t))
 
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
         devices = [torch.device("cuda", self._indices[i]) for i in lanes]
         owner = list(lanes).index(0) if 0 in lanes else None
-        return replicate_module(model, devices, detach, owner)
+        return replicate_module(model, devices, detach, owner, share)
 
     def parallel_apply(
         self,

@@ -15,7 +15,10 @@ the forward (a tied output layer) reads the changed values. On lanes, each lane 
    can reproduce it. The original keeps the merged values of step 1.
 
 Only parameters whose version counter moved during the forward are looked at: a model that changes no
-parameter pays for one integer read per parameter and lane.
+parameter pays for one integer read per parameter and lane. Which models write: learned from a model's
+first multi-lane forward, which runs on private copies. A model that wrote none then gets views of the
+original parameters on the lanes of their own device (no copy per step); a view shares the original's
+version counter, so a later write is still seen, but the lanes held that parameter shared: refused.
 """
 
 from __future__ import annotations
@@ -92,6 +95,16 @@ def check_settled(
                     f"engine applied every lane's change (seen on {lane_names[lane]}): a change that does "
                     "not settle cannot be split across lanes; train this model on one device"
                 )
+
+
+def late_write_error(model: nn.Module, indices: list[int]) -> InplaceParameterError:
+    """A parameter written in forward by a model whose first forward wrote none: its lanes shared it."""
+    params = list(model.parameters())
+    return InplaceParameterError(
+        f"parameter '{_name(model, params[indices[0]])}' was changed in place during this forward but not "
+        "during the model's first one, so the lanes held it shared and this step cannot be trusted; a "
+        "model that changes parameters in forward must do so from its first step"
+    )
 
 
 def _name(model: nn.Module, param: torch.Tensor) -> str:

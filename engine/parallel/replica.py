@@ -1,10 +1,12 @@
 """True replicas: each lane gets its own copy of every parameter, on either backend.
 
 torch's ``replicate`` gives replica 0 views of the original parameters and hides every replica's
-parameters from ``.parameters()``. Here every lane, lane 0 included, holds a private differentiable copy
-of each parameter (so a forward that changes a parameter in place changes only its own lane's copy, and
-no two lane threads ever write one tensor), and the copies sit in the replica's ``_parameters``, so a
-forward that reads ``self.parameters()`` (an L2 penalty) sees its own lane's copies on every lane.
+parameters from ``.parameters()``. Here every lane, lane 0 included, holds its own differentiable tensor
+for each parameter, in the replica's ``_parameters``, so a forward that reads ``self.parameters()`` (an L2
+penalty) sees its own lane's tensors on every lane. A model that changes a parameter in place during
+forward gets private copies on every lane (so a lane changes only its own copy, and no two lane threads
+ever write one tensor); a model known not to (``share``) gets views on the lanes that sit on the
+parameters' own device, which cost no copy of the data.
 Gradients flow back into the original parameters: ``LaneCopies``' backward sums the lanes' gradients in
 lane order (deterministic), and leaves a parameter that no lane used without a gradient (``None``, as on
 one device; torch's ``Broadcast`` would give it zeros, which Adam and momentum do not ignore).
@@ -59,24 +61,42 @@ class ReplicaSet(list):
 
 
 def replicate_module(
-    model: nn.Module, devices: Sequence[torch.device], detach: bool, buffer_owner: int | None
+    model: nn.Module,
+    devices: Sequence[torch.device],
+    detach: bool,
+    buffer_owner: int | None,
+    share: bool = False,
 ) -> ReplicaSet:
     """One true replica of ``model`` per entry of ``devices`` (see the module docstring).
+
+    ``share``: lanes on the parameters' own device get a view of each original parameter (its own
+    tensor object, differentiable, no copy of the data) instead of a copy. Only for a model known not
+    to change its parameters in forward: a view shares the original's version counter, so the strategy
+    still notices any write (engine/parallel/inplace.py).
 
     Buffers: the replica at position ``buffer_owner`` (the lane on the model's own device, if it takes
     part) holds the original buffers, so BatchNorm running statistics persist from it, as with torch's
     replicate; the others hold copies.
     """
     params = list(model.parameters())
-    if not params:
-        copies: list[list[torch.Tensor]] = [[] for _ in devices]
-    elif detach or not torch.is_grad_enabled():
-        copies = [[p.detach().to(d, copy=True) for p in params] for d in devices]
-    else:
-        flat = LaneCopies.apply(list(devices), *params)
-        copies = [list(flat[k * len(params) : (k + 1) * len(params)]) for k in range(len(devices))]
+    grad = not detach and torch.is_grad_enabled()
+    copies: list[list[torch.Tensor]] = [[] for _ in devices]
+    if params:
+        home = params[0].device  # the engine moves the whole model to its first device
+        copied = [k for k, d in enumerate(devices) if not (share and d == home)]
+        for k in range(len(devices)):
+            if k not in copied:
+                copies[k] = [p.view_as(p) if grad else p.detach() for p in params]
+        if copied and grad:
+            flat = LaneCopies.apply([devices[k] for k in copied], *params)
+            for i, k in enumerate(copied):
+                copies[k] = list(flat[i * len(params) : (i + 1) * len(params)])
+        elif copied:
+            for k in copied:
+                copies[k] = [p.detach().to(devices[k], copy=True) for p in params]
+    plan = _Plan(model, params)
     replicas = ReplicaSet(
-        _build(model, params, lane_params, _lane_buffers(model, d, detach, k == buffer_owner))
+        plan.build(lane_params, _lane_buffers(model, d, detach, k == buffer_owner))
         for k, (d, lane_params) in enumerate(zip(devices, copies, strict=True))
     )
     replicas.params = copies
@@ -93,24 +113,51 @@ def _lane_buffers(model: nn.Module, device: torch.device, detach: bool, owner: b
     return out
 
 
-def _build(
-    model: nn.Module, params: list[torch.Tensor], lane_params: list[torch.Tensor], buffers: dict[torch.Tensor, Any]
-) -> nn.Module:
-    modules = list(model.modules())
-    index = {m: i for i, m in enumerate(modules)}
-    param_index = {p: i for i, p in enumerate(params)}
-    copies = [m._replicate_for_data_parallel() for m in modules]
-    for m, r in zip(modules, copies, strict=True):
-        for key, child in m._modules.items():
-            r._modules[key] = None if child is None else copies[index[child]]
-        for key, p in m._parameters.items():
-            if p is None:
-                r._parameters[key] = None
-                continue
-            # setattr first, as torch's replicate does, so that modules caching their weights (RNNs'
-            # _flat_weights) pick up the copy; then move it where .parameters() finds it.
-            setattr(r, key, lane_params[param_index[p]])
-            r._parameters[key] = r.__dict__.pop(key)
-        for key, b in m._buffers.items():
-            r._buffers[key] = None if b is None else buffers[b]
-    return copies[0]
+class _Plan:
+    """The module tree of ``model``, walked once per replicate, then stamped out once per lane."""
+
+    def __init__(self, model: nn.Module, params: list[torch.Tensor]) -> None:
+        self.modules = list(model.modules())
+        self.index = {m: i for i, m in enumerate(self.modules)}
+        self.param_index = {p: i for i, p in enumerate(params)}
+        # Modules that do their own thing on replication or attribute setting (RNNs cache their
+        # weights in _flat_weights) take torch's slow path; the rest a plain dict copy.
+        self.plain = [
+            type(m)._replicate_for_data_parallel is nn.Module._replicate_for_data_parallel
+            and type(m).__setattr__ is nn.Module.__setattr__
+            for m in self.modules
+        ]
+
+    def build(self, lane_params: list[torch.Tensor], buffers: dict[torch.Tensor, Any]) -> nn.Module:
+        copies = [
+            _plain_replica(m) if plain else m._replicate_for_data_parallel()
+            for m, plain in zip(self.modules, self.plain, strict=True)
+        ]
+        for m, r, plain in zip(self.modules, copies, self.plain, strict=True):
+            for key, child in m._modules.items():
+                r._modules[key] = None if child is None else copies[self.index[child]]
+            for key, p in m._parameters.items():
+                if p is None:
+                    r._parameters[key] = None
+                elif plain:
+                    r._parameters[key] = lane_params[self.param_index[p]]
+                else:
+                    # setattr first, as torch's replicate does, so that modules caching their weights
+                    # (RNNs' _flat_weights) pick up the tensor; then move it where .parameters() finds it.
+                    setattr(r, key, lane_params[self.param_index[p]])
+                    r._parameters[key] = r.__dict__.pop(key)
+            for key, b in m._buffers.items():
+                r._buffers[key] = None if b is None else buffers[b]
+        return copies[0]
+
+
+def _plain_replica(m: nn.Module) -> nn.Module:
+    """What ``nn.Module._replicate_for_data_parallel`` does, without its per-attribute ``__setattr__``."""
+    r = object.__new__(type(m))
+    d = m.__dict__.copy()
+    d["_parameters"] = {}
+    d["_buffers"] = d["_buffers"].copy()
+    d["_modules"] = d["_modules"].copy()
+    d["_is_replica"] = True
+    object.__setattr__(r, "__dict__", d)
+    return r

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,10 @@ class ReplicateEachStep:
         self.backend = backend
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self._weights: dict[tuple, torch.Tensor] = {}
+        # Per model: did its first multi-lane forward change a parameter in place? Until that is
+        # known, and for a model that does, every lane gets private copies; a model that does not gets
+        # views where a lane sits on the parameters' device (no copy of the data each step).
+        self._writes_params: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def _wrap(self, fns: Sequence[Callable[..., Any]]) -> Sequence[Callable[..., Any]]:
         if self.autocast_dtype is None:
@@ -242,15 +247,21 @@ class ReplicateEachStep:
         detach = not torch.is_grad_enabled()
         args_kwargs = [model_args(x) for x in shard_inputs]
         fns_args = ([a for a, _ in args_kwargs], [k for _, k in args_kwargs])
+        writes = self._writes_params.get(model)
+        share = writes is False
         timer.mark("replicate")
-        replicas = b.replicate(model, lanes, detach=detach)
+        replicas = b.replicate(model, lanes, detach=detach, share=share)
         before = inplace.versions(replicas.params)
         timer.mark("forward")
         outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
         touched = inplace.changed(replicas.params, before)
+        if writes is None:
+            self._writes_params[model] = bool(touched)
         if not touched:
             return outputs
         names = [b.lane_names[i] for i in lanes]
+        if share:
+            raise inplace.late_write_error(model, touched)
         if inplace.merge_into_original(model, replicas.params, touched, names):
             return outputs
         del outputs
