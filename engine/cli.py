@@ -1,4 +1,5 @@
-"""The ``multilane`` command: ``train``, ``devices``, ``export``; with no arguments, the desktop app."""
+"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``; with no arguments,
+the desktop app."""
 
 from __future__ import annotations
 
@@ -83,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", metavar="NAME", help="run name, part of the run folder's name")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument(
+        "--strategy", metavar="S", help="replicate (one process, every device) or ddp (one process per device)"
+    )
+    dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
+    dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
+    dd.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous (default: a free local port)")
+    dd.add_argument("--rdzv-id", metavar="ID", help="run id, the same on every node (default: multilane)")
+    dd.add_argument(
+        "--rdzv-timeout", type=_number, default=60.0, metavar="S", help="seconds to wait for every node (default 60)"
+    )
+    t.add_argument(
         "--set",
         action="append",
         default=[],
@@ -95,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
     e.add_argument("--format", default="png,svg,csv", metavar="LIST", help="any of png,svg,csv (default: all)")
     e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
+
+    w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
+    w.add_argument("run_dir", metavar="RUN_DIR")
+    w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+
+    c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
@@ -116,6 +135,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "precision": "train.precision",
         "runs_dir": "run.runs_dir",
         "name": "run.name",
+        "strategy": "devices.strategy",
     }
     for attr, key in flags.items():
         value = getattr(args, attr)
@@ -150,15 +170,49 @@ def _parse_value(raw: str, key: str) -> Any:
         raise UserError(f"--set {key}: {str(e).split(';')[0]}") from None
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    """The run's config: the file and flags, or (resuming) the checkpoint's config and the flags."""
     from multilane.engine.config import build_config, merge, read_config_file
-    from multilane.engine.control import RunControl
-    from multilane.engine.progress import ProgressDisplay, summary
-    from multilane.engine.trainer import Trainer
+
+    if args.resume:
+        from multilane.engine.runlog import RunDir
+
+        base = RunDir.open_existing(args.resume, lock=False).load_checkpoint().get("config")
+        if not isinstance(base, dict):
+            raise UserError(f"resume: {args.resume}: the checkpoint holds no config")
+        return build_config(merge(base, overrides), "resume config")
+    base = read_config_file(args.config) if args.config else {}
+    section = base.get("task")
+    if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
+        # Another task's params would not fit this task's schema.
+        section["params"] = {}
+    return build_config(merge(base, overrides), args.config or "config")
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from multilane.engine.distributed import in_worker
 
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
+    config = _run_config(args, overrides)
+    if config.devices.strategy == "ddp":
+        if in_worker():
+            from multilane.engine.distributed.worker import run_rank
+
+            return run_rank(None if args.resume else config, args.resume, overrides)
+        from multilane.engine.distributed.launcher import launch
+        from multilane.engine.tasks import make_task
+
+        make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        return launch(argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id)
+    if in_worker():
+        raise UserError("started by torchrun: add --strategy ddp (each process is one rank of a ddp run)")
+
+    from multilane.engine.control import RunControl
+    from multilane.engine.progress import ProgressDisplay, summary
+    from multilane.engine.trainer import Trainer
+
     control = RunControl()
     progress = ProgressDisplay()
     _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
@@ -166,12 +220,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
     else:
-        base = read_config_file(args.config) if args.config else {}
-        section = base.get("task")
-        if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
-            # Another task's params would not fit this task's schema.
-            section["params"] = {}
-        config = build_config(merge(base, overrides), args.config or "config")
         trainer = Trainer(config, callbacks=callbacks, control=control)
     result = trainer.run()
     _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
@@ -220,6 +268,20 @@ def _stop_on_signals(control: Any, console: Any) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from multilane.engine.watch import watch
+
+    return watch(args.run_dir, args.interval)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from multilane.engine.control_file import write_control
+
+    path = write_control(args.run_dir, args.action)
+    print(f"{args.action} requested: {path}")
+    return 0
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -306,10 +368,15 @@ def cmd_app() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return cmd_train(args)
+            return cmd_train(args, argv[argv.index("train") + 1 :])
+        if args.command == "watch":
+            return cmd_watch(args)
+        if args.command == "control":
+            return cmd_control(args)
         if args.command == "devices":
             return cmd_devices(args)
         if args.command == "export":

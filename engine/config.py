@@ -56,6 +56,14 @@ class DevicesSection(Section):
         default_factory=list,
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
+    strategy: Literal["replicate", "ddp"] = Field(
+        "replicate",
+        description="replicate: one process drives every device (parallel_apply); "
+        "ddp: one process per device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), also across machines",
+    )
+    collective_timeout_s: float = Field(
+        120.0, ge=5.0, le=86_400.0, description="ddp: seconds a rank waits on the others before the run fails"
+    )
 
     @model_validator(mode="after")
     def _weights_sane(self) -> DevicesSection:

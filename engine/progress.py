@@ -35,7 +35,7 @@ class ProgressDisplay(TrainerCallback):
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.progress.start()
-        lanes = ",".join(trainer.backend.lane_names)
+        lanes = ",".join(trainer.lane_names)
         self._task_id = self.progress.add_task(
             f"{trainer.task.name} on {lanes}", total=trainer.total_steps, completed=trainer.step, info=""
         )

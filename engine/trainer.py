@@ -22,6 +22,7 @@ from multilane.engine.balance import balance_warnings
 from multilane.engine.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
+from multilane.engine.control_file import ControlFile
 from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
@@ -65,13 +66,16 @@ class Trainer:
         self.sampler: TelemetrySampler | None = None
         self.step = 0
         if resume_from is not None:
-            self._resume_dir = RunDir.open_existing(resume_from)  # locked: this process is its one writer
+            self._resume_dir = self._open_resume_dir(resume_from)
         try:
             self._configure(config, overrides or {}, task)
         except BaseException:
             if self._resume_dir is not None:
                 self._resume_dir.close()
             raise
+
+    def _open_resume_dir(self, path: str | Path) -> RunDir:
+        return RunDir.open_existing(path)  # locked: this process is its one writer
 
     def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
         expect_sha256 = None
@@ -161,11 +165,8 @@ class Trainer:
             raise
         except (Exception, SystemExit) as e:
             raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
-        if self._resume_dir is not None:
-            self.run_dir = self._resume_dir
-        else:
-            self.run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name)
-        rd = self.run_dir
+        self.run_dir = rd = self._open_run_dir()
+        self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
         self.checkpoint_time = time.monotonic()
         self._energy_at_log = self._energy_at_epoch = 0.0
@@ -202,12 +203,32 @@ class Trainer:
                 release_cuda_memory()
         return self._finish(status, message, tb)
 
+    def _open_run_dir(self) -> RunDir:
+        if self._resume_dir is not None:
+            return self._resume_dir
+        return RunDir.create(self.config.run.runs_dir, self.config.run.name)
+
+    @property
+    def lane_names(self) -> list[str]:
+        """The names the run's per-device series go by (``device_loss`` keys)."""
+        return list(self.backend.lane_names)
+
+    def _sync_control(self) -> None:
+        """Between steps: pick up a command from the run folder's control file (cheap: see control_file.py)."""
+        self._control_file.apply(self.control)
+
+    def _wait_paused(self) -> None:
+        """Block while paused; a pause, resume or stop can also come through the control file."""
+        while not self.control.wait_while_paused(0.2):
+            self._control_file.apply(self.control)
+
     def _loop(self) -> tuple[str, str | None]:
         cfg = self.config
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
         while self.step < self.total_steps:
+            self._sync_control()
             self.control.wait_while_held()
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
@@ -340,8 +361,7 @@ class Trainer:
         self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
         self._event("paused", **({"message": reason} if reason else {}))
         self.window.pause()  # paused time is not training time
-        while not self.control.wait_while_paused(0.2):
-            pass
+        self._wait_paused()
         self.window.resume()
         if not self.control.stop_requested:
             self.run_dir.set_status("running", step=self.step, total_steps=self.total_steps)
