@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.buffers import merge_buffers
+from multilane.engine.parallel.lane_context import lane_apply
+from multilane.engine.parallel.lane_rng import LaneRandom
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
 from torch import nn
@@ -101,10 +104,34 @@ class _LaneLoss:
 class ReplicateEachStep:
     """Replicate the model at every step, as ``nn.DataParallel`` does."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0) -> None:
         self.backend = backend
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self._weights: dict[tuple, torch.Tensor] = {}
+        self.random = LaneRandom([d.torch_device() for d in backend.devices], seed)
+        """Each lane's random stream (lane 0's is torch's default generator); saved in checkpoints."""
+
+    def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
+        """parallel_apply, each lane with its own random stream and a group to exchange values in."""
+        b = self.backend
+        return lane_apply(b.parallel_apply, self.random, kind, fns, inputs, kwargs, lanes, b.lane_names)
+
+    def _forward(
+        self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer | None
+    ) -> list[Any]:
+        """Each lane's replica on its shard; the model's buffers then hold the replicas' (see buffers.py)."""
+        if timer is not None:
+            timer.mark("replicate")
+        replicas = self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        if timer is not None:
+            timer.mark("forward")
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        kind = "train" if model.training else "eval"
+        outputs = self._apply(
+            kind, self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
+        )
+        merge_buffers(model, replicas, active)
+        return outputs
 
     def _wrap(self, fns: Sequence[Callable[..., Any]]) -> Sequence[Callable[..., Any]]:
         if self.autocast_dtype is None:
@@ -141,16 +168,11 @@ class ReplicateEachStep:
         timer.mark("scatter")
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
-        timer.mark("replicate")
-        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
-        timer.mark("forward")
-        args_kwargs = [model_args(x) for x in shard_inputs]
-        outputs = b.parallel_apply(
-            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
+        outputs = self._forward(model, shard_inputs, lanes, active, timer)
         timer.mark("loss")
         lane_loss = _LaneLoss(loss_fn)
-        losses = b.parallel_apply(
+        losses = self._apply(
+            "loss",
             self._wrap([lane_loss] * len(lanes)),
             list(zip(outputs, shard_targets, strict=True)),
             None,
@@ -179,9 +201,4 @@ class ReplicateEachStep:
         b = self.backend
         lanes, active = self._active(sizes)
         shard_inputs = b.scatter(inputs, active, lanes)
-        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
-        args_kwargs = [model_args(x) for x in shard_inputs]
-        outputs = b.parallel_apply(
-            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
-        return b.gather(outputs)
+        return b.gather(self._forward(model, shard_inputs, lanes, active, None))
