@@ -65,7 +65,7 @@ def engine_step(trainer: Trainer):
             trainer._log()
 
     trainer.callbacks = []
-    trainer._window_reset(len(trainer.devices))
+    trainer.window.reset()
     return step
 
 

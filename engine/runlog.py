@@ -168,11 +168,18 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
     When a run resumes from a checkpoint at step S, records it had logged past S (after that
     checkpoint, before the crash or stop) are superseded by the resumed run's own: they are dropped.
+    So is the partial record a stop logs for its open log window (``"partial": true``): the
+    checkpoint carries that window, and the resumed run logs it whole.
     """
     out: list[dict[str, Any]] = []
     for rec in iter_metrics(Path(run_dir) / METRICS):
         if rec.get("kind") == "event" and rec.get("resumed_from_step") is not None:
             s = rec["resumed_from_step"]
-            out = [r for r in out if r.get("kind") in ("event", "telemetry") or r.get("step", 0) <= s]
+            out = [r for r in out if r.get("kind") in ("event", "telemetry") or not _superseded(r, s)]
         out.append(rec)
     return out
+
+
+def _superseded(rec: dict[str, Any], resumed_from: int) -> bool:
+    step = rec.get("step", 0)
+    return step > resumed_from or (step == resumed_from and rec.get("partial") is True)

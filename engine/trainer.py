@@ -1,7 +1,9 @@
-"""The training loop: data-parallel steps, evaluation, logging, checkpoints, pause/stop/resume.
+"""The training loop: a short loop over parts with one job each.
 
-It reports only through plain callbacks (no Qt): the run directory writer, the CLI's progress
-display and the app's worker are all ``TrainerCallback``s.
+The step strategy (``parallel/``), the batches (``data.py``), the log window (``metrics_window.py``),
+evaluation (``evaluation.py``), checkpoints (``checkpointer.py``) and the run folder (``runlog.py``)
+each live in their own module; the trainer composes them and reports only through plain callbacks
+(``callbacks.py``, no Qt).
 """
 
 from __future__ import annotations
@@ -11,19 +13,22 @@ import math
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from multilane.engine import __version__
+from multilane.engine import checkpointer
 from multilane.engine.balance import balance_warnings
+from multilane.engine.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
-from multilane.engine.data import Batches, eval_batches, split_data
+from multilane.engine.data import Batches, split_data
 from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
+from multilane.engine.evaluation import evaluate
+from multilane.engine.failures import OOM_HINT, one_line, release_cuda_memory, where
+from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
 from multilane.engine.parallel.tree import move_tree
@@ -31,57 +36,7 @@ from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
 from multilane.engine.tasks import Task, make_task
 from multilane.engine.telemetry import TelemetrySampler
 
-
-class TrainerCallback:
-    """Hooks the trainer calls, named after the points they mark. Override what you need.
-
-    Records are plain dicts (the same ones written to metrics.jsonl). Hooks run in the training
-    thread: keep them short, and never touch a widget from them.
-    """
-
-    def on_train_start(self, trainer: Trainer) -> None: ...
-
-    def on_log(self, record: dict[str, Any]) -> None:
-        """Train metrics, every ``log_every`` steps."""
-
-    def on_eval(self, record: dict[str, Any]) -> None:
-        """Validation loss and the task's metrics."""
-
-    def on_event(self, record: dict[str, Any]) -> None:
-        """Lifecycle: started, paused, resumed, stopped, finished, failed; and warnings."""
-
-    def on_telemetry(self, record: dict[str, Any]) -> None:
-        """Device readings, from the sampler's own thread (not the training thread)."""
-
-    def on_train_end(self, result: RunResult) -> None: ...
-
-
-@dataclass
-class RunResult:
-    status: str  # finished | stopped | failed
-    step: int
-    run_dir: Path
-    message: str | None = None
-    traceback: str | None = None
-    last_train: dict[str, Any] = field(default_factory=dict)
-    last_eval: dict[str, Any] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class _MetricsWriter(TrainerCallback):
-    def __init__(self, run_dir: RunDir) -> None:
-        self.run_dir = run_dir
-
-    def on_log(self, record: dict[str, Any]) -> None:
-        self.run_dir.append_metric(record)
-
-    on_eval = on_log
-    on_event = on_log
-    on_telemetry = on_log
+__all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
 
 class Trainer:
@@ -157,15 +112,9 @@ class Trainer:
         self._sizes_cache: dict[int, list[int]] = {}
         self._weights = weights
         self.timer = self.backend.make_timer()
+        self.window = MetricsWindow(self.backend.lane_names)
         if self._checkpoint is not None:
-            ck = self._checkpoint
-            self.model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
-            if ck.get("scaler"):
-                self.scaler.load_state_dict(ck["scaler"])
-            if isinstance(ck.get("rng"), torch.Tensor):
-                torch.set_rng_state(ck["rng"])
-            self.step = int(ck["step"])
+            checkpointer.restore(self, self._checkpoint)
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -182,7 +131,7 @@ class Trainer:
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"task {self.task.name}: setup failed{_where(e)}: {_one_line(e)}") from None
+            raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
         if self._resume_dir is not None:
             self.run_dir = self._resume_dir
         else:
@@ -190,10 +139,11 @@ class Trainer:
         rd = self.run_dir
         rd.write_json(CONFIG, cfg.to_dict())
         rd.write_json(ENVIRONMENT, environment())
-        self.callbacks.insert(0, _MetricsWriter(rd))
+        self.callbacks.insert(0, MetricsWriter(rd))
         self.sampler = self._make_sampler()
         self.t_start = time.time()
         self._energy_at_log = self._energy_at_epoch = 0.0
+        self._at_step = self.step  # the step a failure is reported at
         self._epoch = self.step * cfg.train.grad_accum // self.batches.per_epoch
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
@@ -212,11 +162,11 @@ class Trainer:
             status, message = self._loop()
         except Exception as e:
             status = "failed"
-            message = f"task {self.task.name}, step {self.step + 1}: {_one_line(e)}"
+            message = f"task {self.task.name}, step {self._at_step}: {one_line(e)}"
             tb = traceback.format_exc()
             if isinstance(e, torch.OutOfMemoryError):
-                message += " (hint: a smaller batch, fewer replicas per GPU, or an uneven split)"
-                _release_cuda_memory()
+                message += OOM_HINT
+                release_cuda_memory()
         finally:
             result = self._finish(status, message, tb)
         return result
@@ -225,17 +175,18 @@ class Trainer:
         cfg = self.config
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
-        n = len(self.devices)
-        self._window_reset(n)
+        self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
         while self.step < self.total_steps:
             self.control.wait_while_held()
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
             if self.control.stop_requested:
-                self._save_checkpoint()
+                self._stop()
                 return "stopped", f"stopped at step {self.step}"
+            self._at_step = self.step + 1
             self._train_step(accum)
             self.step += 1
+            self._at_step = self.step
             epoch = self.step * accum // self.batches.per_epoch
             if epoch > self._epoch:
                 self._epoch_end(epoch)
@@ -251,18 +202,17 @@ class Trainer:
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
             if (ckpt_every and self.step % ckpt_every == 0) or last:
-                self._save_checkpoint()
+                checkpointer.save(self)
         return "finished", None
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt = self.timer, self.optimizer
+        timer, opt, window = self.timer, self.optimizer, self.window
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
             inputs, target, size = self.batches.get(self.step * accum + k)
-            sizes = self._sizes(size)
-            out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, sizes, timer)
+            out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, self._sizes(size), timer)
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
@@ -271,87 +221,43 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
             self.scaler.scale(loss).backward()
-            if self._lane_sum is None:  # accumulate in the loss's own dtype: no cast per step
-                self._lane_sum = torch.zeros(
-                    len(self._lane_count), dtype=out.lane_losses.dtype, device=out.lane_losses.device
-                )
-            if len(self._lane_count) > 1:  # with one lane the combined loss is the lane's loss
-                self._loss_sum = out.loss.detach() if self._loss_sum is None else self._loss_sum + out.loss.detach()
-            if len(out.lanes) == len(self._lane_count):
-                self._lane_sum += out.lane_losses
-            else:
-                idx = torch.tensor(out.lanes, device=self._lane_sum.device)
-                self._lane_sum.index_add_(0, idx, out.lane_losses.to(self._lane_sum.dtype))
-            for lane in out.lanes:
-                self._lane_count[lane] += 1
-            self._micro += 1
-            self._samples += size
+            window.add(out, size, self.step + 1)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
-            self._grad_norm_sum = self._grad_norm_sum + norm.detach()
+            window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
         timer.end_step()
-        self._steps_in_window += 1
+        window.end_step()
 
-    def _window_reset(self, n: int) -> None:
-        self._loss_sum: torch.Tensor | None = None
-        self._lane_sum: torch.Tensor | None = None
-        self._lane_count = [0] * n
-        self._grad_norm_sum: torch.Tensor | float = 0.0
-        self._micro = 0
-        self._samples = 0
-        self._steps_in_window = 0
-        self._t_window = time.perf_counter()
-
-    def _log(self) -> None:
-        if self._micro == 0 or self._lane_sum is None:
+    def _log(self, **extra: Any) -> None:
+        """Report the open log window as a train record (nothing if it is empty)."""
+        first, samples = self.window.first_step or self.step, self.window.samples
+        rec = self.window.record(
+            step=self.step,
+            epoch=round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
+            wall_time=time.time(),
+            lr=self.optimizer.param_groups[0]["lr"],
+            **extra,
+        )
+        if rec is None:
             return
-        # The one device sync of a log window: all values come back in a single transfer.
-        loss_sum = self._lane_sum if self._loss_sum is None else self._loss_sum
-        parts = [loss_sum.reshape(1), self._lane_sum]
-        if isinstance(self._grad_norm_sum, torch.Tensor):
-            parts.append(self._grad_norm_sum.to(self._lane_sum).reshape(1))
-        values = torch.cat(parts).tolist()
-        dt = time.perf_counter() - self._t_window
-        loss = values[0] / self._micro
-        names = self.backend.lane_names
-        device_loss = {names[i]: values[1 + i] / c for i, c in enumerate(self._lane_count) if c}
-        rec: dict[str, Any] = {
-            "kind": "train",
-            "step": self.step,
-            "epoch": round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
-            "wall_time": time.time(),
-            "loss": loss,
-            "device_loss": device_loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "samples_per_s": self._samples / dt if dt > 0 else None,
-            "step_ms": 1000.0 * dt / max(1, self._steps_in_window),
-            "phase_ms": self.timer.read(),
-        }
-        if len(values) > 1 + len(names):
-            rec["grad_norm"] = values[-1] / max(1, self._steps_in_window)
+        rec["phase_ms"] = self.timer.read()
         busy = self.backend.lane_busy_seconds()
         if busy is not None:
-            rec["lane_busy_s"] = dict(zip(names, busy, strict=True))
+            rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
         energy = self.sampler.energy_j() if self.sampler is not None else None
         if energy is not None:
             rec["energy_j"] = energy
             used = energy - self._energy_at_log
             if used > 0:
-                rec["samples_per_j"] = self._samples / used  # = samples per second per watt
+                rec["samples_per_j"] = samples / used  # = samples per second per watt
             self._energy_at_log = energy
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
-        first = self.step - self._steps_in_window + 1
-        self._window_reset(len(self.devices))
-        if not math.isfinite(loss):
-            bad = [k for k, v in device_loss.items() if not math.isfinite(v)] or names
-            where = f"at step {self.step}" if first == self.step else f"between steps {first} and {self.step}"
-            raise NonFiniteLoss(f"loss became {loss} {where} on device {', '.join(bad)}")
+        check_finite(rec, first, self.step)
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""
@@ -369,36 +275,26 @@ class Trainer:
     def _evaluate(self) -> None:
         if self.val is None:
             return
-        model, task = self.model, self.task
-        was_training = model.training
-        model.eval()
-        total = None
-        count = 0
-        keys: list[str] = []
-        dev_out = self.backend.output_device
-        with torch.no_grad():
-            for inputs, target, size in eval_batches(self.val, self.config.data.batch_size):
-                output = self.strategy.forward(model, inputs, self._sizes(size))
-                target = move_tree(target, dev_out)
-                loss = task.loss(output, target)
-                metrics = task.metrics(output, target)
-                keys = list(metrics)
-                vec = torch.stack([loss.float(), *(torch.as_tensor(metrics[k]).float() for k in keys)]) * size
-                total = vec if total is None else total + vec
-                count += size
-        model.train(was_training)
-        assert total is not None
-        values = (total / count).tolist()
-        rec = {
-            "kind": "eval",
-            "step": self.step,
-            "wall_time": time.time(),
-            "val_loss": values[0],
-            "metrics": dict(zip(keys, values[1:], strict=True)),
-        }
+        rec = evaluate(
+            self.strategy,
+            self.model,
+            self.task,
+            self.val,
+            self.config.data.batch_size,
+            self._sizes,
+            self.backend.output_device,
+            self.step,
+        )
         self._last_eval = rec
         for cb in self.callbacks:
             cb.on_eval(rec)
+
+    def _stop(self) -> None:
+        """A stop between log points: save the checkpoint (which carries the open log window, so a
+        resume logs exactly what an uninterrupted run would), then report that window as a partial
+        record, superseded by the resumed run's own record if the run is resumed."""
+        checkpointer.save(self)
+        self._log(partial=True)
 
     def _pause(self, reason: str | None = None) -> None:
         if reason:
@@ -406,12 +302,13 @@ class Trainer:
         assert self.run_dir is not None
         self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
         self._event("paused", **({"message": reason} if reason else {}))
+        self.window.pause()  # paused time is not training time
         while not self.control.wait_while_paused(0.2):
             pass
+        self.window.resume()
         if not self.control.stop_requested:
             self.run_dir.set_status("running", step=self.step, total_steps=self.total_steps)
             self._event("resumed")
-        self._t_window = time.perf_counter()  # paused time is not training time
 
     def _event(self, name: str, **extra: Any) -> None:
         rec = {"kind": "event", "event": name, "step": self.step, "wall_time": time.time(), **extra}
@@ -420,21 +317,7 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds; loadable with ``torch.load(path, weights_only=True)``."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "config": self.config.to_dict(),
-            "rng": torch.get_rng_state(),
-            "multilane": __version__,
-        }
-
-    def _save_checkpoint(self) -> None:
-        assert self.run_dir is not None
-        self.run_dir.save_checkpoint(self.checkpoint_state())
-        self._checkpoint_step = self.step
+        return checkpointer.checkpoint_state(self)
 
     def _make_sampler(self) -> TelemetrySampler | None:
         t = self.config.telemetry
@@ -453,7 +336,7 @@ class Trainer:
     def _telemetry(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:
             if record["kind"] == "telemetry":
-                cb.on_telemetry(record)
+                cb.on_telemetry({**record, "step": self.step})
             else:
                 cb.on_event({**record, "step": self.step})
 
@@ -489,23 +372,3 @@ class Trainer:
             with contextlib.suppress(Exception):
                 cb.on_train_end(result)
         return result
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    head = text[0] if text else ""
-    # torch's replica errors read "Caught X in replica i on device d." then the original traceback:
-    # keep that line and the original error's last line.
-    if head.startswith("Caught ") and len(text) > 1:
-        return f"{head} {text[-1].strip()}"
-    return f"{type(e).__name__}: {head}" if head else type(e).__name__
-
-
-def _where(e: BaseException) -> str:
-    frames = traceback.extract_tb(e.__traceback__)
-    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-
-
-def _release_cuda_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

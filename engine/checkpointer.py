@@ -1,0 +1,49 @@
+"""Checkpoints: what one holds, saving it into the run folder, restoring a run from it.
+
+A checkpoint loads with ``torch.load(path, weights_only=True)``: tensors, numbers, strings, lists and
+dicts only, never a pickled object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from multilane.engine import __version__
+
+if TYPE_CHECKING:
+    from multilane.engine.trainer import Trainer
+
+
+def checkpoint_state(t: Trainer) -> dict[str, Any]:
+    """What a checkpoint of trainer ``t`` holds."""
+    return {
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else None,
+        "step": t.step,
+        "total_steps": t.total_steps,
+        "config": t.config.to_dict(),
+        "rng": torch.get_rng_state(),
+        "metrics_window": t.window.state_dict(),
+        "multilane": __version__,
+    }
+
+
+def restore(t: Trainer, ck: dict[str, Any]) -> None:
+    """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it."""
+    t.model.load_state_dict(ck["model"])
+    t.optimizer.load_state_dict(ck["optimizer"])
+    if ck.get("scaler"):
+        t.scaler.load_state_dict(ck["scaler"])
+    if isinstance(ck.get("rng"), torch.Tensor):
+        torch.set_rng_state(ck["rng"])
+    t.step = int(ck["step"])
+    if ck.get("metrics_window") is not None:
+        t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)
+
+
+def save(t: Trainer) -> None:
+    """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
+    assert t.run_dir is not None
+    t.run_dir.save_checkpoint(checkpoint_state(t))
