@@ -5,7 +5,7 @@ import pytest
 import torch
 from multilane.engine.devices import parse_devices
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
-from multilane.engine.parallel.lane_rng import LaneRandomnessError, lane_seed
+from multilane.engine.parallel.lane_rng import lane_seed
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
 from torch.nn import functional as F
@@ -188,16 +188,49 @@ def test_a_model_without_randomness_runs_its_lanes_unlocked():
         for _ in range(2):
             step.forward_loss(model, torch.randn(4, 3), torch.randn(4, 1), F.mse_loss, [2, 2], PhaseTimer())
         assert not step.random.locked("train") and not step.random.locked("loss")
-        step.forward_loss(
-            make_model(), torch.randn(4, 6).double(), torch.randn(4, 2).double(), F.mse_loss, [2, 2], PhaseTimer()
-        )
-    except LaneRandomnessError:
-        pass
-    else:
-        raise AssertionError("a model that starts drawing after unlocked steps must be refused")
     finally:
         backend.close()
-    assert step.random.locked("train")  # and from then on it runs locked
+
+
+class LateDropout(nn.Module):
+    """BatchNorm, and dropout whose rate is scheduled up from 0 (so the first steps draw nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.inp, self.bn = nn.Linear(6, 8), nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.tanh(self.bn(self.inp(x)))))
+
+
+def late_dropout_run(locked_from_start):
+    model = LateDropout().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = make_backend(lanes(3))
+    try:
+        step = ReplicateEachStep(backend, seed=SEED)
+        if locked_from_start:
+            step.random.record("train", True)
+        for i, (x, y) in enumerate(batches(5)):
+            model.drop.p = 0.0 if i < 2 else 0.4
+            if i == 2:
+                assert step.random.locked("train") == locked_from_start
+            opt.zero_grad()
+            step.forward_loss(model, x, y, F.mse_loss, chunk_sizes(len(x), 3, [2, 1, 1]), PhaseTimer()).loss.backward()
+            opt.step()
+        assert step.random.locked("train")
+    finally:
+        backend.close()
+    return model.state_dict()
+
+
+def test_a_model_that_starts_drawing_later_gets_the_run_locked_from_the_start():
+    # The unlocked call whose lanes drew is taken back (generators and buffers) and run again locked.
+    got, ref = late_dropout_run(False), late_dropout_run(True)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in got)
 
 
 def test_a_model_with_dropout_keeps_its_lanes_locked():

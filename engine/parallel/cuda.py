@@ -27,7 +27,13 @@ class CudaBackend(Backend):
     def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> list[nn.Module]:
         if list(lanes) == [0]:
             return [model]  # one replica on the model's own device: nothing to copy (as DataParallel does)
-        return replicate(model, [self._indices[i] for i in lanes], detach=detach)
+        gpus = [self._indices[i] for i in lanes]
+        if lanes[0] != 0:
+            # torch's replicate broadcasts from its first device, which must hold the model ("All
+            # tensors must be on devices[0]"): start from the model's device and drop that replica
+            # (lane 0 sits this step out, e.g. devices.weights = [0, 1]).
+            return replicate(model, [self._indices[0], *gpus], detach=detach)[1:]
+        return replicate(model, gpus, detach=detach)
 
     def parallel_apply(
         self,

@@ -153,14 +153,10 @@ def lane_apply(
     outputs = parallel_apply([_InLane(f, c) for f, c in zip(fns, contexts, strict=True)], inputs, kwargs, lanes)
     if locked:
         random.record(kind, any(c.rng.drew for c in contexts))
-    elif before is not None:
-        after = random.snapshot(lanes)
-        if any(a.shape != b.shape or not bool((a == b).all()) for a, b in zip(before, after, strict=True)):
-            random.record(kind, True)
-            raise LaneRandomnessError(
-                f"the model drew random numbers in a {kind} step after earlier {kind} steps drew none: this "
-                "step's lanes ran at once on the shared generator, so their draws are not each lane's own and "
-                "a checkpointed region would recompute different ones. Resume the run: from then on each "
-                "lane's forward runs with its own random stream"
-            )
+    elif before is not None and random.drew_since(before):
+        # The lanes drew from the shared generators at once: take the draws back (the caller runs
+        # the call again, now locked, each lane on its own stream).
+        random.restore(before)
+        random.record(kind, True)
+        raise LaneRandomnessError(f"the model drew random numbers in a {kind} call that ran unlocked")
     return outputs

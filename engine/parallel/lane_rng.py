@@ -8,18 +8,20 @@ state other lanes had moved on from: a different mask, a silently wrong gradient
 
 So a lane's forward runs with the default generators *swapped* to that lane's own state, under one
 lock: while lane i runs, the generators are lane i's alone; when it is done (or waits for the other
-lanes, see ``lane_group``) its state is saved and the generators are given back. Lane 0 draws from
+lanes, see ``lane_context``) its state is saved and the generators are given back. Lane 0 draws from
 the default generators themselves, which the run seeds (so one lane is exactly a plain script with
 ``torch.manual_seed``); lane i > 0 starts from its own seed, derived from the run's seed and i. The
 generators a lane owns are the CPU's and, on a GPU, its device's.
 
-The lock serializes lane forwards, so it is only taken when the model draws random numbers: the
+The lock serializes lane forwards, so it is only taken where the model draws random numbers: the
 first call of each kind (training forward, evaluation forward, loss) runs locked and tells whether
-any lane drew; if none did, later calls of that kind run in parallel with no lock, and a check of
-the default generators after each call (a few microseconds) catches a model that starts drawing
-later: from then on that kind runs locked. That one step's draws cannot be taken back; without
-``torch.utils.checkpoint`` its gradient is still the gradient of the masks actually drawn; with it,
-the step is refused (see ``LaneRandomnessError``).
+any lane drew; if none did, later calls of that kind run in parallel with no lock, and a comparison
+of the default generators' states after each call (microseconds) catches a model that starts
+drawing later (a dropout rate scheduled up from 0). Such a call's draws raced, so it is taken back:
+the generators get their states from before it, the step strategy puts back the buffers and runs
+the call again, locked (``LaneRandomnessError`` is how it learns of it). The result is the run that
+was locked from the start; only an in-place change of a parameter in the forward (``Embedding``
+with ``max_norm``) in that one taken-back call is not undone.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 
 class LaneRandomnessError(RuntimeError):
-    """A model started drawing random numbers in a step whose lanes ran unlocked."""
+    """A model drew random numbers in a call whose lanes ran unlocked (the call must run again, locked)."""
 
 
 def lane_seed(seed: int, lane: int) -> int:
@@ -48,6 +50,7 @@ def _generators(device: torch.device) -> list[torch.Generator]:
     """The default generators a lane on ``device`` draws from: the CPU's, and its GPU's."""
     gens = [torch.default_generator]
     if device.type == "cuda":
+        torch.cuda.init()  # default_generators is filled at CUDA's (lazy) init; a no-op after it
         gens.append(torch.cuda.default_generators[device.index if device.index is not None else 0])
     return gens
 
@@ -72,13 +75,22 @@ class LaneRandom:
     def session(self, lane: int, locked: bool) -> LaneSession:
         return LaneSession(self, lane, locked)
 
-    def snapshot(self, lanes: Sequence[int]) -> list[torch.Tensor]:
-        """The default generators' states, to tell after an unlocked call whether any lane drew."""
+    def snapshot(self, lanes: Sequence[int]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The default generators the lanes use, with their states (see ``drew_since``, ``restore``)."""
         seen: dict[tuple, torch.Generator] = {}
         for lane in lanes:
             for g in _generators(self.devices[lane]):
                 seen.setdefault((g.device.type, g.device.index), g)
-        return [g.get_state() for g in seen.values()]
+        return [(g, g.get_state()) for g in seen.values()]
+
+    @staticmethod
+    def drew_since(snapshot: list[tuple[torch.Generator, torch.Tensor]]) -> bool:
+        return any(_changed([state], [g.get_state()]) for g, state in snapshot)
+
+    @staticmethod
+    def restore(snapshot: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for g, state in snapshot:
+            g.set_state(state)
 
     def record(self, kind: str, drew: bool) -> None:
         """After a probing (locked) call: remember whether this kind of call draws."""
@@ -132,7 +144,7 @@ def _states(device: torch.device) -> list[torch.Tensor]:
 
 
 def _changed(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
-    return any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 class LaneSession:

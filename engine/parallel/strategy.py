@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
-from multilane.engine.parallel.buffers import merge_buffers
+from multilane.engine.parallel.buffers import merge_buffers, restore_buffers, save_buffers
 from multilane.engine.parallel.lane_context import lane_apply
-from multilane.engine.parallel.lane_rng import LaneRandom
+from multilane.engine.parallel.lane_rng import LaneRandom, LaneRandomnessError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
 from torch import nn
@@ -126,10 +126,17 @@ class ReplicateEachStep:
         if timer is not None:
             timer.mark("forward")
         args_kwargs = [model_args(x) for x in shard_inputs]
+        args, kwargs = [a for a, _ in args_kwargs], [k for _, k in args_kwargs]
         kind = "train" if model.training else "eval"
-        outputs = self._apply(
-            kind, self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
+        # Lanes of a model not known to draw random numbers run unlocked; if it draws after all, the
+        # call runs again, locked, from the buffers as they were (lane_rng.py).
+        saved = None if self.random.locked(kind) else save_buffers(model)
+        try:
+            outputs = self._apply(kind, self._wrap(replicas), args, kwargs, lanes)
+        except LaneRandomnessError:
+            restore_buffers(model, saved)
+            replicas = self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
+            outputs = self._apply(kind, self._wrap(replicas), args, kwargs, lanes)
         merge_buffers(model, replicas, active)
         return outputs
 
@@ -171,13 +178,11 @@ class ReplicateEachStep:
         outputs = self._forward(model, shard_inputs, lanes, active, timer)
         timer.mark("loss")
         lane_loss = _LaneLoss(loss_fn)
-        losses = self._apply(
-            "loss",
-            self._wrap([lane_loss] * len(lanes)),
-            list(zip(outputs, shard_targets, strict=True)),
-            None,
-            lanes,
-        )
+        pairs = list(zip(outputs, shard_targets, strict=True))
+        try:
+            losses = self._apply("loss", self._wrap([lane_loss] * len(lanes)), pairs, None, lanes)
+        except LaneRandomnessError:  # a loss that draws random numbers: again, locked
+            losses = self._apply("loss", self._wrap([lane_loss] * len(lanes)), pairs, None, lanes)
         lane_losses = b.gather(losses)
         combined = lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
         return StepOutput(loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes)

@@ -1,0 +1,95 @@
+"""Cost of per-lane random streams and buffer merging on two CPU lanes, before and after, side by side.
+
+    python bench/lane_context_overhead.py [--rounds 300]
+
+"before" is the step as it was (each lane's function called bare; only replica 0's buffers kept),
+"after" the engine's step (each lane in its context: its own random stream, exchanges; buffers
+merged from every replica). Both train the same model from the same weights on the same batches,
+step by step in a shuffled order. For a model without randomness the lanes run unlocked after the
+first step (target: after / before <= 1.05); with dropout they run one forward at a time: that row
+shows what reproducible dropout costs on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from multilane.engine.config import build_config
+from multilane.engine.parallel.strategy import ReplicateEachStep, model_args
+from multilane.engine.tasks import ArrayData, Task
+from multilane.engine.trainer import Trainer
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_overhead import CASES, engine_step, interleaved, time_block
+
+
+class Before(ReplicateEachStep):
+    """The step before per-lane streams and buffer merging."""
+
+    def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
+        return self.backend.parallel_apply(fns, inputs, kwargs, lanes)
+
+    def _forward(self, model, shard_inputs, lanes, active, timer):
+        if timer is not None:
+            timer.mark("replicate")
+        replicas = self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        if timer is not None:
+            timer.mark("forward")
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        return self._apply("", self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes)
+
+
+class DropoutMlp(Task):
+    name = "dropout-mlp"
+
+    def build_model(self) -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(64, 256)]
+        for _ in range(2):
+            layers += [nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256)]
+        return nn.Sequential(*layers, nn.ReLU(), nn.Linear(256, 10))
+
+    def data(self) -> ArrayData:
+        g = torch.Generator().manual_seed(0)
+        return ArrayData(torch.randn(4096, 64, generator=g), torch.randint(0, 10, (4096,), generator=g))
+
+    def loss(self, output, target):
+        return F.cross_entropy(output, target)
+
+
+def trainer(case: dict, task: Task | None, before: bool) -> Trainer:
+    cfg = build_config({**case, "devices": {"use": "cpu:0,cpu:1"}, "train": {"steps": 10**9, "log_every": 10}})
+    t = Trainer(cfg, task=task)
+    t._setup()
+    if before:
+        t.strategy = Before(t.backend, cfg.train.precision, seed=cfg.train.seed)
+    return t
+
+
+def main() -> None:
+    torch.set_flush_denormal(True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=300, help="steps of each loop, interleaved")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, 2 CPU lanes, {args.rounds} interleaved steps of each, median step time in ms\n")
+    print(f"{'case':26} {'before':>8} {'after':>8} {'ratio':>6}")
+    cases: list[tuple[str, dict, Task | None]] = [(name, case, None) for name, case in CASES.items()]
+    cases.append(("mlp+dropout (batch 256)", {"data": {"batch_size": 256}}, DropoutMlp()))
+    for name, case, task in cases:
+        old, new = trainer(case, task, before=True), trainer(case, task, before=False)
+        fns = {"before": engine_step(old), "after": engine_step(new)}
+        for fn in fns.values():
+            time_block(fn, 10)  # warm-up (and the first, probing step)
+        m = interleaved(fns, args.rounds)
+        print(f"{name:26} {m['before']:8.3f} {m['after']:8.3f} {m['after'] / m['before']:6.3f}")
+        old.backend.close()
+        new.backend.close()
+
+
+if __name__ == "__main__":
+    main()
