@@ -91,18 +91,24 @@ def max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
-def compare(got, ref):
-    """Largest relative difference of losses, gradients, parameters and buffers."""
+def maxima(got, ref):
+    """Largest relative differences: (losses, gradients, parameters, buffers)."""
     (la, ga, sa), (lb, gb, sb) = got, ref
-    worst = max_rel(la, lb)
-    for step_a, step_b in zip(ga, gb, strict=True):
-        # Relative to the step's largest gradient: a bias just before BatchNorm has a true gradient
-        # of 0, which both sides compute as rounding noise.
-        worst = max(worst, max_rel(torch.cat([p.flatten() for p in step_a]), torch.cat([q.flatten() for q in step_b])))
+    # Gradients relative to the step's largest gradient: a bias just before BatchNorm has a true
+    # gradient of 0, which both sides compute as rounding noise.
+    grads = max(
+        max_rel(torch.cat([p.flatten() for p in a]), torch.cat([q.flatten() for q in b]))
+        for a, b in zip(ga, gb, strict=True)
+    )
     assert sa.keys() == sb.keys()
-    for k in sa:
-        worst = max(worst, max_rel(sa[k], sb[k]))
-    return worst
+    buffers = {k for k in sa if "running" in k or "num_batches" in k}
+    params = max(max_rel(sa[k], sb[k]) for k in sa if k not in buffers)
+    bufs = max((max_rel(sa[k], sb[k]) for k in buffers), default=0.0)
+    return max_rel(la, lb), grads, params, bufs
+
+
+def compare(got, ref):
+    return max(maxima(got, ref))
 
 
 SPLITS = [(1, None), (2, None), (3, None), (2, [3, 1]), (3, [1, 2, 4]), (2, [0, 1]), (3, [2, 0, 1])]
@@ -277,3 +283,22 @@ def test_lanes_taking_different_paths_fail_with_a_clear_line_instead_of_hanging(
             ReplicateEachStep(backend).forward(model, torch.randn(7, 2), chunk_sizes(7, 2))
     finally:
         backend.close()
+
+
+if __name__ == "__main__":
+    # The measured maxima quoted in docs/design.md: python tests/test_lane_batchnorm.py
+    print(f"{'model kind':34} {'loss':>8} {'grads':>8} {'params':>8} {'buffers':>8}")
+    for kind in MODELS:
+        data = batches(kind, 4, 21)
+        ref = plain_loop(kind, data)
+        worst = [max(col) for col in zip(*(maxima(lane_loop(kind, data, n, w), ref) for n, w in SPLITS), strict=True)]
+        print(f"{kind + ', sync_batchnorm':34} " + " ".join(f"{x:8.1e}" for x in worst))
+    data = batches("mlp+bn1d", 3, 16)
+    ref = plain_loop("mlp+bn1d", data)
+    worst = [
+        max(col)
+        for col in zip(
+            *(maxima(lane_loop("mlp+bn1d", data, len(w), w, sync=False), ref) for w in ([0, 1], [0, 0, 1])), strict=True
+        )
+    ]
+    print(f"{'mlp+bn1d, all on the last lane':34} " + " ".join(f"{x:8.1e}" for x in worst))

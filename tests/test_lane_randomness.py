@@ -248,3 +248,18 @@ def test_a_model_with_dropout_keeps_its_lanes_locked():
         assert not step.random.locked("eval")  # dropout draws nothing in eval mode
     finally:
         backend.close()
+
+
+if __name__ == "__main__":
+    # The measured maxima quoted in docs/design.md: python tests/test_lane_randomness.py
+    print(f"{'model kind':58} {'loss':>8} {'grads':>8} {'params':>8}")
+    for reentrant in (False, True):
+        vs_hand, vs_plain = [0.0] * 3, [0.0] * 3
+        for n, weights in SPLITS:
+            got = lane_run(n, weights, reentrant=reentrant)
+            ref, plain = hand_loop(n, weights), lane_run(n, weights, use_checkpoint=False)
+            vs_hand = [max(m, rel(g, r)) for m, g, r in zip(vs_hand, got, ref, strict=True)]
+            vs_plain = [max(m, rel(g, r)) for m, g, r in zip(vs_plain, got, plain, strict=True)]
+        name = f"dropout in checkpoint (reentrant={reentrant})"
+        print(f"{name + ' vs hand loop':58} " + " ".join(f"{x:8.1e}" for x in vs_hand))
+        print(f"{name + ' vs no checkpoint':58} " + " ".join(f"{x:8.1e}" for x in vs_plain))
