@@ -6,6 +6,7 @@ import torch
 from multilane.engine.devices import parse_devices
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
 from multilane.engine.parallel.lane_context import LaneSyncError
+from multilane.engine.parallel.lane_rng import lane_seed
 from multilane.engine.parallel.sync_batchnorm import LaneBatchNorm, SyncBatchNormError, convert_sync_batchnorm
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
@@ -283,6 +284,56 @@ def test_lanes_taking_different_paths_fail_with_a_clear_line_instead_of_hanging(
             ReplicateEachStep(backend).forward(model, torch.randn(7, 2), chunk_sizes(7, 2))
     finally:
         backend.close()
+
+
+class DropoutThenBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)  # the run's seed: weights first, then lane 0's stream
+        self.inp, self.drop, self.bn, self.out = nn.Linear(6, 8), nn.Dropout(0.3), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bn(self.drop(self.inp(x)))))
+
+
+@pytest.mark.parametrize(("n", "weights"), [(2, None), (3, [1, 2, 4])])
+def test_sync_batchnorm_with_dropout_equals_a_hand_loop_with_each_lane_s_masks(n, weights):
+    """Lanes that run one at a time for their random streams still meet at every BatchNorm."""
+    data = batches("mlp+bn1d", 3, 21)
+    model = convert_sync_batchnorm(DropoutThenBN().double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    backend = make_backend(lanes(n))
+    try:
+        step = ReplicateEachStep(backend, seed=7)
+        for x, y in data:
+            sizes = chunk_sizes(len(x), n, weights)
+            opt.zero_grad()
+            step.forward_loss(model, x, y, F.mse_loss, sizes, PhaseTimer()).loss.backward()
+            opt.step()
+        assert step.random.locked("train")
+    finally:
+        backend.close()
+
+    ref = DropoutThenBN().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    states = {i: torch.Generator().manual_seed(lane_seed(7, i)).get_state() for i in range(1, n)}
+    for x, y in data:
+        sizes = chunk_sizes(len(x), n, weights)
+        opt.zero_grad()
+        hs = []
+        for i, xi in enumerate(torch.split(x, sizes)):
+            if i == 0:
+                hs.append(ref.drop(ref.inp(xi)))
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(states[i])
+                    hs.append(ref.drop(ref.inp(xi)))
+                    states[i] = torch.get_rng_state()
+        out = ref.out(torch.tanh(ref.bn(torch.cat(hs))))  # BatchNorm over the whole batch
+        F.mse_loss(out, y).backward()
+        opt.step()
+    got, want = model.state_dict(), ref.state_dict()
+    assert max(max_rel(got[k], want[k]) for k in want) < 1e-10
 
 
 if __name__ == "__main__":
