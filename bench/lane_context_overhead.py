@@ -8,6 +8,9 @@ merged from every replica). Both train the same model from the same weights on t
 step by step in a shuffled order. For a model without randomness the lanes run unlocked after the
 first step (target: after / before <= 1.05); with dropout they run one forward at a time: that row
 shows what reproducible dropout costs on this machine.
+
+``--calls`` times the wrapper alone instead: ``parallel_apply`` of no-op functions on two lanes, bare
+and through ``lane_apply``, the cost per call that no step time hides.
 """
 
 from __future__ import annotations
@@ -71,24 +74,53 @@ def trainer(case: dict, task: Task | None, before: bool) -> Trainer:
     return t
 
 
+def per_call(rounds: int = 20000) -> None:
+    from multilane.engine.devices import parse_devices
+    from multilane.engine.parallel import make_backend
+    from multilane.engine.parallel.lane_context import lane_apply
+    from multilane.engine.parallel.lane_rng import LaneRandom
+
+    backend = make_backend(parse_devices("cpu:0,cpu:1"))
+    random = LaneRandom([torch.device("cpu")] * 2)
+    fns, inputs = [lambda: None] * 2, [(), ()]
+    bare = lambda: backend.parallel_apply(fns, inputs, None, [0, 1])  # noqa: E731
+    wrapped = lambda: lane_apply(backend.parallel_apply, random, "k", fns, inputs, None, [0, 1], ["a", "b"])  # noqa: E731
+    for fn in (bare, wrapped):
+        time_block(fn, 200)
+    m = interleaved({"bare": bare, "lane_apply": wrapped}, rounds)
+    backend.close()
+    print(
+        f"parallel_apply of 2 no-op lanes, median of {rounds}: bare {m['bare'] * 1000:.1f} µs, "
+        f"through lane_apply {m['lane_apply'] * 1000:.1f} µs (+{(m['lane_apply'] - m['bare']) * 1000:.1f} µs per call)"
+    )
+
+
 def main() -> None:
     torch.set_flush_denormal(True)
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300, help="steps of each loop, interleaved")
+    ap.add_argument("--calls", action="store_true", help="time the per-call cost of lane_apply alone")
     args = ap.parse_args()
+    if args.calls:
+        per_call()
+        return
     print(f"torch {torch.__version__}, 2 CPU lanes, {args.rounds} interleaved steps of each, median step time in ms\n")
-    print(f"{'case':26} {'before':>8} {'after':>8} {'ratio':>6}")
+    print("'before again' is a second, identical 'before' loop: its ratio (A/A) shows the noise floor.\n")
+    print(f"{'case':26} {'before':>8} {'before again':>13} {'after':>8} {'ratio':>6} {'A/A':>6}")
     cases: list[tuple[str, dict, Task | None]] = [(name, case, None) for name, case in CASES.items()]
     cases.append(("mlp+dropout (batch 256)", {"data": {"batch_size": 256}}, DropoutMlp()))
     for name, case, task in cases:
-        old, new = trainer(case, task, before=True), trainer(case, task, before=False)
-        fns = {"before": engine_step(old), "after": engine_step(new)}
+        old, again, new = (trainer(case, task, before=b) for b in (True, True, False))
+        fns = {"before": engine_step(old), "again": engine_step(again), "after": engine_step(new)}
         for fn in fns.values():
             time_block(fn, 10)  # warm-up (and the first, probing step)
         m = interleaved(fns, args.rounds)
-        print(f"{name:26} {m['before']:8.3f} {m['after']:8.3f} {m['after'] / m['before']:6.3f}")
-        old.backend.close()
-        new.backend.close()
+        print(
+            f"{name:26} {m['before']:8.3f} {m['again']:13.3f} {m['after']:8.3f} "
+            f"{m['after'] / m['before']:6.3f} {m['again'] / m['before']:6.3f}"
+        )
+        for t in (old, again, new):
+            t.backend.close()
 
 
 if __name__ == "__main__":
