@@ -39,20 +39,6 @@ def merge_buffers(model: nn.Module, replicas: Sequence[nn.Module], sizes: Sequen
             module._buffers[name] = _merge(values, weights, own.device)
 
 
-def save_buffers(model: nn.Module) -> list[torch.Tensor] | None:
-    """Copies of the model's buffers (None when it has none), to take back a call (see lane_rng.py)."""
-    buffers = list(model.buffers())
-    return [b.detach().clone() for b in buffers] if buffers else None
-
-
-@torch.no_grad()
-def restore_buffers(model: nn.Module, saved: list[torch.Tensor] | None) -> None:
-    """Put back what ``save_buffers`` copied (in place: the graph that still refers to them is dropped)."""
-    if saved is not None:
-        for b, s in zip(model.buffers(), saved, strict=True):
-            b.copy_(s)
-
-
 def _merge(values: Sequence[torch.Tensor | None], weights: Sequence[float], device: torch.device) -> torch.Tensor:
     first = values[0]
     assert first is not None
