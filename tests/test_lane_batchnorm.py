@@ -336,6 +336,51 @@ def test_sync_batchnorm_with_dropout_equals_a_hand_loop_with_each_lane_s_masks(n
     assert max(max_rel(got[k], want[k]) for k in want) < 1e-10
 
 
+class TiedMaxNormBN(nn.Module):
+    """Embedding(max_norm) tied to the output layer (the step runs the forward twice) and a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.emb, self.bn = nn.Embedding(13, 6, max_norm=1.0), nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+        with torch.no_grad():
+            self.emb.weight.mul_(3.0)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.bn(self.emb(tokens).mean(dim=1))))
+
+
+@pytest.mark.parametrize(("n", "weights"), [(2, None), (3, [3, 1, 2])])
+def test_a_replayed_forward_updates_the_running_stats_once(n, weights):
+    # A forward that changes parameters in place runs twice on lanes (engine/parallel/inplace.py):
+    # the statistics must still be updated once, from the forward that counts.
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randint(0, 13, (10, 3), generator=g) for _ in range(3)]
+
+    def train(lanes_n, w, sync):
+        model = TiedMaxNormBN().double()
+        if sync:
+            convert_sync_batchnorm(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        backend = make_backend(lanes(lanes_n))
+        try:
+            step = ReplicateEachStep(backend)
+            for tokens in data:
+                opt.zero_grad()
+                sizes = chunk_sizes(len(tokens), lanes_n, w)
+                step.forward_loss(model, tokens, tokens[:, 0], F.cross_entropy, sizes, PhaseTimer()).loss.backward()
+                opt.step()
+        finally:
+            backend.close()
+        return model.state_dict()
+
+    got, ref = train(n, weights, sync=True), train(1, None, sync=False)
+    assert max(max_rel(got[k], ref[k]) for k in ref) < 1e-10
+    assert got["bn.num_batches_tracked"].item() == 3
+
+
 if __name__ == "__main__":
     # The measured maxima quoted in docs/design.md: python tests/test_lane_batchnorm.py
     print(f"{'model kind':34} {'loss':>8} {'grads':>8} {'params':>8} {'buffers':>8}")
