@@ -1,11 +1,10 @@
-"""Cost of per-lane random streams and buffer merging on two CPU lanes, before and after, side by side.
+"""Cost of per-lane random streams on two CPU lanes, before and after, side by side.
 
-    python bench/lane_context_overhead.py [--rounds 300]
+    python bench/lane_context_overhead.py [--rounds 300] [--calls]
 
-"before" is the step as it was (each lane's function called bare; only replica 0's buffers kept),
-"after" the engine's step (each lane in its context: its own random stream, exchanges; buffers
-merged from every replica). Both train the same model from the same weights on the same batches,
-step by step in a shuffled order. For a model without randomness the lanes run unlocked after the
+"before" is the step with each lane's function called bare (as before per-lane streams), "after"
+the engine's step (each lane in its context: its own random stream, an exchange group). Both train
+the same model from the same weights on the same batches, step by step in a shuffled order. For a model without randomness the lanes run unlocked after the
 first step (target: after / before <= 1.05); with dropout they run one forward at a time: that row
 shows what reproducible dropout costs on this machine.
 
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 from multilane.engine.config import build_config
-from multilane.engine.parallel.strategy import ReplicateEachStep, model_args
+from multilane.engine.parallel.strategy import ReplicateEachStep
 from multilane.engine.tasks import ArrayData, Task
 from multilane.engine.trainer import Trainer
 from torch import nn
@@ -33,19 +32,12 @@ from step_overhead import CASES, engine_step, interleaved, time_block
 
 
 class Before(ReplicateEachStep):
-    """The step before per-lane streams and buffer merging."""
+    """The step with each lane's function called bare, as before per-lane streams (no lock, no probe,
+    no exchange group). It still merges buffers: the models here have none, so that is a walk over
+    the modules."""
 
     def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
         return self.backend.parallel_apply(fns, inputs, kwargs, lanes)
-
-    def _forward(self, model, shard_inputs, lanes, active, timer):
-        if timer is not None:
-            timer.mark("replicate")
-        replicas = self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
-        if timer is not None:
-            timer.mark("forward")
-        args_kwargs = [model_args(x) for x in shard_inputs]
-        return self._apply("", self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes)
 
 
 class DropoutMlp(Task):
