@@ -18,10 +18,10 @@ first call of each kind (training forward, evaluation forward, loss) runs locked
 any lane drew; if none did, later calls of that kind run in parallel with no lock, and a comparison
 of the default generators' states after each call (microseconds) catches a model that starts
 drawing later (a dropout rate scheduled up from 0). Such a call's draws raced, so it is taken back:
-the generators get their states from before it, the step strategy puts back the buffers and runs
-the call again, locked (``LaneRandomnessError`` is how it learns of it). The result is the run that
-was locked from the start; only an in-place change of a parameter in the forward (``Embedding``
-with ``max_norm``) in that one taken-back call is not undone.
+the generators get their states from before it, and the step strategy runs the call again, locked,
+on fresh replicas (``LaneRandomnessError`` is how it learns of it; replicas update copies of the
+buffers, and their own copies of the parameters, so the model is untouched). The result is the
+run that was locked from the start.
 """
 
 from __future__ import annotations
