@@ -22,14 +22,16 @@ TASK = textwrap.dedent(
     class Params(BaseModel):
         dropout: float = 0.25
         batchnorm: bool = True
+        bn_in_checkpoint: bool = False
 
 
     class Net(nn.Module):
-        def __init__(self, p, batchnorm):
+        def __init__(self, p, batchnorm, bn_in_checkpoint):
             super().__init__()
             self.inp = nn.Linear(5, 16)
-            self.bn = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
-            self.block = nn.Sequential(nn.Tanh(), nn.Dropout(p), nn.Linear(16, 16), nn.Tanh())
+            self.bn = nn.BatchNorm1d(16) if batchnorm and not bn_in_checkpoint else nn.Identity()
+            inner = [nn.BatchNorm1d(16)] if bn_in_checkpoint else []
+            self.block = nn.Sequential(*inner, nn.Tanh(), nn.Dropout(p), nn.Linear(16, 16), nn.Tanh())
             self.drop = nn.Dropout(p)
             self.out = nn.Linear(16, 1)
 
@@ -43,7 +45,8 @@ TASK = textwrap.dedent(
         Params = Params
 
         def build_model(self):
-            return Net(self.params.dropout, self.params.batchnorm).double()
+            p = self.params
+            return Net(p.dropout, p.batchnorm, p.bn_in_checkpoint).double()
 
         def data(self):
             g = torch.Generator().manual_seed(3)
@@ -148,3 +151,17 @@ def test_running_stats_keep_updating_when_the_first_lane_gets_nothing(make_confi
     t.run()
     assert t.model.bn.num_batches_tracked.item() == 4
     assert t.model.bn.running_mean.abs().min().item() > 0
+
+
+def test_sync_batchnorm_inside_checkpointing_fails_the_first_step_with_one_line(make_config, task_file):
+    cfg = make_config(
+        task__name=task_file,
+        task__params={"bn_in_checkpoint": True},
+        devices__sync_batchnorm=True,
+        train__steps=3,
+        data__batch_size=16,
+    )
+    result = Trainer(cfg).run()
+    assert result.status == "failed"
+    assert "step 1" in result.message and "torch.utils.checkpoint" in result.message
+    assert "\n" not in result.message
