@@ -250,6 +250,69 @@ def test_a_model_with_dropout_keeps_its_lanes_locked():
         backend.close()
 
 
+class TiedMaxNormDropout(nn.Module):
+    """Embedding(max_norm) tied to the output layer, so the step replays the forward, and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.emb = nn.Embedding(13, 6, max_norm=1.0)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+        with torch.no_grad():
+            self.emb.weight.mul_(3.0)
+
+    def forward(self, tokens):
+        return self.out(self.drop(torch.tanh(self.emb(tokens).mean(dim=1))))
+
+
+@pytest.mark.parametrize(("n", "weights"), [(2, None), (3, [1, 3, 2])])
+def test_a_replayed_forward_draws_the_same_masks_again(n, weights):
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randint(0, 13, (12, 3), generator=g) for _ in range(3)]
+    model = TiedMaxNormDropout().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = make_backend(lanes(n))
+    try:
+        step = ReplicateEachStep(backend, seed=SEED)
+        for tokens in data:
+            opt.zero_grad()
+            sizes = chunk_sizes(len(tokens), n, weights)
+            step.forward_loss(model, tokens, tokens[:, 0], F.cross_entropy, sizes, PhaseTimer()).loss.backward()
+            opt.step()
+    finally:
+        backend.close()
+
+    # By hand: renormalise the rows the whole batch looks up (what one device's forward does first),
+    # then each lane's chunk with its own stream, drawn once.
+    ref = TiedMaxNormDropout().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    states = {i: torch.Generator().manual_seed(lane_seed(SEED, i)).get_state() for i in range(1, n)}
+    for tokens in data:
+        sizes = chunk_sizes(len(tokens), n, weights)
+        opt.zero_grad()
+        with torch.no_grad():
+            F.embedding(tokens, ref.emb.weight, max_norm=1.0)
+        total = 0.0
+
+        def forward(chunk):  # the model's forward with the rows already renormalised
+            return ref.out(ref.drop(torch.tanh(F.embedding(chunk, ref.emb.weight).mean(dim=1))))
+
+        for i, chunk in enumerate(torch.split(tokens, sizes)):
+            if i == 0:
+                out = forward(chunk)
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(states[i])
+                    out = forward(chunk)
+                    states[i] = torch.get_rng_state()
+            total = total + F.cross_entropy(out, chunk[:, 0]) * (len(chunk) / len(tokens))
+        total.backward()
+        opt.step()
+    assert rel(model.emb.weight.detach(), ref.emb.weight.detach()) < 1e-10
+
+
 if __name__ == "__main__":
     # The measured maxima quoted in docs/design.md: python tests/test_lane_randomness.py
     print(f"{'model kind':58} {'loss':>8} {'grads':>8} {'params':>8}")

@@ -92,6 +92,15 @@ class LaneRandom:
         for g, state in snapshot:
             g.set_state(state)
 
+    def mark(self, lanes: Sequence[int]) -> tuple[list, list]:
+        """Where every lane's stream stands now, to ``rewind`` to (a forward replayed draws again the same)."""
+        return self.snapshot(lanes), list(self._states)
+
+    def rewind(self, mark: tuple[list, list]) -> None:
+        defaults, states = mark
+        self.restore(defaults)
+        self._states = list(states)
+
     def record(self, kind: str, drew: bool) -> None:
         """After a probing (locked) call: remember whether this kind of call draws."""
         if self._draws.get(kind) is None or drew:

@@ -261,6 +261,7 @@ class ReplicateEachStep:
         replicas = b.replicate(model, lanes, detach=detach)
         before = inplace.versions(replicas.params)
         timer.mark("forward")
+        streams = self.random.mark(lanes)
         try:
             outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
         except LaneRandomnessError:
@@ -274,6 +275,7 @@ class ReplicateEachStep:
             names = [b.lane_names[i] for i in lanes]
             if not inplace.merge_into_original(model, replicas.params, touched, names):
                 del outputs
+                self.random.rewind(streams)  # the replay draws what the first forward drew
                 replicas = b.replicate(model, lanes, detach=detach)
                 before = inplace.versions(replicas.params)
                 outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
