@@ -63,9 +63,9 @@ def replicate_module(
 ) -> ReplicaSet:
     """One true replica of ``model`` per entry of ``devices`` (see the module docstring).
 
-    Buffers: the replica at position ``buffer_owner`` (the lane on the model's own device, if it takes
-    part) holds the original buffers, so BatchNorm running statistics persist from it, as with torch's
-    replicate; the others hold copies.
+    Buffers: the replica at position ``buffer_owner`` holds the original buffers (torch's replicate
+    semantics) and the others copies. Both backends pass None: every lane updates copies, and the step
+    merges them into the model once the forward that counts is done (engine/parallel/buffers.py).
     """
     params = list(model.parameters())
     if not params:
