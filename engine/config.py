@@ -65,6 +65,12 @@ class DevicesSection(Section):
         120.0, ge=5.0, le=86_400.0, description="ddp: seconds a rank waits on the others before the run fails"
     )
 
+    sync_batchnorm: bool = Field(
+        False,
+        description="BatchNorm statistics over the whole batch across devices (not each device's share): "
+        "training then equals one device with the whole batch",
+    )
+
     @model_validator(mode="after")
     def _weights_sane(self) -> DevicesSection:
         if self.weights and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):

@@ -32,6 +32,7 @@ from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
+from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
@@ -116,11 +117,13 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = ReplicateEachStep(self.backend, cfg.train.precision)
+        self.strategy = ReplicateEachStep(self.backend, cfg.train.precision, seed=cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         self.model = self.task.build_model().to(dev)
+        if cfg.devices.sync_batchnorm:
+            convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         if cfg.train.steps is None and self.loader.per_epoch is None:
