@@ -30,7 +30,7 @@ from multilane.engine.evaluation import evaluate
 from multilane.engine.failures import OOM_HINT, one_line, release_cuda_memory, where
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
-from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
+from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
 from multilane.engine.tasks import Task, make_task
@@ -92,7 +92,7 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = ReplicateEachStep(self.backend, cfg.train.precision)
+        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision)
         dev = self.backend.model_device
         data = self.task.data()
         train, val = split_data(data, cfg.data.val_fraction, cfg.train.seed)
@@ -207,12 +207,12 @@ class Trainer:
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt, window = self.timer, self.optimizer, self.window
+        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
             inputs, target, size = self.batches.get(self.step * accum + k)
-            out = self.strategy.forward_loss(self.model, inputs, target, self.task.loss, self._sizes(size), timer)
+            out = strategy.forward_loss(self.model, inputs, target, self.task.loss, self._sizes(size), timer)
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
@@ -220,14 +220,16 @@ class Trainer:
                 # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
                 opt.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
-            self.scaler.scale(loss).backward()
+            strategy.backward(out, self.scaler.scale(loss))
             window.add(out, size, self.step + 1)
+        strategy.reduce_gradients(timer)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
+        strategy.sync_replicas(self.model, timer)
         timer.end_step()
         window.end_step()
 
@@ -356,6 +358,8 @@ class Trainer:
         with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
             self._event(status, **extra)
         rd.close()
+        if hasattr(self, "strategy"):
+            self.strategy.close()
         if hasattr(self, "backend"):
             self.backend.close()
         result = RunResult(

@@ -3,17 +3,20 @@
 ``ReplicateEachStep`` is what ``nn.DataParallel.forward`` does, plus a loss per device:
 scatter the batch → replicate the model → parallel_apply the forward → parallel_apply the loss on each
 device → gather the per-device losses → combine them weighted by shard size (equal to the full-batch
-mean loss). The trainer then calls ``backward()`` once on the combined loss; gradients flow back
-through the replicas into the original parameters.
+mean loss). ``backward`` is one ``backward()`` on the combined loss; gradients flow back through the
+replicas into the original parameters.
 
-A second strategy (persistent replicas with an explicit gradient reduce, no per-step replicate) can
-sit beside this one behind the same two methods.
+A strategy is four calls per optimizer step, made by the trainer in this order:
+``forward_loss`` (per micro-batch) → ``backward`` (per micro-batch) → ``reduce_gradients`` (once:
+the model's ``.grad`` must then hold the whole batch's gradient) → the optimizer steps the model →
+``sync_replicas`` (once: whatever the strategy keeps on the other devices catches up). ``forward``
+serves evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy behind them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +37,9 @@ class StepOutput:
     """Each active lane's own shard loss, detached, a vector on the output device."""
     lanes: list[int]
     """Which lanes took part (a lane whose chunk is empty sits the step out)."""
+    shard_losses: list[torch.Tensor] = field(default_factory=list)
+    """Each active lane's loss as its lane computed it, before gather, with grad: the roots of the
+    lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
 
 
 class LossNotScalarError(ValueError):
@@ -142,7 +148,7 @@ class ReplicateEachStep:
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
         timer.mark("replicate")
-        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        replicas = self._replicas(model, lanes)
         timer.mark("forward")
         args_kwargs = [model_args(x) for x in shard_inputs]
         outputs = b.parallel_apply(
@@ -158,7 +164,27 @@ class ReplicateEachStep:
         )
         lane_losses = b.gather(losses)
         combined = lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
-        return StepOutput(loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes)
+        return StepOutput(
+            loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes, shard_losses=list(losses)
+        )
+
+    def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
+        """The module each lane in ``lanes`` runs: fresh replicas, made every step."""
+        return self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
+
+    def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
+        graphs, which sums every lane's gradient into the model's own parameters."""
+        loss.backward()
+
+    def reduce_gradients(self, timer: PhaseTimer) -> None:
+        """Make the model's ``.grad`` the whole batch's gradient: here backward has done it."""
+
+    def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """Bring replicas up to date after the optimizer step: here the next step makes new ones."""
+
+    def close(self) -> None:
+        """Drop whatever the strategy holds between steps."""
 
     def _single_lane(self, model, inputs, target, loss_fn, timer) -> StepOutput:
         """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
@@ -179,7 +205,7 @@ class ReplicateEachStep:
         b = self.backend
         lanes, active = self._active(sizes)
         shard_inputs = b.scatter(inputs, active, lanes)
-        replicas = b.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        replicas = self._replicas(model, lanes)
         args_kwargs = [model_args(x) for x in shard_inputs]
         outputs = b.parallel_apply(
             self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes

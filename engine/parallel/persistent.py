@@ -1,0 +1,166 @@
+"""Persistent replicas: the model is copied to the devices once per run, not at every step.
+
+``ReplicateEachStep`` (strategy.py) re-creates every module of the model on every device at every
+step, then runs the whole backward through the first device's graph — what ``nn.DataParallel`` does,
+with its per-step Python cost that grows with the number of modules. ``PersistentReplicas`` keeps
+one replica per lane for the whole run instead:
+
+- lane 0's replica is the model itself (the one the optimizer and the checkpoint see); every other
+  lane holds a full copy on its own device, made the first time it is needed;
+- forward and loss run exactly as in ``ReplicateEachStep`` (same scatter, autocast, loss weighting,
+  gather), each lane on its own replica;
+- ``backward`` runs each lane's backward in that lane, all at once, from the gradient the combined
+  loss sends to that lane's loss (so the trainer's loss scaling and accumulation divisor apply as they
+  would to one backward): each replica's own ``.grad`` then holds its shard's gradient;
+- ``reduce_gradients`` sums every replica's gradients into the model's (coalesced.py: ``_foreach``
+  kernels on one device, torch.cuda.comm's coalesced collectives across GPUs);
+- the optimizer steps the model alone; ``sync_replicas`` then copies its weights and buffers into the
+  other replicas in place, so every replica is bitwise identical to the model after every step.
+
+Buffers follow the same rule as ``ReplicateEachStep``: the model's own (lane 0's) running statistics
+persist; the other replicas' are overwritten from it at every sync. A change to the model's weights
+or buffers made outside a step (``load_state_dict``, a hand edit, a forward without a step) is noticed
+through their version counters and copied to the replicas before the next forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.coalesced import copy_into, sum_into
+from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput
+from multilane.engine.parallel.timing import PhaseTimer
+from torch import nn
+
+
+class ReplicaCopyError(RuntimeError):
+    """The model cannot be copied to the other lanes (copy.deepcopy failed)."""
+
+
+class PersistentReplicas(ReplicateEachStep):
+    """One replica per lane kept for the whole run; gradients summed across lanes after backward."""
+
+    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+        super().__init__(backend, precision)
+        self._model: nn.Module | None = None
+        self._replicas_by_lane: list[nn.Module] = []
+        self._params: list[list[nn.Parameter]] = []  # per lane, in model.parameters() order
+        self._buffers: list[list[torch.Tensor]] = []
+        self._module_pairs: list[tuple[nn.Module, list[nn.Module]]] = []
+        self._training: bool | None = None
+        self._versions: list[int] = []
+
+    # -- replicas -------------------------------------------------------------------------------
+    def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
+        if model is not self._model:
+            self._build(model)
+        elif self._master_versions() != self._versions:
+            self._copy_weights()
+        if model.training != self._training:
+            for m, copies in self._module_pairs:
+                for r in copies:
+                    r.training = m.training
+            self._training = model.training
+        return [self._replicas_by_lane[lane] for lane in lanes]
+
+    def _build(self, model: nn.Module) -> None:
+        replicas = [model]
+        for device in self.backend.devices[1:]:
+            try:
+                r = copy.deepcopy(model)
+            except Exception as e:
+                raise ReplicaCopyError(
+                    f"persistent replicas: the model cannot be copied to the other devices "
+                    f'(copy.deepcopy: {type(e).__name__}: {e}); use devices.strategy = "replicate"'
+                ) from e
+            r = r.to(device.torch_device())
+            for p in r.parameters():
+                p.grad = None
+            replicas.append(r)
+        self._model = model
+        self._replicas_by_lane = replicas
+        self._params = [list(r.parameters()) for r in replicas]
+        self._buffers = [list(r.buffers()) for r in replicas]
+        if any(len(p) != len(self._params[0]) for p in self._params):
+            raise ReplicaCopyError("persistent replicas: a copy of the model has a different set of parameters")
+        modules = [list(r.modules()) for r in replicas]
+        self._module_pairs = [(m, list(rest)) for m, *rest in zip(*modules, strict=True)]
+        self._training = model.training
+        self._versions = self._master_versions()
+
+    def _copy_weights(self) -> None:
+        """Copy the model's parameters and buffers into every other replica (in place)."""
+        if len(self._params) > 1:
+            with torch.no_grad():
+                copy_into(self._params[1:], self._params[0])
+                copy_into(self._buffers[1:], self._buffers[0])
+        self._versions = self._master_versions()
+
+    def _master_versions(self) -> list[int]:
+        """The version counters of the model's parameters and buffers: any in-place change bumps one."""
+        return [t._version for t in (*self._params[0], *self._buffers[0])]
+
+    # -- the step -------------------------------------------------------------------------------
+    def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
+        """Each lane's backward in its own lane, seeded with what ``loss`` sends to that lane's loss."""
+        if not out.shard_losses:
+            loss.backward()  # one lane: lane 0's replica is the model
+            return
+        seeds = torch.autograd.grad(loss, out.shard_losses)
+        self.backend.parallel_apply(
+            [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
+        )
+
+    def reduce_gradients(self, timer: PhaseTimer) -> None:
+        """Sum the other replicas' gradients into the model's, then clear theirs."""
+        if len(self._params) < 2:
+            return
+        timer.mark("reduce")
+        master = self._params[0]
+        others = self._params[1:]
+        with torch.no_grad():
+            if all(p.grad is not None for lane in self._params for p in lane if p.requires_grad):
+                # The usual case: every lane holds a gradient for every trainable parameter.
+                idx = [j for j, p in enumerate(master) if p.requires_grad]
+                sum_into([master[j].grad for j in idx], [[lane[j].grad for j in idx] for lane in others])
+            else:
+                _sum_sparse_presence(master, others)
+        for lane in others:
+            for p in lane:
+                p.grad = None
+
+    def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """After the optimizer step: copy the model's new weights (and buffers) into the other replicas."""
+        if model is not self._model or len(self._params) < 2:
+            return
+        timer.mark("replicate")
+        self._copy_weights()
+
+    def replicas(self) -> list[nn.Module]:
+        """The replica each lane runs (lane 0's is the model); empty before the first step."""
+        return list(self._replicas_by_lane)
+
+    def close(self) -> None:
+        self._model = None
+        self._replicas_by_lane, self._params, self._buffers, self._module_pairs = [], [], [], []
+
+
+def _lane_backward(root: torch.Tensor, seed: torch.Tensor) -> None:
+    torch.autograd.backward(root, seed)
+
+
+def _sum_sparse_presence(master: Sequence[nn.Parameter], others: Sequence[Sequence[nn.Parameter]]) -> None:
+    """The reduce when some lane has no gradient for some parameter (a lane that sat the step out, a
+    parameter a shard did not reach): sum what exists, in lane order; None where no lane has one."""
+    for j, p in enumerate(master):
+        grads = [lane[j].grad for lane in others if lane[j].grad is not None]
+        if not grads:
+            continue
+        if p.grad is None:
+            p.grad = grads[0].to(p.device, copy=True)
+            grads = grads[1:]
+        for g in grads:
+            p.grad.add_(g.to(p.device))
