@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
     t.add_argument("--task", metavar="NAME|FILE", help="digits, linear, mlp, or a .py file defining a Task")
     t.add_argument("--devices", metavar="LIST", help="cuda:0,cuda:1 | cpu:0,cpu:1 | auto")
+    t.add_argument("--strategy", metavar="NAME", help="replicate or persistent (devices.strategy)")
     t.add_argument("--batch-size", type=_positive_int, metavar="N")
     t.add_argument("--lr", type=_number, metavar="X")
     t.add_argument("--optimizer", metavar="NAME", help="sgd, adam or adamw")
@@ -78,6 +79,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     flags = {
         "task": "task.name",
         "devices": "devices.use",
+        "strategy": "devices.strategy",
         "batch_size": "data.batch_size",
         "lr": "optim.lr",
         "optimizer": "optim.name",
