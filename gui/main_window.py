@@ -219,7 +219,7 @@ class MainWindow(QMainWindow):
     # -- config --------------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         d = self.form.values()
-        d["devices"] = self.devices.values()
+        d["devices"] = {**d.get("devices", {}), **self.devices.values()}
         return d
 
     def validate(self) -> list[str]:
