@@ -40,6 +40,10 @@ class ReplicaCopyError(RuntimeError):
     """The model cannot be copied to the other lanes (copy.deepcopy failed)."""
 
 
+class InplaceForwardError(RuntimeError):
+    """The model's forward changed a parameter in place, which replicas kept across steps cannot follow."""
+
+
 class PersistentReplicas(ReplicateEachStep):
     """One replica per lane kept for the whole run; gradients summed across lanes after backward."""
 
@@ -51,14 +55,17 @@ class PersistentReplicas(ReplicateEachStep):
         self._buffers: list[list[torch.Tensor]] = []
         self._module_pairs: list[tuple[nn.Module, list[nn.Module]]] = []
         self._training: bool | None = None
-        self._versions: list[int] = []
+        self._versions: list[int] = []  # the model's parameters and buffers, at the last copy
+        self._replica_versions: list[list[int]] = []  # every other lane's parameters, at the last copy
 
     # -- replicas -------------------------------------------------------------------------------
     def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
         if model is not self._model:
             self._build(model)
-        elif self._master_versions() != self._versions:
-            self._copy_weights()
+        else:
+            self._check_replicas_untouched()
+            if self._master_versions() != self._versions:
+                self._copy_weights()
         if model.training != self._training:
             for m, copies in self._module_pairs:
                 for r in copies:
@@ -89,7 +96,7 @@ class PersistentReplicas(ReplicateEachStep):
         modules = [list(r.modules()) for r in replicas]
         self._module_pairs = [(m, list(rest)) for m, *rest in zip(*modules, strict=True)]
         self._training = model.training
-        self._versions = self._master_versions()
+        self._record_versions()
 
     def _copy_weights(self) -> None:
         """Copy the model's parameters and buffers into every other replica (in place)."""
@@ -97,7 +104,35 @@ class PersistentReplicas(ReplicateEachStep):
             with torch.no_grad():
                 copy_into(self._params[1:], self._params[0])
                 copy_into(self._buffers[1:], self._buffers[0])
+        self._record_versions()
+
+    def _record_versions(self) -> None:
         self._versions = self._master_versions()
+        self._replica_versions = [[p._version for p in lane] for lane in self._params[1:]]
+
+    def _check_replicas_untouched(self) -> None:
+        """Refuse a forward that changed a parameter in place (``Embedding(max_norm=...)``): each lane
+        would change only its own copy, for its own shard, and the copies would part ways."""
+        for k, (lane, before) in enumerate(zip(self._params[1:], self._replica_versions, strict=True), 1):
+            for j, (p, v) in enumerate(zip(lane, before, strict=True)):
+                if p._version != v:
+                    raise InplaceForwardError(self._inplace_message(j, k))
+
+    def _check_unchanged_in_forward(self, lanes: Sequence[int]) -> None:
+        self._check_replicas_untouched()
+        if 0 in lanes:
+            for j, (p, v) in enumerate(zip(self._params[0], self._versions, strict=False)):
+                if p._version != v:
+                    raise InplaceForwardError(self._inplace_message(j, 0))
+
+    def _inplace_message(self, j: int, lane: int) -> str:
+        assert self._model is not None
+        name = next((n for n, p in self._model.named_parameters() if p is self._params[0][j]), "?")
+        return (
+            f"the model's forward changed parameter '{name}' in place on {self.backend.lane_names[lane]} "
+            "(e.g. Embedding(max_norm=...)): persistent replicas cannot follow that; "
+            'use devices.strategy = "replicate"'
+        )
 
     def _master_versions(self) -> list[int]:
         """The version counters of the model's parameters and buffers: any in-place change bumps one."""
@@ -109,6 +144,7 @@ class PersistentReplicas(ReplicateEachStep):
         if not out.shard_losses:
             loss.backward()  # one lane: lane 0's replica is the model
             return
+        self._check_unchanged_in_forward(out.lanes)
         seeds = torch.autograd.grad(loss, out.shard_losses)
         self.backend.parallel_apply(
             [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
