@@ -1,5 +1,7 @@
 """Persistent replicas give the answers of full-batch training and of ReplicateEachStep, step after step."""
 
+import copy
+
 import pytest
 import torch
 from helpers import Float64Task, max_rel_diff
@@ -14,7 +16,11 @@ from multilane.engine.trainer import Trainer, TrainerCallback
 from torch import nn
 from torch.nn import functional as F
 
-STRATEGIES = {"replicate": ReplicateEachStep, "persistent": PersistentReplicas}
+STRATEGIES = {
+    "replicate": ReplicateEachStep,
+    "persistent": PersistentReplicas,
+    "persistent-no-overlap": lambda backend, *a: PersistentReplicas(backend, *a, overlap=False),
+}
 
 
 def lanes(n):
@@ -84,16 +90,38 @@ def train(strategy, n, make, data, weights=None, opt=lambda p: torch.optim.Adam(
     [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)],
     ids=["sgd-momentum", "adamw"],
 )
-def test_persistent_replicas_equal_full_batch_training(n, opt):
+@pytest.mark.parametrize("strategy", ["persistent", "persistent-no-overlap"])
+def test_persistent_replicas_equal_full_batch_training(n, opt, strategy):
     data = batches(6)
-    assert max_rel_diff(train("persistent", n, mlp, data, opt=opt), reference(mlp, data, opt)) < 1e-10
+    assert max_rel_diff(train(strategy, n, mlp, data, opt=opt), reference(mlp, data, opt)) < 1e-10
 
 
 @pytest.mark.parametrize("weights", [[3, 1], [1, 2, 5], [0, 1], [1, 0, 2]])
-def test_uneven_splits_and_idle_lanes_equal_full_batch_training(weights):
+@pytest.mark.parametrize("strategy", ["persistent", "persistent-no-overlap"])
+def test_uneven_splits_and_idle_lanes_equal_full_batch_training(weights, strategy):
     data = batches(6)
-    got = train("persistent", len(weights), mlp, data, weights)
+    got = train(strategy, len(weights), mlp, data, weights)
     assert max_rel_diff(got, reference(mlp, data)) < 1e-10
+
+
+def test_buckets_are_summed_during_backward_and_the_hooks_leave_with_the_strategy():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(300, 300) for _ in range(6))).double()  # > 1 MB: several buckets
+    backend = make_backend(lanes(2))
+    s = PersistentReplicas(backend)
+    x, y = torch.randn(8, 300, dtype=torch.float64), torch.randn(8, 300, dtype=torch.float64)
+    out = s.forward_loss(model, x, y, F.mse_loss, [4, 4], PhaseTimer())
+    s.backward(out, out.loss)
+    assert len(s._buckets.buckets) > 1
+    assert all(p.grad is None for p in s.replicas()[1].parameters())  # summed and cleared in backward
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    F.mse_loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max()
+    s.close()
+    backend.close()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_a_batch_smaller_than_the_lane_count_trains_on_the_lanes_it_fills():

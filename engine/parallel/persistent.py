@@ -12,8 +12,10 @@ one replica per lane for the whole run instead:
 - ``backward`` runs each lane's backward in that lane, all at once, from the gradient the combined
   loss sends to that lane's loss (so the trainer's loss scaling and accumulation divisor apply as they
   would to one backward): each replica's own ``.grad`` then holds its shard's gradient;
-- ``reduce_gradients`` sums every replica's gradients into the model's (coalesced.py: ``_foreach``
-  kernels on one device, torch.cuda.comm's coalesced collectives across GPUs);
+- the gradients are summed into the model's in buckets while backward runs (buckets.py: a bucket is
+  summed as soon as every lane has its gradients), and ``reduce_gradients`` sums whatever is left
+  after backward (coalesced.py: ``_foreach`` kernels on one device, torch.cuda.comm's coalesced
+  collectives across GPUs);
 - the optimizer steps the model alone; ``sync_replicas`` then copies its weights and buffers into the
   other replicas in place, so every replica is bitwise identical to the model after every step.
 
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.buckets import GradBuckets
 from multilane.engine.parallel.coalesced import copy_into, sum_into
 from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput
 from multilane.engine.parallel.timing import PhaseTimer
@@ -47,8 +50,11 @@ class InplaceForwardError(RuntimeError):
 class PersistentReplicas(ReplicateEachStep):
     """One replica per lane kept for the whole run; gradients summed across lanes after backward."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+    def __init__(self, backend: Backend, precision: str = "fp32", overlap: bool = True) -> None:
         super().__init__(backend, precision)
+        self.overlap = overlap
+        """Sum gradient buckets while backward runs (buckets.py); else all after backward."""
+        self._buckets: GradBuckets | None = None
         self._model: nn.Module | None = None
         self._replicas_by_lane: list[nn.Module] = []
         self._params: list[list[nn.Parameter]] = []  # per lane, in model.parameters() order
@@ -87,6 +93,7 @@ class PersistentReplicas(ReplicateEachStep):
             for p in r.parameters():
                 p.grad = None
             replicas.append(r)
+        self.close()
         self._model = model
         self._replicas_by_lane = replicas
         self._params = [list(r.parameters()) for r in replicas]
@@ -97,6 +104,8 @@ class PersistentReplicas(ReplicateEachStep):
         self._module_pairs = [(m, list(rest)) for m, *rest in zip(*modules, strict=True)]
         self._training = model.training
         self._record_versions()
+        if self.overlap and len(replicas) > 1:
+            self._buckets = GradBuckets(self._params)
 
     def _copy_weights(self) -> None:
         """Copy the model's parameters and buffers into every other replica (in place)."""
@@ -146,27 +155,35 @@ class PersistentReplicas(ReplicateEachStep):
             return
         self._check_unchanged_in_forward(out.lanes)
         seeds = torch.autograd.grad(loss, out.shard_losses)
-        self.backend.parallel_apply(
-            [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
-        )
+        if self._buckets is not None:
+            self._buckets.arm(out.lanes)
+        try:
+            self.backend.parallel_apply(
+                [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
+            )
+        finally:
+            if self._buckets is not None:
+                self._buckets.disarm()
 
     def reduce_gradients(self, timer: PhaseTimer) -> None:
-        """Sum the other replicas' gradients into the model's, then clear theirs."""
+        """Sum what backward's buckets left (all of it without overlap) into the model's gradients, and
+        clear the other replicas' gradients."""
         if len(self._params) < 2:
             return
         timer.mark("reduce")
-        master = self._params[0]
-        others = self._params[1:]
+        master, others = self._params[0], self._params[1:]
+        left = [j for j, p in enumerate(master) if p.requires_grad and any(lane[j].grad is not None for lane in others)]
+        if not left:
+            return
         with torch.no_grad():
-            if all(p.grad is not None for lane in self._params for p in lane if p.requires_grad):
-                # The usual case: every lane holds a gradient for every trainable parameter.
-                idx = [j for j, p in enumerate(master) if p.requires_grad]
-                sum_into([master[j].grad for j in idx], [[lane[j].grad for j in idx] for lane in others])
+            if all(master[j].grad is not None and all(lane[j].grad is not None for lane in others) for j in left):
+                # The usual case: every lane holds a gradient for every parameter left.
+                sum_into([master[j].grad for j in left], [[lane[j].grad for j in left] for lane in others])
             else:
-                _sum_sparse_presence(master, others)
+                _sum_sparse_presence([master[j] for j in left], [[lane[j] for j in left] for lane in others])
         for lane in others:
-            for p in lane:
-                p.grad = None
+            for j in left:
+                lane[j].grad = None
 
     def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
         """After the optimizer step: copy the model's new weights (and buffers) into the other replicas."""
@@ -180,6 +197,9 @@ class PersistentReplicas(ReplicateEachStep):
         return list(self._replicas_by_lane)
 
     def close(self) -> None:
+        if self._buckets is not None:
+            self._buckets.remove()  # the model's own parameters carry hooks too
+            self._buckets = None
         self._model = None
         self._replicas_by_lane, self._params, self._buffers, self._module_pairs = [], [], [], []
 
