@@ -8,7 +8,8 @@ For each model (an MLP with few modules, a ResNet-style network with many) and t
 devices, it times:
 
 - ``replicate``: Multilane's ReplicateEachStep (what nn.DataParallel does, plus a loss per device);
-- ``persistent``: Multilane's PersistentReplicas (replicas kept, gradients summed across devices);
+- ``persistent``: Multilane's PersistentReplicas (replicas kept, gradient buckets summed across devices
+  while backward runs), and the same with the sum after backward (``no overlap``);
 - ``nn.DataParallel``: torch's own, the reference of the ratio column. On the CPU it cannot split
   (it runs the plain module on one device), which the table says;
 - ``DDP``: torch's DistributedDataParallel, one process per device (NCCL on distinct GPUs, Gloo on
@@ -17,6 +18,9 @@ devices, it times:
 The in-process loops take turns step by step in a shuffled order (load from elsewhere on a shared
 machine lands on all alike); DDP runs in its own processes after them. Each step ends with a device
 sync on CUDA, so a step's time is the whole step.
+
+A second table measures the choice PersistentReplicas makes after the optimizer: every replica steps
+its own copy of the optimizer, or the first steps and the others copy its weights.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multilane.engine.devices import parse_devices
-from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel.coalesced import copy_into
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
 from torch.nn import functional as F
@@ -76,7 +81,7 @@ def mlp(features: int, width: int, depth: int, classes: int = 10) -> nn.Module:
 CASES = {
     "cpu": {
         "mlp (4x512, 10 modules)": (lambda: mlp(256, 512, 4), (256,), 256),
-        "resnet-style (32 blocks, ~200 modules)": (lambda: resnet(32, 16), (3, 8, 8), 64),
+        "resnet-style (32 blocks, ~200 modules)": (lambda: resnet(32, 8), (3, 8, 8), 32),
     },
     "cuda": {
         "mlp (4x2048, 10 modules)": (lambda: mlp(1024, 2048, 4), (1024,), 1024),
@@ -101,7 +106,10 @@ def sync(device: torch.device) -> None:
 def engine_loop(strategy_name: str, build: Callable[[], nn.Module], x, y, devices):
     """Multilane's step as the trainer runs it: forward_loss, backward, reduce, optimizer, sync."""
     backend = make_backend(devices)
-    strategy = make_strategy(strategy_name, backend)
+    if strategy_name == "persistent, no overlap":
+        strategy = PersistentReplicas(backend, overlap=False)
+    else:
+        strategy = make_strategy(strategy_name, backend)
     torch.manual_seed(0)
     model = build().to(backend.model_device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -157,14 +165,48 @@ def interleaved(fns: dict[str, Callable[[], None]], steps: int, seed: int = 0) -
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+# -- keeping replicas equal: every device steps its own, or one steps and the others copy ---------------
+def optimizer_choice(build: Callable[[], nn.Module], devices, steps: int) -> dict[str, float]:
+    """Median time of (a) an Adam step on every replica, (b) one Adam step and a copy into the others."""
+    models = []
+    for d in devices:
+        torch.manual_seed(0)
+        m = build().to(d.torch_device())
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        models.append(m)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+    params = [list(m.parameters()) for m in models]
+    first = devices[0].torch_device()
+
+    def each() -> None:
+        for o in opts:
+            o.step()
+        sync(first)
+
+    def one_and_copy() -> None:
+        opts[0].step()
+        with torch.no_grad():
+            copy_into(params[1:], params[0])
+        sync(first)
+
+    fns = {"each": each, "copy": one_and_copy}
+    for fn in fns.values():
+        fn()
+    return interleaved(fns, steps)
+
+
 # -- DDP in its own processes ------------------------------------------------------------------------
-def _ddp_worker(rank: int, world: int, case_kind: str, case: str, devices: list[str], steps: int, port: int, q) -> None:
+def _ddp_worker(
+    rank: int, world: int, case_kind: str, case: str, devices: list[str], steps: int, port: int, threads: int, q
+) -> None:
     dev = torch.device(devices[rank])
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     build, shape, batch = CASES[case_kind][case]
     torch.manual_seed(0)
@@ -194,12 +236,12 @@ def _ddp_worker(rank: int, world: int, case_kind: str, case: str, devices: list[
     dist.destroy_process_group()
 
 
-def ddp_time(case_kind: str, case: str, devices: list[str], steps: int, port: int) -> float | str:
+def ddp_time(case_kind: str, case: str, devices: list[str], steps: int, port: int, threads: int) -> float | str:
     if devices[0].startswith("cuda") and len(set(devices)) < len(devices):
         return "n/a: NCCL needs one GPU per process"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.spawn(_ddp_worker, args=(len(devices), case_kind, case, devices, steps, port, q), nprocs=len(devices))
+    mp.spawn(_ddp_worker, args=(len(devices), case_kind, case, devices, steps, port, threads, q), nprocs=len(devices))
     return q.get(timeout=60)
 
 
@@ -210,9 +252,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each loop (after 5 warm-up steps)")
     ap.add_argument("--no-ddp", action="store_true", help="leave DDP out")
     ap.add_argument("--port", type=int, default=29533, help="DDP's rendezvous port on 127.0.0.1")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU: torch intra-op threads for every loop and every DDP process (default: cores / devices)",
+    )
     args = ap.parse_args()
     torch.set_flush_denormal(True)
     devices = parse_devices(args.devices)
+    if not devices[0].is_cuda:
+        # Every lane is a thread that runs torch ops with their own intra-op threads: lanes x threads
+        # beyond the cores makes OpenMP's spinning workers fight (measured 10x slower on a loaded
+        # 2-core machine). One budget for all: each lane, and each DDP process, gets cores / devices.
+        args.threads = args.threads or max(1, (os.cpu_count() or 1) // len(devices))
+        torch.set_num_threads(args.threads)
     names = [str(d.torch_device()) if d.is_cuda else f"cpu:{i}" for i, d in enumerate(devices)]
     kind = "cuda" if devices[0].is_cuda else "cpu"
     first = devices[0].torch_device()
@@ -220,6 +274,7 @@ def main() -> None:
         f"torch {torch.__version__}, devices {args.devices}, {torch.get_num_threads()} intra-op threads, "
         f"median of {args.steps} interleaved steps (SGD with momentum, cross-entropy)"
     )
+    print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
     if kind == "cpu":
         print("nn.DataParallel cannot split on the CPU: its row is the plain model on one device (*).")
     print()
@@ -230,6 +285,7 @@ def main() -> None:
             "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): data_parallel_loop(build, x, y, devices),
             "replicate": engine_loop("replicate", build, x, y, devices),
             "persistent": engine_loop("persistent", build, x, y, devices),
+            "persistent, no overlap": engine_loop("persistent, no overlap", build, x, y, devices),
         }
         fns = {k: step for k, (step, _) in loops.items()}
         for fn in fns.values():
@@ -241,7 +297,7 @@ def main() -> None:
         if not args.no_ddp:
             proc = "Gloo" if kind == "cpu" else "NCCL"
             times[f"DDP ({proc}, {len(devices)} processes)"] = ddp_time(
-                kind, case, names, args.steps, args.port + port_offset
+                kind, case, names, args.steps, args.port + port_offset, args.threads
             )
         ref = next(iter(times.values()))
         assert isinstance(ref, float)
@@ -252,6 +308,11 @@ def main() -> None:
                 continue
             print(f"{label:40} {k:26} {t * 1000:9.2f} {batch / t:10,.0f} {ref / t:15.2f}x")
         sys.stdout.flush()
+    print("\nKeeping the replicas equal after the optimizer (Adam), median ms:")
+    print(f"{'model':40} {'every replica steps':>20} {'one steps + copy':>17} {'ratio':>6}")
+    for case, (build, _shape, _batch) in CASES[kind].items():
+        t = optimizer_choice(build, devices, args.steps)
+        print(f"{case:40} {t['each'] * 1000:20.2f} {t['copy'] * 1000:17.2f} {t['each'] / t['copy']:6.2f}")
 
 
 if __name__ == "__main__":

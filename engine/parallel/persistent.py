@@ -48,7 +48,7 @@ class InplaceForwardError(RuntimeError):
 
 
 class PersistentReplicas(ReplicateEachStep):
-    """One replica per lane kept for the whole run; gradients summed across lanes after backward."""
+    """One replica per lane kept for the whole run; gradients summed across lanes as backward makes them."""
 
     def __init__(self, backend: Backend, precision: str = "fp32", overlap: bool = True) -> None:
         super().__init__(backend, precision)
