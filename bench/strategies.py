@@ -16,7 +16,8 @@ devices, it times:
   the CPU; two processes cannot share one GPU under NCCL, so it is left out for ``cuda:0,cuda:0``).
 
 The in-process loops take turns step by step in a shuffled order (load from elsewhere on a shared
-machine lands on all alike); DDP runs in its own processes after them. Each step ends with a device
+machine lands on all alike; "replicate again" is a second, identical loop whose ratio to the first
+shows the noise floor); DDP runs in its own processes after them. Each step ends with a device
 sync on CUDA, so a step's time is the whole step.
 
 A second table measures the choice PersistentReplicas makes after the optimizer: every replica steps
@@ -284,6 +285,7 @@ def main() -> None:
         loops = {
             "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): data_parallel_loop(build, x, y, devices),
             "replicate": engine_loop("replicate", build, x, y, devices),
+            "replicate again (A/A)": engine_loop("replicate", build, x, y, devices),
             "persistent": engine_loop("persistent", build, x, y, devices),
             "persistent, no overlap": engine_loop("persistent, no overlap", build, x, y, devices),
         }
