@@ -8,13 +8,15 @@ from typing import Any
 
 import torch
 from multilane.engine.data import eval_batches
+from multilane.engine.parallel import ReplicateEachStep
+from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import move_tree
-from multilane.engine.tasks import ArrayData, Task
+from multilane.engine.tasks import ArrayData, Task, loss_weight_fn
 from torch import nn
 
 
 def evaluate(
-    strategy: Any,
+    strategy: ReplicateEachStep,
     model: nn.Module,
     task: Task,
     val: ArrayData,
@@ -23,31 +25,48 @@ def evaluate(
     output_device: torch.device,
     step: int,
 ) -> dict[str, Any]:
-    """The ``"kind": "eval"`` record at ``step``: sample-weighted means over the whole validation set."""
+    """The ``"kind": "eval"`` record at ``step``: means over the whole validation set.
+
+    The loss is computed as in training, by the same code: on every lane, inside autocast with the run's
+    dtype, combined by shard size or by the task's ``loss_weight``; batches are combined the same way
+    (by their sample count or their total loss weight), so the validation loss is the loss of the whole
+    validation set on any lane count. The task's metrics (means over samples) are computed on the output
+    gathered from every lane. Sums are kept in float64: a float64 loss is not rounded.
+    """
     was_training = model.training
     model.eval()
-    total = None
+    weight_fn = loss_weight_fn(task)
+    loss_sum = weight_sum = metric_sums = None
     count = 0
     keys: list[str] = []
+    timer = PhaseTimer()
     try:
         with torch.no_grad():
             for inputs, target, size in eval_batches(val, batch_size):
-                output = strategy.forward(model, inputs, sizes(size))
-                target = move_tree(target, output_device)
-                loss = task.loss(output, target)
-                metrics = task.metrics(output, target)
+                out = strategy.forward_loss(
+                    model, inputs, target, task.loss, sizes(size), timer, weight_fn=weight_fn, keep_output=True
+                )
+                w = out.weight.double() if out.weight is not None else torch.tensor(float(size), dtype=torch.float64)
+                w = w.to(out.loss.device)
+                # A batch holding no weight (all padding) adds nothing; its own mean is 0/0.
+                part = torch.where(w > 0, out.loss.double() * w, torch.zeros_like(w))
+                loss_sum = part if loss_sum is None else loss_sum + part
+                weight_sum = w if weight_sum is None else weight_sum + w
+                metrics = task.metrics(out.output, move_tree(target, output_device))
                 keys = list(metrics)
-                vec = torch.stack([loss.float(), *(torch.as_tensor(metrics[k]).float() for k in keys)]) * size
-                total = vec if total is None else total + vec
+                if keys:
+                    vec = torch.stack([torch.as_tensor(metrics[k]).double().to(output_device) for k in keys]) * size
+                    metric_sums = vec if metric_sums is None else metric_sums + vec
                 count += size
     finally:
         model.train(was_training)
-    assert total is not None
-    values = (total / count).tolist()
+    assert loss_sum is not None and weight_sum is not None
+    val_loss = (loss_sum / weight_sum).item()
+    values = (metric_sums / count).tolist() if metric_sums is not None else []
     return {
         "kind": "eval",
         "step": step,
         "wall_time": time.time(),
-        "val_loss": values[0],
-        "metrics": dict(zip(keys, values[1:], strict=True)),
+        "val_loss": val_loss,
+        "metrics": dict(zip(keys, values, strict=True)),
     }

@@ -33,7 +33,7 @@ from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
-from multilane.engine.tasks import Task, make_task
+from multilane.engine.tasks import Task, loss_weight_fn, make_task
 from multilane.engine.telemetry import TelemetrySampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -93,6 +93,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
         self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision)
+        self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         data = self.task.data()
         train, val = split_data(data, cfg.data.val_fraction, cfg.train.seed)
@@ -212,7 +213,9 @@ class Trainer:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
             inputs, target, size = self.batches.get(self.step * accum + k)
-            out = strategy.forward_loss(self.model, inputs, target, self.task.loss, self._sizes(size), timer)
+            out = strategy.forward_loss(
+                self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
+            )
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own

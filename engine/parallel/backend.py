@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from multilane.engine.devices import Device, lane_names
+from multilane.engine.parallel.replica import ReplicaSet
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
 
@@ -48,8 +49,9 @@ class Backend(ABC):
         """Split the batch ``obj`` along dim 0 into chunks of ``sizes``, one per lane in ``lanes``."""
 
     @abstractmethod
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> list[nn.Module]:
-        """One replica of ``model`` per lane; gradients of every replica flow back to ``model``."""
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
+        """One true replica of ``model`` per lane (engine/parallel/replica.py): each its own copy of every
+        parameter, listed in ``.params``; gradients of every replica flow back to ``model``."""
 
     @abstractmethod
     def parallel_apply(
@@ -63,7 +65,8 @@ class Backend(ABC):
 
     @abstractmethod
     def gather(self, outputs: Sequence[Any]) -> Any:
-        """Join per-lane outputs along dim 0 on the output device (differentiable)."""
+        """Join per-lane outputs along dim 0 on the output device (differentiable), structure by structure
+        (``tree.gather_tree``); an output it cannot join raises ``GatherError`` naming its type."""
 
     @abstractmethod
     def make_timer(self) -> PhaseTimer:

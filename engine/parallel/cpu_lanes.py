@@ -4,9 +4,10 @@ torch 2.13's scatter/replicate/gather refuse CPU tensors and parallel_apply need
 these are the same four primitives for the CPU, with the same semantics:
 
 - scatter splits along dim 0 (views, no copy: every lane shares the one CPU memory);
-- replicate gives replica 0 the original module and the others shallow replicas that share the
-  parameters (autograd sums their gradients into the leaves, as Broadcast's backward does) and hold
-  their own copy of each buffer, so BatchNorm running statistics persist from replica 0 only;
+- replicate gives every lane a true replica (engine/parallel/replica.py): its own differentiable copy
+  of each parameter, whose gradients are summed back into the original parameters (as Broadcast's
+  backward does); lane 0 keeps the original buffers and the others copies, so BatchNorm running
+  statistics persist from lane 0 only, as on GPUs;
 - parallel_apply runs replica i in lane i's own thread and re-raises a failure as
   "Caught X in replica i on device cpu:i", exactly like torch;
 - gather concatenates along dim 0.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.replica import ReplicaSet, replicate_module
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, scatter_tree
 from torch import nn
@@ -42,8 +44,10 @@ class CpuLanesBackend(Backend):
             return [obj]
         return scatter_tree(obj, len(lanes), lambda t: torch.split(t, list(sizes), dim=0))
 
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> list[nn.Module]:
-        return [model if lane == 0 else _replica(model, detach) for lane in lanes]
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
+        cpu = torch.device("cpu")
+        owner = list(lanes).index(0) if 0 in lanes else None
+        return replicate_module(model, [cpu] * len(lanes), detach, owner)
 
     def parallel_apply(
         self,
@@ -104,20 +108,3 @@ class CpuLanesBackend(Backend):
             pool = ThreadPoolExecutor(1, thread_name_prefix=f"multilane-{self.lane_names[lane]}")
             self._pools[lane] = pool
         return pool
-
-
-def _replica(model: nn.Module, detach: bool) -> nn.Module:
-    """A shallow replica of ``model`` for a lane other than the first (see the module docstring)."""
-    modules = list(model.modules())
-    copies = [m._replicate_for_data_parallel() for m in modules]
-    index = {m: i for i, m in enumerate(modules)}
-    for m, r in zip(modules, copies, strict=True):
-        for key, child in m._modules.items():
-            r._modules[key] = None if child is None else copies[index[child]]
-        for key, p in m._parameters.items():
-            # Like torch's replicate: the replica holds parameters as plain attributes.
-            r.__dict__[key] = p if p is None or not detach else p.detach()
-        for key, b in m._buffers.items():
-            if b is not None:
-                r._buffers[key] = b.clone() if (b.requires_grad and not detach) else b.detach().clone()
-    return copies[0]

@@ -1,16 +1,24 @@
-"""The GPU backend: a thin layer over torch.nn.parallel's own scatter, replicate, parallel_apply, gather."""
+"""The GPU backend: torch.nn.parallel's own scatter, parallel_apply and gather; the engine's true replicas.
+
+Replication is the one primitive not taken from torch: ``replicate_module`` (engine/parallel/replica.py)
+is the same code the CPU lanes run, so both backends give every lane a private copy of each parameter,
+visible through ``.parameters()``, with the same gradient semantics. Gather is ``gather_tree`` over
+torch's differentiable ``Gather``: the same structures (dataclasses, 0-dim tensors) as on CPU lanes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.replica import ReplicaSet, replicate_module
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.parallel.tree import scatter_tree
+from multilane.engine.parallel.tree import gather_tree, move_tree, scatter_tree
 from torch import nn
-from torch.nn.parallel import gather, parallel_apply, replicate
-from torch.nn.parallel._functions import Scatter
+from torch.nn.parallel import parallel_apply
+from torch.nn.parallel._functions import Gather, Scatter
 
 
 class CudaBackend(Backend):
@@ -24,10 +32,10 @@ class CudaBackend(Backend):
         chunks = list(sizes)
         return scatter_tree(obj, len(lanes), lambda t: Scatter.apply(gpus, chunks, 0, t))
 
-    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> list[nn.Module]:
-        if list(lanes) == [0]:
-            return [model]  # one replica on the model's own device: nothing to copy (as DataParallel does)
-        return replicate(model, [self._indices[i] for i in lanes], detach=detach)
+    def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool) -> ReplicaSet:
+        devices = [torch.device("cuda", self._indices[i]) for i in lanes]
+        owner = list(lanes).index(0) if 0 in lanes else None
+        return replicate_module(model, devices, detach, owner)
 
     def parallel_apply(
         self,
@@ -39,7 +47,10 @@ class CudaBackend(Backend):
         return parallel_apply(fns, inputs, kwargs, [self._indices[i] for i in lanes])  # type: ignore[arg-type]
 
     def gather(self, outputs: Sequence[Any]) -> Any:
-        return gather(outputs, self._indices[self.output_index], dim=0)
+        target = self._indices[self.output_index]
+        if len(outputs) == 1:  # one lane took part: its output as it is (as on CPU lanes), moved over
+            return move_tree(outputs[0], self.output_device)
+        return gather_tree(outputs, lambda ts: Gather.apply(target, 0, *ts))
 
     def make_timer(self) -> PhaseTimer:
         return CudaPhaseTimer(self.output_device)

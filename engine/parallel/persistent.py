@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.buckets import GradBuckets
 from multilane.engine.parallel.coalesced import copy_into, sum_into
-from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput
+from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput, model_args
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
 
@@ -65,13 +66,23 @@ class PersistentReplicas(ReplicateEachStep):
         self._replica_versions: list[list[int]] = []  # every other lane's parameters, at the last copy
 
     # -- replicas -------------------------------------------------------------------------------
+    def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
+        """The forward of every lane on its own persistent replica."""
+        timer.mark("replicate")
+        replicas = self._replicas(model, lanes)
+        timer.mark("forward")
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        outputs = self.backend.parallel_apply(
+            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
+        )
+        self._check_unchanged_in_forward(lanes)
+        return outputs
+
     def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
         if model is not self._model:
             self._build(model)
-        else:
-            self._check_replicas_untouched()
-            if self._master_versions() != self._versions:
-                self._copy_weights()
+        elif self._master_versions() != self._versions:
+            self._copy_weights()
         if model.training != self._training:
             for m, copies in self._module_pairs:
                 for r in copies:
@@ -153,7 +164,6 @@ class PersistentReplicas(ReplicateEachStep):
         if not out.shard_losses:
             loss.backward()  # one lane: lane 0's replica is the model
             return
-        self._check_unchanged_in_forward(out.lanes)
         seeds = torch.autograd.grad(loss, out.shard_losses)
         if self._buckets is not None:
             self._buckets.arm(out.lanes)

@@ -1,10 +1,12 @@
 """One data-parallel step, built from a backend's four primitives.
 
 ``ReplicateEachStep`` is what ``nn.DataParallel.forward`` does, plus a loss per device:
-scatter the batch → replicate the model → parallel_apply the forward → parallel_apply the loss on each
-device → gather the per-device losses → combine them weighted by shard size (equal to the full-batch
-mean loss). ``backward`` is one ``backward()`` on the combined loss; gradients flow back through the
-replicas into the original parameters.
+scatter the batch → replicate the model (true replicas on every lane) → parallel_apply the forward →
+parallel_apply the loss (and the task's loss weight) on each device → gather the per-device losses →
+combine them weighted by what each device's mean is over: its shard size, or the task's
+``loss_weight`` (tokens, class weights) — equal to the full-batch loss. The trainer then calls
+``backward()`` once on the combined loss (``backward``); gradients flow back through the replicas
+into the original parameters.
 
 A strategy is four calls per optimizer step, made by the trainer in this order:
 ``forward_loss`` (per micro-batch) → ``backward`` (per micro-batch) → ``reduce_gradients`` (once:
@@ -15,11 +17,14 @@ serves evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from multilane.engine.parallel import inplace
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
@@ -36,9 +41,13 @@ class StepOutput:
     lane_losses: torch.Tensor
     """Each active lane's own shard loss, detached, a vector on the output device."""
     lanes: list[int]
-    """Which lanes took part (a lane whose chunk is empty sits the step out)."""
+    """Which lanes took part (a lane whose chunk is empty, or whose loss weight is 0, sits the step out)."""
+    weight: torch.Tensor | None = None
+    """With a task's ``loss_weight``: the batch's total weight (0-dim, on the output device)."""
+    output: Any = None
+    """The model's output gathered on the output device (``keep_output=True``, for evaluation)."""
     shard_losses: list[torch.Tensor] = field(default_factory=list)
-    """Each active lane's loss as its lane computed it, before gather, with grad: the roots of the
+    """Each lane's loss in ``lanes`` as its lane computed it, before gather, with grad: the roots of the
     lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
 
 
@@ -83,15 +92,27 @@ def check_batch(output: Any, target: Any) -> None:
         )
 
 
+class LossWeightError(ValueError):
+    """The task's loss_weight returned something other than one number >= 0."""
+
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+WeightFn = Callable[[Any, Any], "torch.Tensor | float"]
+
+
 class _LaneLoss:
-    """A lane's loss as a 1-element vector (fp32 at least), so that gather stacks them without a warning."""
+    """A lane's loss as a 1-element vector (fp32 at least), so that gather stacks them without a warning;
+    with a ``weight_fn``, the pair ``(loss, weight)`` of such vectors."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: LossFn, weight_fn: WeightFn | None = None) -> None:
+        self.loss_fn, self.weight_fn = loss_fn, weight_fn
 
-    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+    def __call__(self, output: Any, target: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_batch(output, target)
-        return self.check(self.loss_fn(output, target)).reshape(1)
+        loss = self.check(self.loss_fn(output, target))
+        if self.weight_fn is None:
+            return loss.reshape(1)
+        return loss.reshape(1), self.weight(self.weight_fn(output, target), loss).reshape(1)
 
     @staticmethod
     def check(loss: Any) -> torch.Tensor:
@@ -102,6 +123,17 @@ class _LaneLoss:
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         return loss if loss.dim() == 0 else loss.reshape(())
+
+    @staticmethod
+    def weight(w: Any, loss: torch.Tensor) -> torch.Tensor:
+        """The loss weight as a 0-dim tensor in the loss's dtype, on its device, never differentiated."""
+        if isinstance(w, torch.Tensor):
+            if w.numel() != 1:
+                raise LossWeightError(f"loss_weight must be one number, got shape {tuple(w.shape)}")
+            return w.detach().reshape(()).to(device=loss.device, dtype=loss.dtype)
+        if isinstance(w, (int, float)) and not isinstance(w, bool):
+            return torch.tensor(float(w), dtype=loss.dtype, device=loss.device)
+        raise LossWeightError(f"loss_weight must be a number or a 0-dim tensor, got {type(w).__name__}")
 
 
 class ReplicateEachStep:
@@ -116,6 +148,11 @@ class ReplicateEachStep:
         if self.autocast_dtype is None:
             return fns
         return [_InReplica(f, self.backend.device_type, self.autocast_dtype) for f in fns]
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.backend.device_type, dtype=self.autocast_dtype)
 
     def _active(self, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
         lanes = [i for i, s in enumerate(sizes) if s > 0]
@@ -135,42 +172,59 @@ class ReplicateEachStep:
         model: nn.Module,
         inputs: Any,
         target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: LossFn,
         sizes: Sequence[int],
         timer: PhaseTimer,
+        weight_fn: WeightFn | None = None,
+        keep_output: bool = False,
     ) -> StepOutput:
-        """Forward and loss of one (micro-)batch on every lane; the caller runs backward."""
+        """Forward and loss of one (micro-)batch on every lane; the caller runs backward.
+
+        Each lane's loss is computed in its own thread inside autocast (the run's dtype), as is the one
+        lane's. Lanes are combined by shard size, or with ``weight_fn`` (the task's ``loss_weight``) by
+        ``Σ wᵢ·lossᵢ / Σ wᵢ``; a lane whose weight is 0 sits out (its own mean is 0/0, whose gradient is
+        NaN whatever it is multiplied by), which needs the weights on the host: one small read per step.
+        """
         b = self.backend
         lanes, active = self._active(sizes)
         if lanes == [0]:
-            return self._single_lane(model, inputs, target, loss_fn, timer)
+            return self._single_lane(model, inputs, target, loss_fn, timer, weight_fn, keep_output)
         timer.mark("scatter")
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
-        timer.mark("replicate")
-        replicas = self._replicas(model, lanes)
-        timer.mark("forward")
-        args_kwargs = [model_args(x) for x in shard_inputs]
-        outputs = b.parallel_apply(
-            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
+        outputs = self._forward_lanes(model, shard_inputs, lanes, timer)
         timer.mark("loss")
-        lane_loss = _LaneLoss(loss_fn)
         losses = b.parallel_apply(
-            self._wrap([lane_loss] * len(lanes)),
+            self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes)),
             list(zip(outputs, shard_targets, strict=True)),
             None,
             lanes,
         )
-        lane_losses = b.gather(losses)
-        combined = lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
-        return StepOutput(
-            loss=combined.reshape(()), lane_losses=lane_losses.detach(), lanes=lanes, shard_losses=list(losses)
-        )
-
-    def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
-        """The module each lane in ``lanes`` runs: fresh replicas, made every step."""
-        return self.backend.replicate(model, lanes, detach=not torch.is_grad_enabled())
+        output = b.gather(outputs) if keep_output else None
+        if weight_fn is None:
+            lane_losses = b.gather(losses)
+            combined = (
+                lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
+            )
+            return StepOutput(
+                combined.reshape(()), lane_losses.detach(), lanes, output=output, shard_losses=list(losses)
+            )
+        w = b.gather([w for _, w in losses])
+        ws = w.tolist()
+        bad = [x for x in ws if not 0 <= x < math.inf]
+        if bad:
+            raise LossWeightError(f"loss_weight must be a finite number >= 0, got {bad[0]}")
+        # A lane whose weight is 0 must not even reach the graph of the combined loss: a zero gradient
+        # into its 0/0 mean still makes NaN. Its loss is left out before the gather.
+        keep = [k for k, x in enumerate(ws) if x > 0] or list(range(len(ws)))
+        if len(keep) < len(ws):
+            losses, lanes = [losses[k] for k in keep], [lanes[k] for k in keep]
+            w = w[torch.tensor(keep, device=w.device)]
+        shard_losses = [loss for loss, _ in losses]
+        lane_losses = b.gather(shard_losses)
+        total = w.sum()
+        combined = (lane_losses * w).sum() / total
+        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output, shard_losses=shard_losses)
 
     def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
@@ -186,28 +240,64 @@ class ReplicateEachStep:
     def close(self) -> None:
         """Drop whatever the strategy holds between steps."""
 
-    def _single_lane(self, model, inputs, target, loss_fn, timer) -> StepOutput:
+    def _single_lane(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
         """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
-        fn = self._wrap([model])[0]
         args, kwargs = model_args(inputs)
         timer.mark("forward")
+        weight = None
         try:
-            output = fn(*args, **kwargs)
+            with self._autocast():
+                output = model(*args, **kwargs)
             timer.mark("loss")
             check_batch(output, target)
-            loss = _LaneLoss(loss_fn).check(loss_fn(output, target))
+            with self._autocast():
+                loss = _LaneLoss.check(loss_fn(output, target))
+                if weight_fn is not None:
+                    weight = _LaneLoss.weight(weight_fn(output, target), loss)
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
-        return StepOutput(loss=loss, lane_losses=loss.detach().reshape(1), lanes=[0])
+        return StepOutput(loss, loss.detach().reshape(1), [0], weight=weight, output=output if keep_output else None)
+
+    def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
+        """The forward of every lane on its own true replica; a forward that changes parameters in place
+        is made equal to one device's (engine/parallel/inplace.py)."""
+        b = self.backend
+        detach = not torch.is_grad_enabled()
+        args_kwargs = [model_args(x) for x in shard_inputs]
+        fns_args = ([a for a, _ in args_kwargs], [k for _, k in args_kwargs])
+        timer.mark("replicate")
+        replicas = b.replicate(model, lanes, detach=detach)
+        before = inplace.versions(replicas.params)
+        timer.mark("forward")
+        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
+        touched = inplace.changed(replicas.params, before)
+        if not touched:
+            return outputs
+        names = [b.lane_names[i] for i in lanes]
+        if inplace.merge_into_original(model, replicas.params, touched, names):
+            return outputs
+        del outputs
+        replicas = b.replicate(model, lanes, detach=detach)
+        before = inplace.versions(replicas.params)
+        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
+        inplace.check_settled(model, replicas.params, before, names)
+        return outputs
 
     def forward(self, model: nn.Module, inputs: Any, sizes: Sequence[int]) -> Any:
         """The model's output for a whole batch, computed on every lane and gathered (evaluation)."""
         b = self.backend
         lanes, active = self._active(sizes)
+        if lanes == [0]:
+            args, kwargs = model_args(inputs)
+            with self._autocast():
+                return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
-        replicas = self._replicas(model, lanes)
-        args_kwargs = [model_args(x) for x in shard_inputs]
-        outputs = b.parallel_apply(
-            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
-        return b.gather(outputs)
+        return b.gather(self._forward_lanes(model, shard_inputs, lanes, _NO_TIMER))
+
+
+class _NoTimer(PhaseTimer):
+    def mark(self, phase: str | None) -> None:
+        pass
+
+
+_NO_TIMER = _NoTimer()

@@ -1,7 +1,16 @@
 """Tasks: what is trained. Built-ins (digits, linear, mlp) and the user's own Python files."""
 
-from multilane.engine.tasks.base import ArrayData, NoParams, Task
+from multilane.engine.tasks.base import ArrayData, NoParams, Task, loss_weight_fn
 from multilane.engine.tasks.builtin import BUILTIN_TASKS
 from multilane.engine.tasks.loader import load_task_file, make_task, task_class
 
-__all__ = ["BUILTIN_TASKS", "ArrayData", "NoParams", "Task", "load_task_file", "make_task", "task_class"]
+__all__ = [
+    "BUILTIN_TASKS",
+    "ArrayData",
+    "NoParams",
+    "Task",
+    "load_task_file",
+    "loss_weight_fn",
+    "make_task",
+    "task_class",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,8 +73,23 @@ class Task(ABC):
 
     @abstractmethod
     def loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The mean loss over the samples given (0-dim). Lanes' losses are weighted by shard size."""
+        """The mean loss over the samples given (0-dim). Lanes' losses are weighted by shard size, or by
+        ``loss_weight`` where the task defines it."""
+
+    def loss_weight(self, output: Any, target: Any) -> torch.Tensor | float:
+        """What ``loss`` is a mean over, for the samples given: define it when that is not the number of
+        samples, e.g. the count of non-padding tokens (``(target != pad).sum()``) for a token-mean
+        cross-entropy with ``ignore_index``, or the sum of the targets' class weights
+        (``class_weights[target].sum()``) for a class-weighted one. The engine then combines the
+        devices' losses as ``Σ wᵢ·lossᵢ / Σ wᵢ``, which is the full-batch loss; a device whose weight is
+        0 (all padding) sits that step out. Not defined (the default): the number of samples."""
+        raise NotImplementedError
 
     def metrics(self, output: Any, target: Any) -> dict[str, torch.Tensor]:
         """Means over the samples given, e.g. ``{"accuracy": ...}`` (0-dim tensors); computed at eval."""
         return {}
+
+
+def loss_weight_fn(task: Task) -> Callable[[Any, Any], torch.Tensor | float] | None:
+    """The task's ``loss_weight``, or None where the task does not define one (its loss is a per-sample mean)."""
+    return task.loss_weight if type(task).loss_weight is not Task.loss_weight else None

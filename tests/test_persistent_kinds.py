@@ -1,0 +1,67 @@
+"""Persistent replicas on issue 10's model kinds: the same plain full-batch loop, the same bound.
+
+Each kind of tests/exactness_kinds.py (token-mean losses with their own normalizer, class weights,
+masks, a penalty over ``self.parameters()``, structured outputs, dict inputs, tied and unused
+parameters, LSTM, accumulation, clipping) trains through PersistentReplicas as the trainer calls it
+and is compared with test_exactness.py's hand-written loop. Forwards that change a parameter in
+place (``Embedding(max_norm)``) are refused with one line instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from exactness_kinds import KINDS
+from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_backend
+from multilane.engine.parallel.persistent import InplaceForwardError
+from multilane.engine.parallel.timing import PhaseTimer
+from test_exactness import BOUND, lanes, max_differences, reference
+
+SPLITS = {"2 [1,3]": (2, [1, 3]), "3 even": (3, None)}
+IN_PLACE = {"tied Embedding(max_norm)", "untied Embedding(max_norm)"}
+
+
+def on_persistent(name: str, n: int, weights: list[int] | None) -> dict:
+    kind = KINDS[name]
+    backend = make_backend(lanes(n))
+    strategy = PersistentReplicas(backend)
+    timer = PhaseTimer()
+    model = kind.model()
+    opt = kind.optimizer(model.parameters())
+    losses, grads = [], []
+    try:
+        for step in range(len(kind.batches) // kind.accum):
+            opt.zero_grad(set_to_none=True)
+            for k in range(kind.accum):
+                inputs, target = kind.batches[step * kind.accum + k]
+                sizes = chunk_sizes(len(target[0] if isinstance(target, tuple) else target), n, weights)
+                out = strategy.forward_loss(model, inputs, target, kind.loss, sizes, timer, weight_fn=kind.weight)
+                strategy.backward(out, out.loss / kind.accum if kind.accum > 1 else out.loss)
+                losses.append(out.loss.detach())
+            strategy.reduce_gradients(timer)
+            if kind.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), kind.clip)
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+            strategy.sync_replicas(model, timer)
+    finally:
+        strategy.close()
+        backend.close()
+    return {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("name", [k for k in KINDS if k not in IN_PLACE])
+def test_persistent_replicas_equal_a_plain_full_batch_loop(name, split):
+    n, weights = SPLITS[split]
+    diffs = max_differences(on_persistent(name, n, weights), reference(name))
+    assert all(math.isfinite(v) for v in diffs.values()), diffs
+    assert max(diffs.values()) <= BOUND, diffs
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_a_forward_changing_parameters_in_place_is_refused(name):
+    with pytest.raises(InplaceForwardError, match=r'devices\.strategy = "replicate"'):
+        on_persistent(name, 2, None)
