@@ -9,7 +9,7 @@ from multilane.engine.control import RunControl
 from multilane.engine.devices import parse_devices
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import PersistentReplicas, ReplicateEachStep, chunk_sizes, make_backend
-from multilane.engine.parallel.persistent import InplaceForwardError
+from multilane.engine.parallel.inplace_watch import InplaceForwardError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.runlog import read_metrics
 from multilane.engine.trainer import Trainer, TrainerCallback
@@ -293,23 +293,26 @@ def test_a_model_that_cannot_be_copied_fails_the_run_with_one_line(make_config):
     assert result.status == "failed" and 'devices.strategy = "replicate"' in result.message
 
 
-def test_a_forward_that_changes_a_parameter_in_place_is_refused_with_one_line():
-    class MaxNorm(nn.Module):
+def test_a_parameter_that_starts_changing_in_place_after_the_first_step_is_refused_with_one_line():
+    class LateMaxNorm(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = nn.Embedding(20, 4, max_norm=0.5)
+            self.emb = nn.Embedding(20, 4)
             self.out = nn.Linear(4, 3)
 
         def forward(self, idx):
             return self.out(self.emb(idx))
 
     torch.manual_seed(0)
-    model = MaxNorm()
+    model = LateMaxNorm()
     backend = make_backend(lanes(2))
     s = PersistentReplicas(backend)
     idx, y = torch.randint(0, 20, (8,)), torch.randn(8, 3)
+    s.forward_loss(model, idx, y, F.mse_loss, [4, 4], PhaseTimer())  # learns: nothing changes in place
+    for r in s.replicas():
+        r.emb.max_norm = 0.5  # from now on every lane's forward renormalizes rows in place
     with pytest.raises(
-        InplaceForwardError, match=r"parameter 'emb\.weight' in place on cpu:\d.*strategy = \"replicate\""
+        InplaceForwardError, match=r"parameter 'emb\.weight' in place after the first step.*strategy = \"replicate\""
     ):
         s.forward_loss(model, idx, y, F.mse_loss, [4, 4], PhaseTimer())
     backend.close()

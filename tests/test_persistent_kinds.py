@@ -1,10 +1,9 @@
 """Persistent replicas on issue 10's model kinds: the same plain full-batch loop, the same bound.
 
 Each kind of tests/exactness_kinds.py (token-mean losses with their own normalizer, class weights,
-masks, a penalty over ``self.parameters()``, structured outputs, dict inputs, tied and unused
-parameters, LSTM, accumulation, clipping) trains through PersistentReplicas as the trainer calls it
-and is compared with test_exactness.py's hand-written loop. Forwards that change a parameter in
-place (``Embedding(max_norm)``) are refused with one line instead.
+masks, a forward that changes a parameter in place, a penalty over ``self.parameters()``, structured
+outputs, dict inputs, tied and unused parameters, LSTM, accumulation, clipping) trains through
+PersistentReplicas as the trainer calls it and is compared with test_exactness.py's hand-written loop.
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ import pytest
 import torch
 from exactness_kinds import KINDS
 from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_backend
-from multilane.engine.parallel.persistent import InplaceForwardError
 from multilane.engine.parallel.timing import PhaseTimer
 from test_exactness import BOUND, lanes, max_differences, reference
 
 SPLITS = {"2 [1,3]": (2, [1, 3]), "3 even": (3, None)}
-IN_PLACE = {"tied Embedding(max_norm)", "untied Embedding(max_norm)"}
 
 
 def on_persistent(name: str, n: int, weights: list[int] | None) -> dict:
@@ -53,15 +50,9 @@ def on_persistent(name: str, n: int, weights: list[int] | None) -> dict:
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
-@pytest.mark.parametrize("name", [k for k in KINDS if k not in IN_PLACE])
+@pytest.mark.parametrize("name", list(KINDS))
 def test_persistent_replicas_equal_a_plain_full_batch_loop(name, split):
     n, weights = SPLITS[split]
     diffs = max_differences(on_persistent(name, n, weights), reference(name))
     assert all(math.isfinite(v) for v in diffs.values()), diffs
     assert max(diffs.values()) <= BOUND, diffs
-
-
-@pytest.mark.parametrize("name", sorted(IN_PLACE))
-def test_a_forward_changing_parameters_in_place_is_refused(name):
-    with pytest.raises(InplaceForwardError, match=r'devices\.strategy = "replicate"'):
-        on_persistent(name, 2, None)

@@ -35,6 +35,7 @@ import torch
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.buckets import GradBuckets
 from multilane.engine.parallel.coalesced import copy_into, sum_into
+from multilane.engine.parallel.inplace_watch import InplaceWatch
 from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput, model_args
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
@@ -42,10 +43,6 @@ from torch import nn
 
 class ReplicaCopyError(RuntimeError):
     """The model cannot be copied to the other lanes (copy.deepcopy failed)."""
-
-
-class InplaceForwardError(RuntimeError):
-    """The model's forward changed a parameter in place, which replicas kept across steps cannot follow."""
 
 
 class PersistentReplicas(ReplicateEachStep):
@@ -63,19 +60,25 @@ class PersistentReplicas(ReplicateEachStep):
         self._module_pairs: list[tuple[nn.Module, list[nn.Module]]] = []
         self._training: bool | None = None
         self._versions: list[int] = []  # the model's parameters and buffers, at the last copy
-        self._replica_versions: list[list[int]] = []  # every other lane's parameters, at the last copy
+        self._watch: InplaceWatch | None = None
 
     # -- replicas -------------------------------------------------------------------------------
     def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
         """The forward of every lane on its own persistent replica."""
         timer.mark("replicate")
         replicas = self._replicas(model, lanes)
+        watch = self._watch
+        assert watch is not None
+        watch.before(lanes)
         timer.mark("forward")
         args_kwargs = [model_args(x) for x in shard_inputs]
-        outputs = self.backend.parallel_apply(
-            self._wrap(replicas), [a for a, _ in args_kwargs], [k for _, k in args_kwargs], lanes
-        )
-        self._check_unchanged_in_forward(lanes)
+        args, kwargs = [a for a, _ in args_kwargs], [k for _, k in args_kwargs]
+        outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
+        if watch.after(lanes):  # a lane computed with values other lanes changed: again, from the merged ones
+            del outputs
+            watch.before(lanes)
+            outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
+            watch.settled(lanes)
         return outputs
 
     def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
@@ -115,6 +118,9 @@ class PersistentReplicas(ReplicateEachStep):
         self._module_pairs = [(m, list(rest)) for m, *rest in zip(*modules, strict=True)]
         self._training = model.training
         self._record_versions()
+        params0 = self._params[0]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._watch = InplaceWatch(self._params, lambda j: names.get(id(params0[j]), "?"), self.backend.lane_names)
         if self.overlap and len(replicas) > 1:
             self._buckets = GradBuckets(self._params)
 
@@ -128,31 +134,6 @@ class PersistentReplicas(ReplicateEachStep):
 
     def _record_versions(self) -> None:
         self._versions = self._master_versions()
-        self._replica_versions = [[p._version for p in lane] for lane in self._params[1:]]
-
-    def _check_replicas_untouched(self) -> None:
-        """Refuse a forward that changed a parameter in place (``Embedding(max_norm=...)``): each lane
-        would change only its own copy, for its own shard, and the copies would part ways."""
-        for k, (lane, before) in enumerate(zip(self._params[1:], self._replica_versions, strict=True), 1):
-            for j, (p, v) in enumerate(zip(lane, before, strict=True)):
-                if p._version != v:
-                    raise InplaceForwardError(self._inplace_message(j, k))
-
-    def _check_unchanged_in_forward(self, lanes: Sequence[int]) -> None:
-        self._check_replicas_untouched()
-        if 0 in lanes:
-            for j, (p, v) in enumerate(zip(self._params[0], self._versions, strict=False)):
-                if p._version != v:
-                    raise InplaceForwardError(self._inplace_message(j, 0))
-
-    def _inplace_message(self, j: int, lane: int) -> str:
-        assert self._model is not None
-        name = next((n for n, p in self._model.named_parameters() if p is self._params[0][j]), "?")
-        return (
-            f"the model's forward changed parameter '{name}' in place on {self.backend.lane_names[lane]} "
-            "(e.g. Embedding(max_norm=...)): persistent replicas cannot follow that; "
-            'use devices.strategy = "replicate"'
-        )
 
     def _master_versions(self) -> list[int]:
         """The version counters of the model's parameters and buffers: any in-place change bumps one."""
