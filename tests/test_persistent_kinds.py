@@ -15,7 +15,9 @@ import torch
 from exactness_kinds import KINDS
 from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_backend
 from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.trainer import Trainer
 from test_exactness import BOUND, lanes, max_differences, reference
+from test_exactness_trainer import Records, config, hand_loop, rel
 
 SPLITS = {"2 [1,3]": (2, [1, 3]), "3 even": (3, None)}
 
@@ -56,3 +58,18 @@ def test_persistent_replicas_equal_a_plain_full_batch_loop(name, split):
     diffs = max_differences(on_persistent(name, n, weights), reference(name))
     assert all(math.isfinite(v) for v in diffs.values()), diffs
     assert max(diffs.values()) <= BOUND, diffs
+
+
+@pytest.mark.parametrize("task", ["padded_tokens.py", "tied_maxnorm.py"])
+def test_custom_task_files_train_on_persistent_replicas_as_on_one_device(make_config, task):
+    cfg = config(make_config, task, "cpu:0,cpu:1,cpu:2", [3, 1, 2])
+    cfg.devices.strategy = "persistent"
+    ref_model, ref_losses, ref_val = hand_loop(cfg)
+    records = Records()
+    trainer = Trainer(cfg, callbacks=[records])
+    result = trainer.run()
+    assert result.status == "finished", result.message
+    assert max(rel(r["loss"], b) for r, b in zip(records.train, ref_losses, strict=True)) <= BOUND
+    for (name, p), q in zip(trainer.model.named_parameters(), ref_model.parameters(), strict=True):
+        assert ((p - q).abs().max() / q.abs().max()).item() <= BOUND, name
+    assert rel(records.eval[-1]["val_loss"], ref_val) <= BOUND
