@@ -316,3 +316,41 @@ def test_a_parameter_that_starts_changing_in_place_after_the_first_step_is_refus
     ):
         s.forward_loss(model, idx, y, F.mse_loss, [4, 4], PhaseTimer())
     backend.close()
+
+
+def test_an_in_place_forward_that_runs_again_updates_batchnorm_once():
+    class MaxNormBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 4, max_norm=0.5)
+            self.bn = nn.BatchNorm1d(4)
+            self.out = nn.Linear(4, 20)
+            self.out.weight = self.emb.weight  # tied: a lane reads rows other lanes renormalized
+
+        def forward(self, idx):
+            return self.out(self.bn(self.emb(idx)))
+
+    def run(strategy):
+        torch.manual_seed(0)
+        model = MaxNormBN().double()
+        with torch.no_grad():
+            model.emb.weight.mul_(3)  # rows above max_norm: every forward renormalizes some
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        backend = make_backend(lanes(2))
+        s = STRATEGIES[strategy](backend)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            idx, y = torch.randint(0, 20, (10,), generator=g), torch.randint(0, 20, (10,), generator=g)
+            out = s.forward_loss(model, idx, y, F.cross_entropy, [5, 5], PhaseTimer())
+            o.zero_grad()
+            s.backward(out, out.loss)
+            s.reduce_gradients(PhaseTimer())
+            o.step()
+            s.sync_replicas(model, PhaseTimer())
+        backend.close()
+        return model.state_dict()
+
+    a, b = run("persistent"), run("replicate")
+    assert a["bn.num_batches_tracked"].item() == 4  # one update per step, though every forward ran twice
+    for k in ("emb.weight", "bn.weight", "bn.bias", "out.bias"):
+        torch.testing.assert_close(a[k], b[k], rtol=1e-10, atol=1e-12, msg=k)

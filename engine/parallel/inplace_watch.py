@@ -39,6 +39,12 @@ class InplaceWatch:
         self._originals: dict[int, torch.Tensor] = {}
         self._versions: list[list[int]] = []
 
+    @property
+    def may_rerun(self) -> bool:
+        """Whether the next forward may have to run again (until the first forward, or for a model that
+        changes parameters in place)."""
+        return self.known is None or bool(self.known)
+
     def before(self, lanes: Sequence[int]) -> None:
         """Keep what the forward of ``lanes`` may change: the originals and every version counter."""
         master = self.params[0]

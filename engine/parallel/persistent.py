@@ -69,6 +69,9 @@ class PersistentReplicas(ReplicateEachStep):
         replicas = self._replicas(model, lanes)
         watch = self._watch
         assert watch is not None
+        # A forward that runs again must start from the buffers as they were (BatchNorm's running
+        # statistics would otherwise take two updates): every replica holds the model's at this point.
+        saved = [b.detach().clone() for b in self._buffers[0]] if watch.may_rerun else None
         watch.before(lanes)
         timer.mark("forward")
         args_kwargs = [model_args(x) for x in shard_inputs]
@@ -76,6 +79,9 @@ class PersistentReplicas(ReplicateEachStep):
         outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
         if watch.after(lanes):  # a lane computed with values other lanes changed: again, from the merged ones
             del outputs
+            assert saved is not None
+            with torch.no_grad():
+                copy_into(self._buffers, saved)
             watch.before(lanes)
             outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
             watch.settled(lanes)
