@@ -22,7 +22,8 @@ one replica per lane for the whole run instead:
 Buffers follow the same rule as ``ReplicateEachStep``: the model's own (lane 0's) running statistics
 persist; the other replicas' are overwritten from it at every sync. A change to the model's weights
 or buffers made outside a step (``load_state_dict``, a hand edit, a forward without a step) is noticed
-through their version counters and copied to the replicas before the next forward.
+through their version counters and copied to the replicas before the next forward. A forward that
+changes parameters in place is merged across the replicas as issue 10 requires (inplace_watch.py).
 """
 
 from __future__ import annotations
