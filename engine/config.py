@@ -45,6 +45,12 @@ class DevicesSection(Section):
         "across devices (no per-step copy: faster for models with many modules). Same results.",
     )
 
+    sync_batchnorm: bool = Field(
+        False,
+        description="BatchNorm statistics over the whole batch across devices (not each device's share): "
+        "training then equals one device with the whole batch",
+    )
+
     @model_validator(mode="after")
     def _weights_sane(self) -> DevicesSection:
         if self.weights and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):

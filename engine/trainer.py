@@ -31,6 +31,7 @@ from multilane.engine.failures import OOM_HINT, one_line, release_cuda_memory, w
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
@@ -92,7 +93,7 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision)
+        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         data = self.task.data()
@@ -100,6 +101,8 @@ class Trainer:
         if len(train) == 0:
             raise UserError(f"task {self.task.name}: no training samples")
         self.model = self.task.build_model().to(dev)
+        if cfg.devices.sync_batchnorm:
+            convert_sync_batchnorm(self.model)
         data_dev = dev if dev.type == "cuda" else None
         self.batches = Batches(train, cfg.data.batch_size, cfg.train.seed, data_dev)
         self.val = None

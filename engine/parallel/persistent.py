@@ -19,8 +19,10 @@ one replica per lane for the whole run instead:
 - the optimizer steps the model alone; ``sync_replicas`` then copies its weights and buffers into the
   other replicas in place, so every replica is bitwise identical to the model after every step.
 
-Buffers follow the same rule as ``ReplicateEachStep``: the model's own (lane 0's) running statistics
-persist; the other replicas' are overwritten from it at every sync. A change to the model's weights
+Randomness and buffers follow ``ReplicateEachStep``'s rules: each lane draws from its own random
+stream (lane_rng.py, through the same ``_apply``), and after the forward the model's buffers are the
+active replicas' merged (buffers.py); the other replicas' are overwritten from the model's before
+they run again. A change to the model's weights
 or buffers made outside a step (``load_state_dict``, a hand edit, a forward without a step) is noticed
 through their version counters and copied to the replicas before the next forward. A forward that
 changes parameters in place is merged across the replicas as issue 10 requires (inplace_watch.py).
@@ -35,9 +37,12 @@ from typing import Any
 import torch
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.buckets import GradBuckets
+from multilane.engine.parallel.buffers import merge_buffers
 from multilane.engine.parallel.coalesced import copy_into, sum_into
 from multilane.engine.parallel.inplace_watch import InplaceWatch
+from multilane.engine.parallel.lane_rng import LaneRandomnessError
 from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput, model_args
+from multilane.engine.parallel.sync_batchnorm import LaneBatchNorm
 from multilane.engine.parallel.timing import PhaseTimer
 from torch import nn
 
@@ -49,8 +54,8 @@ class ReplicaCopyError(RuntimeError):
 class PersistentReplicas(ReplicateEachStep):
     """One replica per lane kept for the whole run; gradients summed across lanes as backward makes them."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32", overlap: bool = True) -> None:
-        super().__init__(backend, precision)
+    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0, overlap: bool = True) -> None:
+        super().__init__(backend, precision, seed)
         self.overlap = overlap
         """Sum gradient buckets while backward runs (buckets.py); else all after backward."""
         self._buckets: GradBuckets | None = None
@@ -62,37 +67,64 @@ class PersistentReplicas(ReplicateEachStep):
         self._training: bool | None = None
         self._versions: list[int] = []  # the model's parameters and buffers, at the last copy
         self._watch: InplaceWatch | None = None
+        self._buffers_stale = False  # the other replicas' buffers differ from the model's merged ones
+        self._joined = False  # the lanes' graphs are joined (synchronized BatchNorm)
 
     # -- replicas -------------------------------------------------------------------------------
-    def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
-        """The forward of every lane on its own persistent replica."""
+    def _forward_lanes(
+        self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer
+    ) -> list:
+        """The forward of every lane on its own persistent replica and its own random stream, then the
+        model's buffers become the active replicas' merged, as with ReplicateEachStep (buffers.py).
+
+        A forward runs again in two cases, each time from the buffers as they were (BatchNorm's running
+        statistics must take one update): its lanes drew random numbers while they ran unlocked
+        (lane_rng.py), or a lane computed with parameter values other lanes changed in place
+        (inplace_watch.py)."""
         timer.mark("replicate")
         replicas = self._replicas(model, lanes)
         watch = self._watch
         assert watch is not None
-        # A forward that runs again must start from the buffers as they were (BatchNorm's running
-        # statistics would otherwise take two updates): every replica holds the model's at this point.
-        saved = [b.detach().clone() for b in self._buffers[0]] if watch.may_rerun else None
-        watch.before(lanes)
-        timer.mark("forward")
+        kind = "train" if model.training else "eval"
         args_kwargs = [model_args(x) for x in shard_inputs]
         args, kwargs = [a for a, _ in args_kwargs], [k for _, k in args_kwargs]
-        outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
-        if watch.after(lanes):  # a lane computed with values other lanes changed: again, from the merged ones
-            del outputs
-            assert saved is not None
-            with torch.no_grad():
-                copy_into(self._buffers, saved)
+        may_rerun = watch.may_rerun or not self.random.locked(kind)
+        saved = [b.detach().clone() for b in self._buffers[0]] if may_rerun else None
+        watch.before(lanes)
+        timer.mark("forward")
+        try:
+            outputs = self._apply(kind, self._wrap(replicas), args, kwargs, lanes)
+        except LaneRandomnessError:
+            self._restore_buffers(saved)
             watch.before(lanes)
-            outputs = self.backend.parallel_apply(self._wrap(replicas), args, kwargs, lanes)
+            outputs = self._apply(kind, self._wrap(replicas), args, kwargs, lanes)
+        if watch.after(lanes):
+            del outputs
+            self._restore_buffers(saved)
+            watch.before(lanes)
+            outputs = self._apply(kind, self._wrap(replicas), args, kwargs, lanes)
             watch.settled(lanes)
+        if self._buffers[0]:
+            merge_buffers(model, replicas, active)
+            self._buffers[0] = list(model.buffers())  # merge_buffers gives the model new tensors
+            self._buffers_stale = len(self._buffers) > 1
+            self._record_versions()
         return outputs
+
+    def _restore_buffers(self, saved: list[torch.Tensor] | None) -> None:
+        assert saved is not None
+        with torch.no_grad():
+            copy_into(self._buffers, saved)
 
     def _replicas(self, model: nn.Module, lanes: list[int]) -> list[nn.Module]:
         if model is not self._model:
             self._build(model)
         elif self._master_versions() != self._versions:
             self._copy_weights()
+        elif self._buffers_stale:
+            with torch.no_grad():
+                copy_into(self._buffers[1:], self._buffers[0])
+            self._buffers_stale = False
         if model.training != self._training:
             for m, copies in self._module_pairs:
                 for r in copies:
@@ -124,6 +156,7 @@ class PersistentReplicas(ReplicateEachStep):
         modules = [list(r.modules()) for r in replicas]
         self._module_pairs = [(m, list(rest)) for m, *rest in zip(*modules, strict=True)]
         self._training = model.training
+        self._joined = any(isinstance(m, LaneBatchNorm) for m in model.modules())
         self._record_versions()
         params0 = self._params[0]
         names = {id(p): n for n, p in model.named_parameters()}
@@ -137,6 +170,7 @@ class PersistentReplicas(ReplicateEachStep):
             with torch.no_grad():
                 copy_into(self._params[1:], self._params[0])
                 copy_into(self._buffers[1:], self._buffers[0])
+        self._buffers_stale = False
         self._record_versions()
 
     def _record_versions(self) -> None:
@@ -156,9 +190,17 @@ class PersistentReplicas(ReplicateEachStep):
         if self._buckets is not None:
             self._buckets.arm(out.lanes)
         try:
-            self.backend.parallel_apply(
-                [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
-            )
+            if self._joined or self.random.locked("train"):
+                # One backward over every lane's graph: the lanes' graphs are joined (synchronized
+                # BatchNorm's statistics cross them), or the forward draws random numbers and a
+                # recomputing backward (torch.utils.checkpoint) sets the shared default generator to
+                # the state it saved, which lanes must not do at once. On GPUs the autograd engine
+                # still runs each device's part in that device's own thread.
+                torch.autograd.backward(out.shard_losses, seeds)
+            else:
+                self.backend.parallel_apply(
+                    [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
+                )
         finally:
             if self._buckets is not None:
                 self._buckets.disarm()

@@ -13,9 +13,10 @@ STRATEGIES: dict[str, type[ReplicateEachStep]] = {
 """The in-process strategies by their config name; each runs the four primitives of one backend."""
 
 
-def make_strategy(name: str, backend: Backend, precision: str = "fp32") -> ReplicateEachStep:
-    """The strategy called ``name`` over ``backend``; ValueError naming the known ones otherwise."""
+def make_strategy(name: str, backend: Backend, precision: str = "fp32", seed: int = 0) -> ReplicateEachStep:
+    """The strategy called ``name`` over ``backend`` (``seed``: the lanes' random streams); ValueError
+    naming the known ones otherwise."""
     cls = STRATEGIES.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    return cls(backend, precision)
+    return cls(backend, precision, seed)

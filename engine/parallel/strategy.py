@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from multilane.engine.parallel import inplace
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.buffers import merge_buffers
+from multilane.engine.parallel.lane_context import lane_apply
+from multilane.engine.parallel.lane_rng import LaneRandom, LaneRandomnessError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
 from torch import nn
@@ -139,10 +142,17 @@ class _LaneLoss:
 class ReplicateEachStep:
     """Replicate the model at every step, as ``nn.DataParallel`` does."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0) -> None:
         self.backend = backend
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self._weights: dict[tuple, torch.Tensor] = {}
+        self.random = LaneRandom([d.torch_device() for d in backend.devices], seed)
+        """Each lane's random stream (lane 0's is torch's default generator); saved in checkpoints."""
+
+    def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
+        """parallel_apply, each lane with its own random stream and a group to exchange values in."""
+        b = self.backend
+        return lane_apply(b.parallel_apply, self.random, kind, fns, inputs, kwargs, lanes, b.lane_names)
 
     def _wrap(self, fns: Sequence[Callable[..., Any]]) -> Sequence[Callable[..., Any]]:
         if self.autocast_dtype is None:
@@ -192,14 +202,14 @@ class ReplicateEachStep:
         timer.mark("scatter")
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
-        outputs = self._forward_lanes(model, shard_inputs, lanes, timer)
+        outputs = self._forward_lanes(model, shard_inputs, lanes, active, timer)
         timer.mark("loss")
-        losses = b.parallel_apply(
-            self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes)),
-            list(zip(outputs, shard_targets, strict=True)),
-            None,
-            lanes,
-        )
+        lane_loss = self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes))
+        pairs = list(zip(outputs, shard_targets, strict=True))
+        try:
+            losses = self._apply("loss", lane_loss, pairs, None, lanes)
+        except LaneRandomnessError:  # a loss that draws random numbers: again, locked (lane_rng.py)
+            losses = self._apply("loss", lane_loss, pairs, None, lanes)
         output = b.gather(outputs) if keep_output else None
         if weight_fn is None:
             lane_losses = b.gather(losses)
@@ -258,29 +268,40 @@ class ReplicateEachStep:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
         return StepOutput(loss, loss.detach().reshape(1), [0], weight=weight, output=output if keep_output else None)
 
-    def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
-        """The forward of every lane on its own true replica; a forward that changes parameters in place
-        is made equal to one device's (engine/parallel/inplace.py)."""
+    def _forward_lanes(
+        self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer
+    ) -> list:
+        """The forward of every lane on its own true replica, each on its own random stream (lane_rng.py);
+        a forward that changes parameters in place is made equal to one device's (inplace.py). Every
+        replica updates copies of the buffers, so the model's stay as they were until the forward that
+        counts is done; they are then the replicas' merged (buffers.py)."""
         b = self.backend
         detach = not torch.is_grad_enabled()
         args_kwargs = [model_args(x) for x in shard_inputs]
         fns_args = ([a for a, _ in args_kwargs], [k for _, k in args_kwargs])
+        kind = "train" if model.training else "eval"
         timer.mark("replicate")
         replicas = b.replicate(model, lanes, detach=detach)
         before = inplace.versions(replicas.params)
         timer.mark("forward")
-        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
+        try:
+            outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
+        except LaneRandomnessError:
+            # The lanes ran unlocked and drew random numbers: their draws are taken back, and the
+            # forward runs again, locked, each lane on its own stream, from fresh replicas.
+            replicas = b.replicate(model, lanes, detach=detach)
+            before = inplace.versions(replicas.params)
+            outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
         touched = inplace.changed(replicas.params, before)
-        if not touched:
-            return outputs
-        names = [b.lane_names[i] for i in lanes]
-        if inplace.merge_into_original(model, replicas.params, touched, names):
-            return outputs
-        del outputs
-        replicas = b.replicate(model, lanes, detach=detach)
-        before = inplace.versions(replicas.params)
-        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
-        inplace.check_settled(model, replicas.params, before, names)
+        if touched:
+            names = [b.lane_names[i] for i in lanes]
+            if not inplace.merge_into_original(model, replicas.params, touched, names):
+                del outputs
+                replicas = b.replicate(model, lanes, detach=detach)
+                before = inplace.versions(replicas.params)
+                outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
+                inplace.check_settled(model, replicas.params, before, names)
+        merge_buffers(model, replicas, active)
         return outputs
 
     def forward(self, model: nn.Module, inputs: Any, sizes: Sequence[int]) -> Any:
@@ -292,7 +313,7 @@ class ReplicateEachStep:
             with self._autocast():
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
-        return b.gather(self._forward_lanes(model, shard_inputs, lanes, _NO_TIMER))
+        return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))
 
 
 class _NoTimer(PhaseTimer):
