@@ -39,7 +39,7 @@ class DevicesSection(Section):
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
     strategy: Literal["replicate", "persistent"] = Field(
-        "replicate",
+        "persistent",
         description="replicate: copy the model to every device at every step, as nn.DataParallel does "
         "(the reference); persistent: keep one replica per device for the whole run and sum gradients "
         "across devices (no per-step copy: faster for models with many modules). Same results.",
