@@ -282,27 +282,41 @@ def main() -> None:
     print(f"{'model':40} {'strategy':26} {'step ms':>9} {'samples/s':>10} {'vs DataParallel':>16}")
     for port_offset, (case, (build, shape, batch)) in enumerate(CASES[kind].items()):
         x, y = batch_for(shape, batch, first)
-        loops = {
-            "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): data_parallel_loop(build, x, y, devices),
-            "replicate": engine_loop("replicate", build, x, y, devices),
-            "replicate again (A/A)": engine_loop("replicate", build, x, y, devices),
-            "persistent": engine_loop("persistent", build, x, y, devices),
-            "persistent, no overlap": engine_loop("persistent, no overlap", build, x, y, devices),
+        makers = {
+            "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): (data_parallel_loop, ()),
+            "replicate": (engine_loop, ("replicate",)),
+            "replicate again (A/A)": (engine_loop, ("replicate",)),
+            "persistent": (engine_loop, ("persistent",)),
+            "persistent, no overlap": (engine_loop, ("persistent, no overlap",)),
         }
+        # A loop that cannot run on these devices gets a row saying why; the others are still timed.
+        failed: dict[str, str] = {}
+        loops = {}
+        for k, (make, name) in makers.items():
+            try:
+                loops[k] = make(*name, build, x, y, devices)
+                for _ in range(5):
+                    loops[k][0]()
+            except Exception as e:
+                failed[k] = f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                loops.pop(k, None)
         fns = {k: step for k, (step, _) in loops.items()}
-        for fn in fns.values():
-            for _ in range(5):
-                fn()
-        times: dict[str, float | str] = dict(interleaved(fns, args.steps))
+        timed = interleaved(fns, args.steps)
+        times: dict[str, float | str] = {k: failed.get(k) or timed[k] for k in makers}
         for _, close in loops.values():
             close()
         if not args.no_ddp:
             proc = "Gloo" if kind == "cpu" else "NCCL"
-            times[f"DDP ({proc}, {len(devices)} processes)"] = ddp_time(
-                kind, case, names, args.steps, args.port + port_offset, args.threads
-            )
+            try:
+                times[f"DDP ({proc}, {len(devices)} processes)"] = ddp_time(
+                    kind, case, names, args.steps, args.port + port_offset, args.threads
+                )
+            except Exception as e:
+                times[f"DDP ({proc}, {len(devices)} processes)"] = f"n/a: {type(e).__name__}: {e}"[:100]
         ref = next(iter(times.values()))
-        assert isinstance(ref, float)
+        if not isinstance(ref, float):  # no DataParallel row to compare with: compare with replicate
+            ref = times["replicate"]
+            assert isinstance(ref, float), times
         for i, (k, t) in enumerate(times.items()):
             label = case if i == 0 else ""
             if isinstance(t, str):
