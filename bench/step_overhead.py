@@ -40,7 +40,7 @@ def plain_loop(trainer: Trainer):
     model = trainer.task.build_model()
     model.load_state_dict(trainer.model.state_dict())
     opt = torch.optim.Adam(model.parameters(), lr=trainer.config.optim.lr)
-    loss_fn, batches = trainer.task.loss, trainer.batches
+    loss_fn, batches = trainer.task.loss, trainer.loader.batches
     state = {"m": 0, "sum": torch.zeros(())}
 
     def step() -> None:

@@ -8,8 +8,9 @@ For each model (an MLP with few modules, a ResNet-style network with many) and t
 devices, it times:
 
 - ``replicate``: Multilane's ReplicateEachStep (what nn.DataParallel does, plus a loss per device);
-- ``persistent``: Multilane's PersistentReplicas (replicas kept, gradient buckets summed across devices
-  while backward runs), and the same with the sum after backward (``no overlap``);
+- ``persistent``: Multilane's PersistentReplicas (replicas kept, gradients summed across devices), with
+  gradient buckets summed while backward runs (``overlap``, its default on GPUs) and after backward
+  (``no overlap``, its default on CPU lanes);
 - ``nn.DataParallel``: torch's own, the reference of the ratio column. On the CPU it cannot split
   (it runs the plain module on one device), which the table says;
 - ``DDP``: torch's DistributedDataParallel, one process per device (NCCL on distinct GPUs, Gloo on
@@ -78,15 +79,24 @@ def mlp(features: int, width: int, depth: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
+def deep_narrow(depth: int, width: int, classes: int = 10) -> nn.Module:
+    """Many small modules: the step is mostly per-module Python work, as on a GPU with a deep model."""
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)), nn.Linear(width, classes)
+    )
+
+
 # name -> (model builder, input shape per sample, batch), per device kind
 CASES = {
     "cpu": {
         "mlp (4x512, 10 modules)": (lambda: mlp(256, 512, 4), (256,), 256),
         "resnet-style (32 blocks, ~200 modules)": (lambda: resnet(32, 8), (3, 8, 8), 32),
+        "deep narrow MLP (300x16, ~900 modules)": (lambda: deep_narrow(300, 16), (16,), 64),
     },
     "cuda": {
         "mlp (4x2048, 10 modules)": (lambda: mlp(1024, 2048, 4), (1024,), 1024),
         "resnet-style (32 blocks, ~200 modules)": (lambda: resnet(32, 64), (3, 32, 32), 256),
+        "deep narrow MLP (300x256, ~900 modules)": (lambda: deep_narrow(300, 256), (256,), 1024),
     },
 }
 
@@ -107,8 +117,8 @@ def sync(device: torch.device) -> None:
 def engine_loop(strategy_name: str, build: Callable[[], nn.Module], x, y, devices):
     """Multilane's step as the trainer runs it: forward_loss, backward, reduce, optimizer, sync."""
     backend = make_backend(devices)
-    if strategy_name == "persistent, no overlap":
-        strategy = PersistentReplicas(backend, overlap=False)
+    if strategy_name.startswith("persistent, "):
+        strategy = PersistentReplicas(backend, overlap=strategy_name == "persistent, overlap")
     else:
         strategy = make_strategy(strategy_name, backend)
     torch.manual_seed(0)
@@ -282,27 +292,41 @@ def main() -> None:
     print(f"{'model':40} {'strategy':26} {'step ms':>9} {'samples/s':>10} {'vs DataParallel':>16}")
     for port_offset, (case, (build, shape, batch)) in enumerate(CASES[kind].items()):
         x, y = batch_for(shape, batch, first)
-        loops = {
-            "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): data_parallel_loop(build, x, y, devices),
-            "replicate": engine_loop("replicate", build, x, y, devices),
-            "replicate again (A/A)": engine_loop("replicate", build, x, y, devices),
-            "persistent": engine_loop("persistent", build, x, y, devices),
-            "persistent, no overlap": engine_loop("persistent, no overlap", build, x, y, devices),
+        makers = {
+            "nn.DataParallel" + (" (*)" if kind == "cpu" else ""): (data_parallel_loop, ()),
+            "replicate": (engine_loop, ("replicate",)),
+            "replicate again (A/A)": (engine_loop, ("replicate",)),
+            "persistent, overlap": (engine_loop, ("persistent, overlap",)),
+            "persistent, no overlap": (engine_loop, ("persistent, no overlap",)),
         }
+        # A loop that cannot run on these devices gets a row saying why; the others are still timed.
+        failed: dict[str, str] = {}
+        loops = {}
+        for k, (make, name) in makers.items():
+            try:
+                loops[k] = make(*name, build, x, y, devices)
+                for _ in range(5):
+                    loops[k][0]()
+            except Exception as e:
+                failed[k] = f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                loops.pop(k, None)
         fns = {k: step for k, (step, _) in loops.items()}
-        for fn in fns.values():
-            for _ in range(5):
-                fn()
-        times: dict[str, float | str] = dict(interleaved(fns, args.steps))
+        timed = interleaved(fns, args.steps)
+        times: dict[str, float | str] = {k: failed.get(k) or timed[k] for k in makers}
         for _, close in loops.values():
             close()
         if not args.no_ddp:
             proc = "Gloo" if kind == "cpu" else "NCCL"
-            times[f"DDP ({proc}, {len(devices)} processes)"] = ddp_time(
-                kind, case, names, args.steps, args.port + port_offset, args.threads
-            )
+            try:
+                times[f"DDP ({proc}, {len(devices)} processes)"] = ddp_time(
+                    kind, case, names, args.steps, args.port + port_offset, args.threads
+                )
+            except Exception as e:
+                times[f"DDP ({proc}, {len(devices)} processes)"] = f"n/a: {type(e).__name__}: {e}"[:100]
         ref = next(iter(times.values()))
-        assert isinstance(ref, float)
+        if not isinstance(ref, float):  # no DataParallel row to compare with: compare with replicate
+            ref = times["replicate"]
+            assert isinstance(ref, float), times
         for i, (k, t) in enumerate(times.items()):
             label = case if i == 0 else ""
             if isinstance(t, str):

@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train headless, with a progress bar", description="Train headless.")
     t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
-    t.add_argument("--task", metavar="NAME|FILE", help="digits, linear, mlp, or a .py file defining a Task")
+    t.add_argument(
+        "--task", metavar="NAME|FILE", help="digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task"
+    )
     t.add_argument("--devices", metavar="LIST", help="cuda:0,cuda:1 | cpu:0,cpu:1 | auto")
     t.add_argument("--strategy", metavar="NAME", help="replicate or persistent (devices.strategy)")
     t.add_argument("--batch-size", type=_positive_int, metavar="N")

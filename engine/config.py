@@ -22,7 +22,11 @@ class Section(BaseModel):
 
 
 class TaskSection(Section):
-    name: str = Field("digits", min_length=1, description="Built-in task (digits, linear, mlp) or a path to a .py file")
+    name: str = Field(
+        "digits",
+        min_length=1,
+        description="Built-in task (digits, linear, mlp, charlm, imagefolder) or a path to a .py file",
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="The task's own hyperparameters")
 
 
@@ -61,6 +65,15 @@ class DevicesSection(Section):
 class DataSection(Section):
     batch_size: int = Field(64, ge=1, le=1_000_000, description="Samples per step, split across the devices")
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Fraction of the data held out for validation")
+    workers: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="DataLoader worker processes reading a Dataset task's samples (0: in the training "
+        "process); auto: one per core but one, at most 8. In-memory ArrayData needs none",
+        json_schema_extra={"none_text": "auto"},
+    )
+    prefetch: int = Field(2, ge=1, le=64, description="Batches each DataLoader worker prepares ahead")
 
 
 class OptimSection(Section):

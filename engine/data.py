@@ -10,18 +10,28 @@ from multilane.engine.parallel.tree import move_tree
 from multilane.engine.tasks.base import ArrayData
 
 
-def split_data(data: ArrayData, val_fraction: float, seed: int) -> tuple[ArrayData, ArrayData | None]:
-    """A seeded random train/validation split (no validation set when val_fraction is 0)."""
-    n = len(data)
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample indices ``(train, validation)`` of a seeded random split; the same for ArrayData and Datasets."""
     n_val = round(n * val_fraction)
     if val_fraction > 0 and n_val == 0:
         n_val = 1
     if n_val >= n:
         n_val = n - 1
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    train = ArrayData(*data.take(perm[n_val:]))
-    val = ArrayData(*data.take(perm[:n_val])) if n_val > 0 else None
+    return perm[max(n_val, 0) :], perm[: max(n_val, 0)]
+
+
+def split_data(data: ArrayData, val_fraction: float, seed: int) -> tuple[ArrayData, ArrayData | None]:
+    """A seeded random train/validation split (no validation set when val_fraction is 0)."""
+    train_idx, val_idx = split_indices(len(data), val_fraction, seed)
+    train = ArrayData(*data.take(train_idx))
+    val = ArrayData(*data.take(val_idx)) if len(val_idx) > 0 else None
     return train, val
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the ``n`` training samples in ``epoch``: a pure function of the run's seed and the epoch."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1))
 
 
 class Batches:
@@ -43,8 +53,7 @@ class Batches:
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-            perm = torch.randperm(self.n, generator=g)
+            perm = epoch_order(self.n, self.seed, epoch)
             self._perm = perm.to(self._device) if self._device is not None else perm
             self._epoch = epoch
         assert self._perm is not None

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from multilane.engine.data import eval_batches
 from multilane.engine.parallel import ReplicateEachStep
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import move_tree
-from multilane.engine.tasks import ArrayData, Task, loss_weight_fn
+from multilane.engine.runlog import SAMPLES, RunDir
+from multilane.engine.tasks import Task, loss_weight_fn
 from torch import nn
 
 
@@ -19,13 +19,13 @@ def evaluate(
     strategy: ReplicateEachStep,
     model: nn.Module,
     task: Task,
-    val: ArrayData,
-    batch_size: int,
+    batches: Iterable[tuple[Any, Any, int]],
     sizes: Callable[[int], Sequence[int]],
     output_device: torch.device,
     step: int,
 ) -> dict[str, Any]:
-    """The ``"kind": "eval"`` record at ``step``: means over the whole validation set.
+    """The ``"kind": "eval"`` record at ``step``: means over the whole validation set (``batches``: its
+    ``(inputs, target, samples)`` in order, from the loader).
 
     The loss is computed as in training, by the same code: on every lane, inside autocast with the run's
     dtype, combined by shard size or by the task's ``loss_weight``; batches are combined the same way
@@ -42,7 +42,7 @@ def evaluate(
     timer = PhaseTimer()
     try:
         with torch.no_grad():
-            for inputs, target, size in eval_batches(val, batch_size):
+            for inputs, target, size in batches:
                 out = strategy.forward_loss(
                     model, inputs, target, task.loss, sizes(size), timer, weight_fn=weight_fn, keep_output=True
                 )
@@ -70,3 +70,12 @@ def evaluate(
         "val_loss": val_loss,
         "metrics": dict(zip(keys, values, strict=True)),
     }
+
+
+def write_sample(task: Task, model: nn.Module, device: torch.device, record: dict[str, Any], run_dir: RunDir) -> None:
+    """The task's text sample at this evaluation (``Task.sample_text``, if it writes one): appended to the
+    run folder's samples.txt and sent with the eval record as ``sample``."""
+    text = task.sample_text(model, device, record["step"])
+    if text:
+        record["sample"] = text
+        run_dir.append_text(SAMPLES, f"--- step {record['step']}\n{text}\n")

@@ -42,7 +42,7 @@ class ProgressDisplay(TrainerCallback):
 
     def on_log(self, record: dict[str, Any]) -> None:
         sps = record.get("samples_per_s") or 0.0
-        info = f"loss {record['loss']:.4f} {self._val}{sps:,.0f} samples/s {self._tele}"
+        info = f"loss {record['loss']:.4f} {self._val}{sps:,.0f} samples/s{data_wait(record)} {self._tele}"
         self.progress.update(self._task_id, completed=record["step"], info=info)
 
     def on_telemetry(self, record: dict[str, Any]) -> None:
@@ -60,6 +60,20 @@ class ProgressDisplay(TrainerCallback):
 
     def on_train_end(self, result: RunResult) -> None:
         self.progress.stop()
+
+
+DATA_WAIT_SHOWN = 0.05
+"""Waiting on data is shown once it takes this share of the step time."""
+
+
+def data_wait(record: dict[str, Any]) -> str:
+    """ " · waiting on data 42%" when a train record's steps spent a noticeable share waiting for the next
+    batch (``phase_ms["data"]`` over ``step_ms``), else ""."""
+    wait = (record.get("phase_ms") or {}).get("data")
+    step = record.get("step_ms")
+    if not wait or not step or wait / step < DATA_WAIT_SHOWN:
+        return ""
+    return f" · waiting on data {min(1.0, wait / step):.0%}"
 
 
 def format_telemetry(record: dict[str, Any]) -> str:

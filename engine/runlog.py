@@ -26,6 +26,7 @@ STATUS = "status.json"
 CONFIG = "config.json"
 ENVIRONMENT = "environment.json"
 ERROR = "error.txt"
+SAMPLES = "samples.txt"
 CHECKPOINT = "checkpoints/last.pt"
 
 
@@ -109,6 +110,11 @@ class RunDir:
 
     def set_status(self, state: str, message: str | None = None, **extra: Any) -> None:
         self.write_json(STATUS, {"state": state, "message": message, "updated": time.time(), **extra})
+
+    def append_text(self, name: str, text: str) -> None:
+        """Append ``text`` to a text file of the run (one write on an append-only file)."""
+        with open(self.path / name, "ab") as f:
+            f.write(text.encode("utf-8"))
 
     def write_error(self, text: str) -> None:
         (self.path / ERROR).write_text(text, encoding="utf-8")

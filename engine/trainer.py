@@ -1,6 +1,6 @@
 """The training loop: a short loop over parts with one job each.
 
-The step strategy (``parallel/``), the batches (``data.py``), the log window (``metrics_window.py``),
+The step strategy (``parallel/``), the loader (``loader.py``), the log window (``metrics_window.py``),
 evaluation (``evaluation.py``), checkpoints (``checkpointer.py``) and the run folder (``runlog.py``)
 each live in their own module; the trainer composes them and reports only through plain callbacks
 (``callbacks.py``, no Qt).
@@ -22,17 +22,16 @@ from multilane.engine.balance import balance_warnings
 from multilane.engine.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
-from multilane.engine.data import Batches, split_data
 from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
-from multilane.engine.evaluation import evaluate
+from multilane.engine.evaluation import evaluate, write_sample
 from multilane.engine.failures import OOM_HINT, one_line, release_cuda_memory, where
+from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
-from multilane.engine.parallel.tree import move_tree
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
 from multilane.engine.telemetry import TelemetrySampler
@@ -96,21 +95,17 @@ class Trainer:
         self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
-        data = self.task.data()
-        train, val = split_data(data, cfg.data.val_fraction, cfg.train.seed)
-        if len(train) == 0:
-            raise UserError(f"task {self.task.name}: no training samples")
+        self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         self.model = self.task.build_model().to(dev)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
-        data_dev = dev if dev.type == "cuda" else None
-        self.batches = Batches(train, cfg.data.batch_size, cfg.train.seed, data_dev)
-        self.val = None
-        if val is not None:
-            self.val = val if data_dev is None else type(val)(move_tree(val.inputs, dev), move_tree(val.target, dev))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * self.batches.per_epoch / accum)
+        if cfg.train.steps is None and self.loader.per_epoch is None:
+            raise UserError(
+                f"task {self.task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
+            )
+        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * (self.loader.per_epoch or 0) / accum)
         self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
         weights = cfg.devices.weights or None
         self._sizes_cache: dict[int, list[int]] = {}
@@ -119,6 +114,8 @@ class Trainer:
         self.window = MetricsWindow(self.backend.lane_names)
         if self._checkpoint is not None:
             checkpointer.restore(self, self._checkpoint)
+        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
+        self.loader.start(self.step * accum, self.total_steps * accum)
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -148,7 +145,7 @@ class Trainer:
         self.t_start = time.time()
         self._energy_at_log = self._energy_at_epoch = 0.0
         self._at_step = self.step  # the step a failure is reported at
-        self._epoch = self.step * cfg.train.grad_accum // self.batches.per_epoch
+        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
         resumed = self._checkpoint is not None
@@ -191,7 +188,7 @@ class Trainer:
             self._train_step(accum)
             self.step += 1
             self._at_step = self.step
-            epoch = self.step * accum // self.batches.per_epoch
+            epoch = self.loader.epoch_at(self.step * accum)
             if epoch > self._epoch:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
@@ -215,7 +212,10 @@ class Trainer:
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
-            inputs, target, size = self.batches.get(self.step * accum + k)
+            timer.mark(None)
+            t0 = time.perf_counter()
+            inputs, target, size = self.loader.next()
+            timer.add("data", time.perf_counter() - t0)
             out = strategy.forward_loss(
                 self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
             )
@@ -244,7 +244,7 @@ class Trainer:
         first, samples = self.window.first_step or self.step, self.window.samples
         rec = self.window.record(
             step=self.step,
-            epoch=round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
+            epoch=self.loader.epoch_fraction(self.step * self.config.train.grad_accum),
             wall_time=time.time(),
             lr=self.optimizer.param_groups[0]["lr"],
             **extra,
@@ -275,24 +275,25 @@ class Trainer:
             used = energy - self._energy_at_epoch
             extra["energy_j"] = used
             if used > 0:
-                extra["samples_per_j"] = (epoch - self._epoch) * self.batches.n / used
+                extra["samples_per_j"] = (epoch - self._epoch) * (self.loader.n or 0) / used
             self._energy_at_epoch = energy
         self._epoch = epoch
         self._event("epoch_end", **extra)
 
     def _evaluate(self) -> None:
-        if self.val is None:
+        if not self.loader.has_val:
             return
         rec = evaluate(
             self.strategy,
             self.model,
             self.task,
-            self.val,
-            self.config.data.batch_size,
+            self.loader.eval_batches(),
             self._sizes,
             self.backend.output_device,
             self.step,
         )
+        assert self.run_dir is not None
+        write_sample(self.task, self.model, self.backend.model_device, rec, self.run_dir)
         self._last_eval = rec
         for cb in self.callbacks:
             cb.on_eval(rec)
@@ -366,6 +367,8 @@ class Trainer:
         rd.close()
         if hasattr(self, "strategy"):
             self.strategy.close()
+        if hasattr(self, "loader"):
+            self.loader.close()
         if hasattr(self, "backend"):
             self.backend.close()
         result = RunResult(

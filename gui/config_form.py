@@ -22,8 +22,10 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QFormLayout,
     QGroupBox,
+    QHBoxLayout,
     QLineEdit,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -54,6 +56,35 @@ def _bounds(field: FieldInfo) -> tuple[float | None, float | None]:
     return lo, hi
 
 
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def _with_picker(line: QLineEdit, kind: str) -> QWidget:
+    """A path field: the line edit and a "…" button opening a file (or folder) dialog."""
+    row = QWidget()
+    lay = QHBoxLayout(row)
+    lay.setContentsMargins(0, 0, 0, 0)
+    lay.addWidget(line, 1)
+    button = QToolButton()
+    button.setText("…")
+    button.setObjectName(f"{line.objectName()}.browse")
+    button.setToolTip(f"Choose a {kind}")
+
+    def browse() -> None:
+        if kind == "folder":
+            path = QFileDialog.getExistingDirectory(row, "Choose a folder", line.text())
+        else:
+            path, _ = QFileDialog.getOpenFileName(row, "Choose a file", line.text())
+        if path:
+            line.setText(path)
+
+    button.clicked.connect(browse)
+    lay.addWidget(button)
+    return row
+
+
 class FieldEditor:
     """One widget bound to one schema field."""
 
@@ -77,7 +108,7 @@ class FieldEditor:
             lo = int(lo) if lo is not None else 0
             w.setRange(lo - 1 if self.optional else lo, int(min(hi if hi is not None else 2**31 - 1, 2**31 - 1)))
             if self.optional:
-                w.setSpecialValueText("off")
+                w.setSpecialValueText(str(_extra(field).get("none_text", "off")))
             w.setAccelerated(True)
             w.valueChanged.connect(on_change)
         else:
@@ -88,6 +119,10 @@ class FieldEditor:
         w.setObjectName(key)
         self.widget = w
         self.description = field.description or ""
+        self.row: QWidget = w
+        picker = _extra(field).get("picker")
+        if picker in ("file", "folder") and isinstance(w, QLineEdit):
+            self.row = _with_picker(w, picker)
 
     def set(self, value: Any) -> None:
         w = self.widget
@@ -157,7 +192,7 @@ class ConfigForm(QWidget):
                     continue
                 ed = FieldEditor(f"{section}.{name}", field, self._changed)
                 self.editors[ed.key] = ed
-                form.addRow(name.replace("_", " "), ed.widget)
+                form.addRow(name.replace("_", " "), ed.row)
             layout.addWidget(box)
         layout.addStretch(1)
         self._task_name = "digits"
@@ -184,7 +219,7 @@ class ConfigForm(QWidget):
         self._task_name = name
         self._task_params = dict(params or {})
         for ed in self.param_editors.values():
-            self.task_form.removeRow(ed.widget)
+            self.task_form.removeRow(ed.row)
         self.param_editors.clear()
         self.task_error = ""
         try:
@@ -199,7 +234,7 @@ class ConfigForm(QWidget):
             ed = FieldEditor(f"task.params.{pname}", field, self._changed)
             ed.set(self._task_params.get(pname, defaults.get(pname)))
             self.param_editors[pname] = ed
-            self.task_form.addRow(pname.replace("_", " "), ed.widget)
+            self.task_form.addRow(pname.replace("_", " "), ed.row)
 
     def _mark_task(self) -> None:
         self.task_combo.setStyleSheet(INVALID_STYLE if self.task_error else "")

@@ -10,6 +10,7 @@ from typing import Any
 
 from multilane.engine.config import RunConfig, build_config, load_config, save_config
 from multilane.engine.errors import UserError
+from multilane.engine.progress import data_wait
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.export import export_run
@@ -322,6 +323,10 @@ class MainWindow(QMainWindow):
             self.devices.update_from_telemetry(rec)
         elif kind == "event" and rec.get("event") == "warning":
             self.statusBar().showMessage(f"⚠ {rec['message']}", 15000)
+        elif kind == "eval" and rec.get("sample"):
+            # A task's text sample (charlm): one line in the status bar; all of it is in samples.txt.
+            text = " ⏎ ".join(line for line in rec["sample"].splitlines() if line.strip())
+            self.statusBar().showMessage(f"Sample at step {rec['step']}: {text[:300]}", 30000)
 
     def _on_finished(self, result: dict) -> None:
         self.last_result = result
@@ -392,8 +397,8 @@ class MainWindow(QMainWindow):
             step_ms = r.get("step_ms") or 0
             eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
             self.status_label.setText(
-                f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch', 0):.2f} · "
-                f"{sps:,.0f} samples/s · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
+                f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f} · "
+                f"{sps:,.0f} samples/s{data_wait(r)} · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
             )
 
     def _release_hold(self) -> None:

@@ -31,7 +31,7 @@ class _Emitter(TrainerCallback):
                 "total_steps": trainer.total_steps,
                 "step": trainer.step,
                 "devices": list(trainer.backend.lane_names),
-                "steps_per_epoch": trainer.batches.per_epoch / trainer.config.train.grad_accum,
+                "steps_per_epoch": (trainer.loader.per_epoch or 0) / trainer.config.train.grad_accum,
             }
         )
 

@@ -51,7 +51,7 @@ def hand_loop(cfg) -> tuple[torch.nn.Module, list[float], float]:
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
     losses = []
     for m in range(cfg.train.steps):
-        x, y, _ = ref.batches.get(m)
+        x, y, _ = ref.loader.batches.get(m)
         loss = task.loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -59,7 +59,7 @@ def hand_loop(cfg) -> tuple[torch.nn.Module, list[float], float]:
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():
-        val = task.loss(model(ref.val.inputs), ref.val.target).item()
+        val = task.loss(model(ref.loader.val.inputs), ref.loader.val.target).item()
     return model, losses, val
 
 

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 STRATEGIES = {
     "replicate": ReplicateEachStep,
     "persistent": PersistentReplicas,
-    "persistent-no-overlap": lambda backend, *a: PersistentReplicas(backend, *a, overlap=False),
+    "persistent-overlap": lambda backend, *a: PersistentReplicas(backend, *a, overlap=True),
 }
 
 
@@ -90,14 +90,14 @@ def train(strategy, n, make, data, weights=None, opt=lambda p: torch.optim.Adam(
     [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)],
     ids=["sgd-momentum", "adamw"],
 )
-@pytest.mark.parametrize("strategy", ["persistent", "persistent-no-overlap"])
+@pytest.mark.parametrize("strategy", ["persistent", "persistent-overlap"])
 def test_persistent_replicas_equal_full_batch_training(n, opt, strategy):
     data = batches(6)
     assert max_rel_diff(train(strategy, n, mlp, data, opt=opt), reference(mlp, data, opt)) < 1e-10
 
 
 @pytest.mark.parametrize("weights", [[3, 1], [1, 2, 5], [0, 1], [1, 0, 2]])
-@pytest.mark.parametrize("strategy", ["persistent", "persistent-no-overlap"])
+@pytest.mark.parametrize("strategy", ["persistent", "persistent-overlap"])
 def test_uneven_splits_and_idle_lanes_equal_full_batch_training(weights, strategy):
     data = batches(6)
     got = train(strategy, len(weights), mlp, data, weights)
@@ -108,7 +108,7 @@ def test_buckets_are_summed_during_backward_and_the_hooks_leave_with_the_strateg
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(300, 300) for _ in range(6))).double()  # > 1 MB: several buckets
     backend = make_backend(lanes(2))
-    s = PersistentReplicas(backend)
+    s = PersistentReplicas(backend, overlap=True)
     x, y = torch.randn(8, 300, dtype=torch.float64), torch.randn(8, 300, dtype=torch.float64)
     out = s.forward_loss(model, x, y, F.mse_loss, [4, 4], PhaseTimer())
     s.backward(out, out.loss)
@@ -142,7 +142,7 @@ def test_every_replica_is_bitwise_the_model_after_every_step():
             assert all(p.grad is None for p in r.parameters())
         checked.append(1)
 
-    train("persistent", 3, bn_net, batches(40, batch=23), [2, 1, 1], after_step=identical)
+    train("persistent-overlap", 3, bn_net, batches(40, batch=23), [2, 1, 1], after_step=identical)
     assert len(checked) == 40
 
 

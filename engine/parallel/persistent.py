@@ -12,9 +12,9 @@ one replica per lane for the whole run instead:
 - ``backward`` runs each lane's backward in that lane, all at once, from the gradient the combined
   loss sends to that lane's loss (so the trainer's loss scaling and accumulation divisor apply as they
   would to one backward): each replica's own ``.grad`` then holds its shard's gradient;
-- the gradients are summed into the model's in buckets while backward runs (buckets.py: a bucket is
-  summed as soon as every lane has its gradients), and ``reduce_gradients`` sums whatever is left
-  after backward (coalesced.py: ``_foreach`` kernels on one device, torch.cuda.comm's coalesced
+- the gradients are summed into the model's: on GPUs in buckets while backward runs (buckets.py: a
+  bucket is summed as soon as every lane has its gradients), and ``reduce_gradients`` sums whatever is
+  left after backward (everything, on CPU lanes) (coalesced.py: ``_foreach`` kernels on one device, torch.cuda.comm's coalesced
   collectives across GPUs);
 - the optimizer steps the model alone; ``sync_replicas`` then copies its weights and buffers into the
   other replicas in place, so every replica is bitwise identical to the model after every step.
@@ -54,10 +54,12 @@ class ReplicaCopyError(RuntimeError):
 class PersistentReplicas(ReplicateEachStep):
     """One replica per lane kept for the whole run; gradients summed across lanes as backward makes them."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0, overlap: bool = True) -> None:
+    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0, overlap: bool | None = None) -> None:
         super().__init__(backend, precision, seed)
-        self.overlap = overlap
-        """Sum gradient buckets while backward runs (buckets.py); else all after backward."""
+        self.overlap = backend.device_type == "cuda" if overlap is None else overlap
+        """Sum gradient buckets while backward runs (buckets.py), or all after backward. By default on
+        GPUs only: on CPU lanes the per-parameter Python hooks cost more than the overlap saves
+        (docs/performance.md)."""
         self._buckets: GradBuckets | None = None
         self._model: nn.Module | None = None
         self._replicas_by_lane: list[nn.Module] = []

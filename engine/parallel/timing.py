@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer")
+PHASES = ("data", "scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer")
 """A step's phases in the order they run. ``replicate`` is the per-step copy of the model
 (ReplicateEachStep) or the copy of the new weights into persistent replicas (PersistentReplicas);
 ``reduce`` is PersistentReplicas' gradient sum across devices (ReplicateEachStep sums inside backward)."""
@@ -31,6 +31,10 @@ class PhaseTimer:
         if self._phase is not None:
             self._totals[self._phase] += now - self._t0
         self._phase, self._t0 = phase, now
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add host-side time to ``phase`` (waiting for the next batch is measured on the host, also on GPUs)."""
+        self._totals[phase] += seconds
 
     def end_step(self) -> None:
         self.mark(None)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+from torch.utils.data import default_collate
 
 
 class NoParams(BaseModel):
@@ -68,8 +69,21 @@ class Task(ABC):
         """A fresh model (the engine seeds torch first, so the init is reproducible)."""
 
     @abstractmethod
-    def data(self) -> ArrayData:
-        """All samples; the engine splits them into training and validation sets by the run's seed."""
+    def data(self) -> Any:
+        """The task's samples, one of:
+
+        - ``ArrayData``: all samples in memory; the engine splits them into training and validation
+          sets by the run's seed (``data.val_fraction``);
+        - a map-style ``torch.utils.data.Dataset`` whose item ``i`` is ``(inputs, target)``: read by a
+          DataLoader (``data.workers``), split the same way by index;
+        - an ``IterableDataset`` (a stream of ``(inputs, target)``; needs ``train.steps``);
+        - a pair ``(train, validation)`` of any of these (validation may be None): no split.
+        """
+
+    def collate(self, samples: list[Any]) -> Any:
+        """A batch ``(inputs, target)`` from a list of samples read from a Dataset (default: torch's
+        ``default_collate``, which stacks tensors). Runs in the DataLoader's worker processes."""
+        return default_collate(samples)
 
     @abstractmethod
     def loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -88,6 +102,11 @@ class Task(ABC):
     def metrics(self, output: Any, target: Any) -> dict[str, torch.Tensor]:
         """Means over the samples given, e.g. ``{"accuracy": ...}`` (0-dim tensors); computed at eval."""
         return {}
+
+    def sample_text(self, model: nn.Module, device: torch.device, step: int) -> str | None:
+        """Optional: text the model writes after each evaluation (e.g. a language model's sample). It is
+        appended to the run folder's ``samples.txt`` and sent with the eval record as ``sample``."""
+        return None
 
 
 def loss_weight_fn(task: Task) -> Callable[[Any, Any], torch.Tensor | float] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from multilane.engine.tasks.base import ArrayData, Task
+from multilane.engine.tasks.charlm import CharLMTask
+from multilane.engine.tasks.imagefolder import ImageFolderTask
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional as F
@@ -146,4 +148,6 @@ class MlpTask(Task):
         return {"accuracy": accuracy(output, target)}
 
 
-BUILTIN_TASKS: dict[str, type[Task]] = {t.name: t for t in (DigitsTask, LinearTask, MlpTask)}
+BUILTIN_TASKS: dict[str, type[Task]] = {
+    t.name: t for t in (DigitsTask, LinearTask, MlpTask, CharLMTask, ImageFolderTask)
+}

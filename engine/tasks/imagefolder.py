@@ -1,0 +1,152 @@
+"""``imagefolder``: images in one subfolder per class, read by torchvision's ImageFolder, a ResNet, accuracy.
+
+Needs the ``[vision]`` extra (torchvision). The layout is torchvision's: ``root/<class>/<image>``; or
+``root/train/<class>/...`` with ``root/val/<class>/...`` for a validation set of its own (then the
+engine does not split, and augmentation touches only the training images).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from multilane.engine.errors import UserError
+from multilane.engine.tasks.base import Task
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn import functional as F
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def torchvision_or_hint() -> Any:
+    """Import torchvision, or a UserError naming the extra that installs it."""
+    try:
+        import torchvision
+    except ImportError:
+        raise UserError(
+            'task imagefolder: needs torchvision, which is not installed; install the vision extra: pip install -e ".[vision]"'
+        ) from None
+    except RuntimeError as e:
+        if "torchvision::nms" not in str(e):
+            raise
+        torchvision = _import_without_compiled_ops()
+    return torchvision
+
+
+_FRAGMENT: Any = None
+
+
+def _import_without_compiled_ops() -> Any:
+    """Import a torchvision whose compiled ops do not load into this torch.
+
+    PyPI's torchvision 0.28.0 for Linux is built against the CUDA torch 2.13.0; with the CPU build of
+    torch its ``_C`` library cannot load, and its import then fails on the first op it registers a fake
+    kernel for (``torchvision::nms``, the only one torchvision does not guard). Defining those two op
+    schemas lets the import finish: datasets, transforms (PIL) and models are Python and torch only;
+    detection ops (nms, roi_align, ...) stay unusable, and this task uses none of them.
+    """
+    global _FRAGMENT
+    import sys
+
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+    if _FRAGMENT is None:
+        _FRAGMENT = torch.library.Library("torchvision", "FRAGMENT")
+        _FRAGMENT.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _FRAGMENT.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+
+    return torchvision
+
+
+class ImageFolderParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    root: str = Field(
+        "",
+        description="Folder with one subfolder of images per class (or train/ and val/ folders of such)",
+        json_schema_extra={"picker": "folder"},
+    )
+    arch: Literal["resnet18", "resnet34", "resnet50"] = Field(
+        "resnet18", description="torchvision ResNet, trained from scratch (no pretrained weights)"
+    )
+    image_size: int = Field(64, ge=8, le=1024, description="Images are resized to this many pixels square")
+    small_images: bool = Field(
+        True, description="CIFAR-style stem for small images: a 3x3 first convolution, no max-pool"
+    )
+    augment: bool = Field(
+        False, description="Random crops and flips of the training images (needs root/train and root/val)"
+    )
+
+
+class ImageFolderTask(Task):
+    """A torchvision ResNet on a folder of images, one subfolder per class."""
+
+    name = "imagefolder"
+    description = "torchvision ResNet on a folder of images (one subfolder per class), accuracy; needs [vision]"
+    Params = ImageFolderParams
+    metric = "accuracy"
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        super().__init__(params)
+        self._classes: int | None = None
+
+    def _folders(self) -> tuple[Path, Path | None]:
+        p = self.params
+        if not p.root:
+            raise UserError("task imagefolder: set task.params.root to a folder of images (one subfolder per class)")
+        root = Path(p.root).expanduser()
+        if not root.is_dir():
+            raise UserError(f"task imagefolder: root = {p.root!r}: no such folder")
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            return root / "train", root / "val"
+        if p.augment:
+            raise UserError(
+                "task imagefolder: augment needs root/train and root/val folders "
+                "(a validation set held out of one folder would be augmented too)"
+            )
+        return root, None
+
+    def _transform(self, train: bool) -> Any:
+        tv = torchvision_or_hint()
+        t, s = tv.transforms, self.params.image_size
+        steps = [t.RandomResizedCrop(s, scale=(0.6, 1.0)), t.RandomHorizontalFlip()] if train else [t.Resize((s, s))]
+        return t.Compose([*steps, t.ToTensor(), t.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+    def _dataset(self, folder: Path, train: bool) -> Any:
+        tv = torchvision_or_hint()
+        try:
+            return tv.datasets.ImageFolder(str(folder), transform=self._transform(train and self.params.augment))
+        except (FileNotFoundError, OSError) as e:
+            raise UserError(f"task imagefolder: {folder}: {e}") from None
+
+    def num_classes(self) -> int:
+        if self._classes is None:
+            train, _ = self._folders()
+            classes = [d for d in train.iterdir() if d.is_dir()]
+            if len(classes) < 2:
+                raise UserError(f"task imagefolder: {train}: needs at least 2 class subfolders, found {len(classes)}")
+            self._classes = len(classes)
+        return self._classes
+
+    def build_model(self) -> nn.Module:
+        tv = torchvision_or_hint()
+        model = tv.models.get_model(self.params.arch, weights=None, num_classes=self.num_classes())
+        if self.params.small_images:
+            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            model.maxpool = nn.Identity()
+        return model
+
+    def data(self) -> Any:
+        train_dir, val_dir = self._folders()
+        train = self._dataset(train_dir, train=True)
+        if val_dir is None:
+            return train
+        return train, self._dataset(val_dir, train=False)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"accuracy": (output.argmax(dim=-1) == target).float().mean()}
