@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", metavar="NAME", help="run name, part of the run folder's name")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument(
-        "--strategy", metavar="S", help="replicate (one process, every device) or ddp (one process per device)"
+        "--strategy",
+        metavar="S",
+        help="persistent (default: one process, a replica kept per device), replicate (one process, the model "
+        "copied every step, as nn.DataParallel), or ddp (one process per device)",
     )
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
@@ -126,6 +129,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     flags = {
         "task": "task.name",
         "devices": "devices.use",
+        "strategy": "devices.strategy",
         "batch_size": "data.batch_size",
         "lr": "optim.lr",
         "optimizer": "optim.name",
@@ -135,7 +139,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "precision": "train.precision",
         "runs_dir": "run.runs_dir",
         "name": "run.name",
-        "strategy": "devices.strategy",
     }
     for attr, key in flags.items():
         value = getattr(args, attr)

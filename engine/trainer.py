@@ -31,7 +31,7 @@ from multilane.engine.failures import one_line, outcome, release_cuda_memory, wh
 from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
-from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
+from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
@@ -117,7 +117,7 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = ReplicateEachStep(self.backend, cfg.train.precision, seed=cfg.train.seed)
+        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
@@ -262,7 +262,7 @@ class Trainer:
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt, window = self.timer, self.optimizer, self.window
+        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
@@ -270,7 +270,7 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, target, size = self.loader.next()
             timer.add("data", time.perf_counter() - t0)
-            out = self.strategy.forward_loss(
+            out = strategy.forward_loss(
                 self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
             )
             timer.mark("backward")
@@ -280,14 +280,16 @@ class Trainer:
                 # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
                 opt.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
-            self.scaler.scale(loss).backward()
+            strategy.backward(out, self.scaler.scale(loss))
             window.add(out, size, self.step + 1)
+        strategy.reduce_gradients(timer)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
+        strategy.sync_replicas(self.model, timer)
         timer.end_step()
         window.end_step()
 
@@ -421,6 +423,8 @@ class Trainer:
         with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
             self._event(status, **extra)
         rd.close()
+        if hasattr(self, "strategy"):
+            self.strategy.close()
         if hasattr(self, "loader"):
             self.loader.close()
         if hasattr(self, "backend"):

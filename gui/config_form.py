@@ -35,6 +35,7 @@ INVALID_STYLE = "border: 1px solid #d62728; background: #fff0f0;"
 CUSTOM = "Custom task file…"
 HIDDEN = {("task", "params"), ("task", "name"), ("devices", "use"), ("devices", "weights"), ("devices", "output")}
 TITLES = {
+    "devices": "Parallel strategy",
     "data": "Data",
     "optim": "Optimizer",
     "schedule": "Learning-rate schedule",
@@ -157,7 +158,7 @@ class FieldEditor:
 
 
 class ConfigForm(QWidget):
-    """Every section of RunConfig except devices (the device picker owns those), plus the task."""
+    """Every section of RunConfig, plus the task; of devices only what the device picker does not own."""
 
     changed = Signal()
 
@@ -183,7 +184,7 @@ class ConfigForm(QWidget):
         layout.addWidget(task_box)
 
         for section, sfield in RunConfig.model_fields.items():
-            if section in ("task", "devices"):
+            if section == "task":
                 continue
             box = QGroupBox(TITLES.get(section, section))
             form = QFormLayout(box)
@@ -270,7 +271,7 @@ class ConfigForm(QWidget):
         self.changed.emit()
 
     def values(self) -> dict[str, Any]:
-        """The form as a nested config dict (devices left to the device picker)."""
+        """The form as a nested config dict (devices.use, weights and output left to the device picker)."""
         out: dict[str, Any] = {}
         for key, ed in self.editors.items():
             section, name = key.split(".")

@@ -229,7 +229,7 @@ class MainWindow(QMainWindow):
     # -- config --------------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         d = self.form.values()
-        d["devices"] = self.devices.values()
+        d["devices"] = {**d.get("devices", {}), **self.devices.values()}
         if self.ddp_action.isChecked():
             d["devices"]["strategy"] = "ddp"
         return d

@@ -18,8 +18,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "optimizer"]
-PHASE_COLORS = ["#7f7f7f", "#bcbd22", "#ff9896", "#1f77b4", "#9467bd", "#ff7f0e", "#2ca02c"]
+PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer"]
+PHASE_COLORS = ["#7f7f7f", "#bcbd22", "#ff9896", "#1f77b4", "#9467bd", "#ff7f0e", "#8c564b", "#2ca02c"]
 
 GRID_COLOR = "#e8e8e8"
 

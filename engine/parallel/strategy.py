@@ -5,11 +5,14 @@ scatter the batch → replicate the model (true replicas on every lane) → para
 parallel_apply the loss (and the task's loss weight) on each device → gather the per-device losses →
 combine them weighted by what each device's mean is over: its shard size, or the task's
 ``loss_weight`` (tokens, class weights) — equal to the full-batch loss. The trainer then calls
-``backward()`` once on the combined loss; gradients flow back through the replicas into the original
-parameters.
+``backward()`` once on the combined loss (``backward``); gradients flow back through the replicas
+into the original parameters.
 
-A second strategy (persistent replicas with an explicit gradient reduce, no per-step replicate) can
-sit beside this one behind the same two methods.
+A strategy is four calls per optimizer step, made by the trainer in this order:
+``forward_loss`` (per micro-batch) → ``backward`` (per micro-batch) → ``reduce_gradients`` (once:
+the model's ``.grad`` must then hold the whole batch's gradient) → the optimizer steps the model →
+``sync_replicas`` (once: whatever the strategy keeps on the other devices catches up). ``forward``
+serves evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy behind them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +50,9 @@ class StepOutput:
     """With a task's ``loss_weight``: the batch's total weight (0-dim, on the output device)."""
     output: Any = None
     """The model's output gathered on the output device (``keep_output=True``, for evaluation)."""
+    shard_losses: list[torch.Tensor] = field(default_factory=list)
+    """Each lane's loss in ``lanes`` as its lane computed it, before gather, with grad: the roots of the
+    lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
 
 
 class LossNotScalarError(ValueError):
@@ -215,7 +221,9 @@ class ReplicateEachStep:
             combined = (
                 lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
             )
-            return StepOutput(combined.reshape(()), lane_losses.detach(), lanes, output=output)
+            return StepOutput(
+                combined.reshape(()), lane_losses.detach(), lanes, output=output, shard_losses=list(losses)
+            )
         w = b.gather([w for _, w in losses])
         ws = w.tolist()
         bad = [x for x in ws if not 0 <= x < math.inf]
@@ -227,10 +235,25 @@ class ReplicateEachStep:
         if len(keep) < len(ws):
             losses, lanes = [losses[k] for k in keep], [lanes[k] for k in keep]
             w = w[torch.tensor(keep, device=w.device)]
-        lane_losses = b.gather([loss for loss, _ in losses])
+        shard_losses = [loss for loss, _ in losses]
+        lane_losses = b.gather(shard_losses)
         total = w.sum()
         combined = (lane_losses * w).sum() / total
-        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output)
+        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output, shard_losses=shard_losses)
+
+    def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
+        graphs, which sums every lane's gradient into the model's own parameters."""
+        loss.backward()
+
+    def reduce_gradients(self, timer: PhaseTimer) -> None:
+        """Make the model's ``.grad`` the whole batch's gradient: here backward has done it."""
+
+    def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """Bring replicas up to date after the optimizer step: here the next step makes new ones."""
+
+    def close(self) -> None:
+        """Drop whatever the strategy holds between steps."""
 
     def _single_lane(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
         """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
