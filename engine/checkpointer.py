@@ -26,6 +26,7 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
         "total_steps": t.total_steps,
         "config": t.config.to_dict(),
         "rng": torch.get_rng_state(),
+        "lane_rng": t.strategy.random.state_dict(),
         "metrics_window": t.window.state_dict(),
         "multilane": __version__,
     }
@@ -39,6 +40,11 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
         t.scaler.load_state_dict(ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
         torch.set_rng_state(ck["rng"])
+    lane_rng = ck.get("lane_rng")
+    if lane_rng and len(lane_rng.get("lanes") or []) == len(t.devices):
+        # Each lane's random stream (lane 0's includes its GPU's generator). Resumed on another lane
+        # count, lanes start fresh streams: a run reproduces on a given lane count only.
+        t.strategy.random.load_state_dict(lane_rng)
     t.step = int(ck["step"])
     if ck.get("metrics_window") is not None:
         t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)

@@ -1,4 +1,5 @@
-"""The ``multilane`` command: ``train``, ``devices``, ``export``; with no arguments, the desktop app."""
+"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``; with no arguments,
+the desktop app."""
 
 from __future__ import annotations
 
@@ -140,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", metavar="NAME", help=f"run name, part of the run folder's name (default: {d0.run.name})")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument(
+        "--strategy",
+        metavar="S",
+        help="persistent (default: one process, a replica kept per device), replicate (one process, the model "
+        "copied every step, as nn.DataParallel), or ddp (one process per device)",
+    )
+    dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
+    dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
+    dd.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous (default: a free local port)")
+    dd.add_argument("--rdzv-id", metavar="ID", help="run id, the same on every node (default: multilane)")
+    dd.add_argument(
+        "--rdzv-timeout", type=_number, default=60.0, metavar="S", help="seconds to wait for every node (default 60)"
+    )
+    t.add_argument(
         "--set",
         action="append",
         default=[],
@@ -162,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--x", choices=["step", "time"], default="step", help="x axis: optimizer step or elapsed time")
     e.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
 
+    w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
+    w.add_argument("run_dir", metavar="RUN_DIR")
+    w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+
+    c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
+
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
@@ -173,6 +195,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     flags = {
         "task": "task.name",
         "devices": "devices.use",
+        "strategy": "devices.strategy",
         "batch_size": "data.batch_size",
         "lr": "optim.lr",
         "optimizer": "optim.name",
@@ -216,21 +239,44 @@ def _parse_value(raw: str, key: str) -> Any:
         raise UserError(f"--set {key}: {str(e).split(';')[0]}") from None
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    """The run's config: the file and flags, or (resuming) the checkpoint's config and the flags."""
     from multilane.engine.config import build_config, merge, read_config_file
+
+    if args.resume:
+        from multilane.engine.runlog import RunDir
+
+        base = RunDir.open_existing(args.resume, lock=False).load_checkpoint().get("config")
+        if not isinstance(base, dict):
+            raise UserError(f"resume: {args.resume}: the checkpoint holds no config")
+        return build_config(merge(base, overrides), "resume config")
+    base = read_config_file(args.config) if args.config else {}
+    section = base.get("task")
+    if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
+        # Another task's params would not fit this task's schema.
+        section["params"] = {}
+    return build_config(merge(base, overrides), args.config or "config")
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from multilane.engine.distributed import in_worker
 
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
-    config = None
-    if not args.resume:
-        # The config is checked before torch is imported: a mistake shows in a fraction of a second.
-        base = read_config_file(args.config) if args.config else {}
-        section = base.get("task")
-        if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
-            # Another task's params would not fit this task's schema.
-            section["params"] = {}
-        config = build_config(merge(base, overrides), args.config or "config")
+    config = _run_config(args, overrides)  # checked before torch is imported, where it can be
+    if config.devices.strategy == "ddp":
+        if in_worker():
+            from multilane.engine.distributed.worker import run_rank
+
+            return run_rank(None if args.resume else config, args.resume, overrides)
+        from multilane.engine.distributed.launcher import launch
+        from multilane.engine.tasks import make_task
+
+        make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        return launch(argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id)
+    if in_worker():
+        raise UserError("started by torchrun: add --strategy ddp (each process is one rank of a ddp run)")
     from rich.console import Console
 
     # On a terminal, a spinner until the first step (imports, data and model take seconds); it goes
@@ -248,7 +294,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress = ProgressDisplay(console, waiting=waiting)
         _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
         callbacks = [progress, _NameTaskFile()]
-        if config is None:
+        if args.resume:
             trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
         else:
             trainer = Trainer(config, callbacks=callbacks, control=control)
@@ -306,6 +352,20 @@ def _stop_on_signals(control: Any, console: Any) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from multilane.engine.watch import watch
+
+    return watch(args.run_dir, args.interval)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from multilane.engine.control_file import write_control
+
+    path = write_control(args.run_dir, args.action)
+    print(f"{args.action} requested: {path}")
+    return 0
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -394,10 +454,15 @@ def cmd_app() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return cmd_train(args)
+            return cmd_train(args, argv[argv.index("train") + 1 :])
+        if args.command == "watch":
+            return cmd_watch(args)
+        if args.command == "control":
+            return cmd_control(args)
         if args.command == "devices":
             return cmd_devices(args)
         if args.command == "export":

@@ -56,6 +56,22 @@ class DevicesSection(Section):
         default_factory=list,
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
+    strategy: Literal["persistent", "replicate", "ddp"] = Field(
+        "persistent",
+        description="persistent: one process drives every device (parallel_apply) and keeps one replica per "
+        "device for the whole run, summing gradients across devices (no per-step copy); replicate: copy the "
+        "model to every device at every step, as nn.DataParallel does (the reference); ddp: one process per "
+        "device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), also across machines. Same results.",
+    )
+    collective_timeout_s: float = Field(
+        120.0, ge=5.0, le=86_400.0, description="ddp: seconds a rank waits on the others before the run fails"
+    )
+
+    sync_batchnorm: bool = Field(
+        False,
+        description="BatchNorm statistics over the whole batch across devices (not each device's share): "
+        "training then equals one device with the whole batch",
+    )
 
     @model_validator(mode="after")
     def _weights_sane(self) -> DevicesSection:

@@ -59,10 +59,14 @@ class Batches:
         assert self._perm is not None
         return self._perm
 
+    def indices(self, m: int) -> torch.Tensor:
+        """The sample indices of micro-batch ``m``, in order (a ddp rank takes its slice of them)."""
+        epoch, pos = divmod(m, self.per_epoch)
+        return self._order(epoch)[pos * self.batch_size : (pos + 1) * self.batch_size]
+
     def get(self, m: int) -> tuple[Any, Any, int]:
         """``(inputs, target, size)`` of micro-batch ``m`` (the last one of an epoch may be smaller)."""
-        epoch, pos = divmod(m, self.per_epoch)
-        idx = self._order(epoch)[pos * self.batch_size : (pos + 1) * self.batch_size]
+        idx = self.indices(m)
         inputs, target = self.data.take(idx)
         return inputs, target, int(idx.shape[0])
 

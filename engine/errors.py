@@ -5,5 +5,16 @@ class UserError(Exception):
     """Bad input from the user (a config value, a device list, a task file).
 
     The CLI prints ``multilane: error: <message>`` and exits with status 2; the app shows the message
-    at the field or in a dialog.
+    at the field or in a dialog. The message is always one line: a character that would break it (a
+    newline or another control character inside a user's key, path or value) is shown escaped.
     """
+
+    def __str__(self) -> str:
+        return one_line_text(super().__str__())
+
+
+def one_line_text(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1c``), so it stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -50,7 +50,7 @@ class ProgressDisplay(TrainerCallback):
         self.stop_waiting()
         self._t_train_start = time.time()
         self._total = trainer.total_steps
-        lanes = ",".join(trainer.backend.lane_names)
+        lanes = ",".join(trainer.lane_names)
         description = f"{trainer.task.name} on {lanes}"
         if not self.live:
             self._plain(f"{description}: {trainer.total_steps} steps from step {trainer.step}")

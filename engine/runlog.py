@@ -222,14 +222,16 @@ class RunDir:
             except OSError as e:
                 raise UserError(f"run {path}: cannot create its checkpoints folder ({e.strerror or e})") from None
             rd = cls(path)
-            rd._acquire()
+            rd.acquire()
             return rd
         raise UserError(f"runs folder {root}: too many runs named {name!r} this second")
 
     @classmethod
-    def open_existing(cls, path: str | Path) -> RunDir:
+    def open_existing(cls, path: str | Path, lock: bool = True) -> RunDir:
         """Reopen a run folder to continue it: checked, locked, and cleared of a killed write's
-        temporary files. Raises ``UserError`` (one line) when it cannot be continued."""
+        temporary files. Raises ``UserError`` (one line) when it cannot be continued.
+
+        ``lock=False`` only checks it: for a reader, or a ddp rank other than rank 0 (rank 0 writes)."""
         p = Path(path).expanduser()
         try:
             if not p.is_dir():
@@ -246,11 +248,13 @@ class RunDir:
         check_writable(p, "resume: run folder")
         check_writable(p / "checkpoints", "resume: checkpoints folder")
         rd = cls(p)
-        rd._acquire()
-        rd.remove_stale_temp_files()
+        if lock:
+            rd.acquire()
+            rd.remove_stale_temp_files()
         return rd
 
-    def _acquire(self) -> None:
+    def acquire(self) -> None:
+        """Take the folder's one-writer lock (``RunInUse`` if another process holds it)."""
         lock_path = self.path / LOCK
         lock = filelock.FileLock(lock_path, timeout=0, thread_local=False)
         try:

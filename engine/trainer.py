@@ -22,6 +22,7 @@ from multilane.engine.balance import balance_warnings
 from multilane.engine.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.control import RunControl
+from multilane.engine.control_file import ControlFile
 from multilane.engine.devices import Device, parse_devices
 from multilane.engine.envinfo import environment
 from multilane.engine.errors import UserError
@@ -30,7 +31,8 @@ from multilane.engine.failures import one_line, outcome, release_cuda_memory, wh
 from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.optim import build_optimizer, lr_at
-from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
+from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn, make_task
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
@@ -65,13 +67,16 @@ class Trainer:
         self.sampler: TelemetrySampler | None = None
         self.step = 0
         if resume_from is not None:
-            self._resume_dir = RunDir.open_existing(resume_from)  # locked: this process is its one writer
+            self._resume_dir = self._open_resume_dir(resume_from)
         try:
             self._configure(config, overrides or {}, task)
         except BaseException:
             if self._resume_dir is not None:
                 self._resume_dir.close()
             raise
+
+    def _open_resume_dir(self, path: str | Path) -> RunDir:
+        return RunDir.open_existing(path)  # locked: this process is its one writer
 
     def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
         expect_sha256 = None
@@ -112,11 +117,13 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = ReplicateEachStep(self.backend, cfg.train.precision)
+        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         self.model = self.task.build_model().to(dev)
+        if cfg.devices.sync_batchnorm:
+            convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         if cfg.train.steps is None and self.loader.per_epoch is None:
@@ -161,11 +168,8 @@ class Trainer:
             raise
         except (Exception, SystemExit) as e:
             raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
-        if self._resume_dir is not None:
-            self.run_dir = self._resume_dir
-        else:
-            self.run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name)
-        rd = self.run_dir
+        self.run_dir = rd = self._open_run_dir()
+        self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
         self.checkpoint_time = time.monotonic()
         self._energy_at_log = self._energy_at_epoch = 0.0
@@ -202,12 +206,32 @@ class Trainer:
                 release_cuda_memory()
         return self._finish(status, message, tb)
 
+    def _open_run_dir(self) -> RunDir:
+        if self._resume_dir is not None:
+            return self._resume_dir
+        return RunDir.create(self.config.run.runs_dir, self.config.run.name)
+
+    @property
+    def lane_names(self) -> list[str]:
+        """The names the run's per-device series go by (``device_loss`` keys)."""
+        return list(self.backend.lane_names)
+
+    def _sync_control(self) -> None:
+        """Between steps: pick up a command from the run folder's control file (cheap: see control_file.py)."""
+        self._control_file.apply(self.control)
+
+    def _wait_paused(self) -> None:
+        """Block while paused; a pause, resume or stop can also come through the control file."""
+        while not self.control.wait_while_paused(0.2):
+            self._control_file.apply(self.control)
+
     def _loop(self) -> tuple[str, str | None]:
         cfg = self.config
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
         while self.step < self.total_steps:
+            self._sync_control()
             self.control.wait_while_held()
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
@@ -238,7 +262,7 @@ class Trainer:
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt, window = self.timer, self.optimizer, self.window
+        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
@@ -246,7 +270,7 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, target, size = self.loader.next()
             timer.add("data", time.perf_counter() - t0)
-            out = self.strategy.forward_loss(
+            out = strategy.forward_loss(
                 self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
             )
             timer.mark("backward")
@@ -256,14 +280,16 @@ class Trainer:
                 # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
                 opt.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
-            self.scaler.scale(loss).backward()
+            strategy.backward(out, self.scaler.scale(loss))
             window.add(out, size, self.step + 1)
+        strategy.reduce_gradients(timer)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
+        strategy.sync_replicas(self.model, timer)
         timer.end_step()
         window.end_step()
 
@@ -340,8 +366,7 @@ class Trainer:
         self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
         self._event("paused", **({"message": reason} if reason else {}))
         self.window.pause()  # paused time is not training time
-        while not self.control.wait_while_paused(0.2):
-            pass
+        self._wait_paused()
         self.window.resume()
         if not self.control.stop_requested:
             self.run_dir.set_status("running", step=self.step, total_steps=self.total_steps)
@@ -398,6 +423,8 @@ class Trainer:
         with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
             self._event(status, **extra)
         rd.close()
+        if hasattr(self, "strategy"):
+            self.strategy.close()
         if hasattr(self, "loader"):
             self.loader.close()
         if hasattr(self, "backend"):

@@ -47,6 +47,7 @@ APPLIES = {
     "schedule.gamma": ("schedule.kind", {"step"}),
 }
 TITLES = {
+    "devices": "Parallel strategy",
     "data": "Data",
     "optim": "Optimizer",
     "schedule": "Learning-rate schedule",
@@ -169,7 +170,7 @@ class FieldEditor:
 
 
 class ConfigForm(QWidget):
-    """Every section of RunConfig except devices (the device picker owns those), plus the task."""
+    """Every section of RunConfig, plus the task; of devices only what the device picker does not own."""
 
     changed = Signal()
 
@@ -196,7 +197,7 @@ class ConfigForm(QWidget):
 
         sections = RunConfig.model_fields
         for section in [*ORDER, *(k for k in sections if k not in ORDER)]:
-            if section in ("task", "devices") or section not in sections:
+            if section == "task" or section not in sections:
                 continue
             sfield = sections[section]
             box = QGroupBox(TITLES.get(section, section))
@@ -300,7 +301,7 @@ class ConfigForm(QWidget):
         self.changed.emit()
 
     def values(self) -> dict[str, Any]:
-        """The form as a nested config dict (devices left to the device picker)."""
+        """The form as a nested config dict (devices.use, weights and output left to the device picker)."""
         out: dict[str, Any] = {}
         for key, ed in self.editors.items():
             section, name = key.split(".")

@@ -12,6 +12,7 @@ from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.engine.progress import data_wait
 from multilane.engine.tasks.loader import is_task_file
+from multilane.gui import follow
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.plots import PlotPanel
@@ -23,6 +24,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QHBoxLayout,
     QLabel,
     QMainWindow,
@@ -211,6 +213,7 @@ class MainWindow(RunFilesMixin, QMainWindow):
         f = self.menuBar().addMenu("&File")
         act(f, "Open run…", self.open_run_dialog, "Ctrl+O")
         act(f, "Compare with run…", self.compare_dialog, "Ctrl+Shift+O")
+        act(f, "Follow run…", self.follow_run_dialog, "Ctrl+Shift+F")
         f.addSeparator()
         act(f, "Load preset…", self.load_preset_dialog, "Ctrl+L")
         act(f, "Save preset…", self.save_preset_dialog, "Ctrl+S")
@@ -235,11 +238,18 @@ class MainWindow(RunFilesMixin, QMainWindow):
         )
         self.hold_action.toggled.connect(self._set_hold)
         r.addAction(self.hold_action)
+        self.ddp_action = QAction("One process per device (ddp, runs as a child process)", self)
+        self.ddp_action.setObjectName("action.ddp")
+        self.ddp_action.setCheckable(True)
+        self.ddp_action.setToolTip("devices.strategy = ddp: DistributedDataParallel, one process per device")
+        r.addAction(self.ddp_action)
 
     # -- config --------------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         d = self.form.values()
-        d["devices"] = self.devices.values()
+        d["devices"] = {**d.get("devices", {}), **self.devices.values()}
+        if self.ddp_action.isChecked():
+            d["devices"]["strategy"] = "ddp"
         return d
 
     def validate(self) -> list[str]:
@@ -258,6 +268,7 @@ class MainWindow(RunFilesMixin, QMainWindow):
     def set_config(self, cfg: RunConfig) -> None:
         self.form.set_config(cfg)
         self.devices.set_values(cfg.devices.model_dump())
+        self.ddp_action.setChecked(cfg.devices.strategy == "ddp")
         self.validate()
 
     # -- run control ---------------------------------------------------------------------------------
@@ -277,17 +288,44 @@ class MainWindow(RunFilesMixin, QMainWindow):
             except UserError as e:
                 self.why.setText(str(e))
                 return False
+        if config is not None and config.devices.strategy == "ddp":
+            handle = follow.start_child_run(config)  # ddp ranks are processes: the app follows them
+        else:
+            handle = RunHandle(TrainWorker(config, resume_from=resume_from, overrides=overrides))
+        self._resume_from = resume_from
+        self._begin(handle, config)
+        if config is not None:
+            self.settings.setValue("last_config", json.dumps(config.to_dict()))
+        return True
+
+    def follow_run(self, path: str) -> bool:
+        """File > Follow run: show a run another process is writing, live (Pause/Stop via its control file)."""
+        if self.is_running():
+            return False
+        if not Path(path).is_dir():
+            QMessageBox.warning(self, "Not a run folder", f"{path} is not a folder")
+            return False
+        self._resume_from = None
+        self._begin(follow.follow(path), None)
+        return True
+
+    def follow_run_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Follow run folder", self._runs_dir())
+        if path:
+            self.follow_run(path)
+
+    def _begin(self, handle: Any, config: RunConfig | None) -> None:
+        """Show a run from its start: one in this process's thread, or one another process writes."""
         self.plots.reset()
         self._last_train = {}
         _freeze_heap()
-        self._resume_from = resume_from
-        worker = TrainWorker(config, resume_from=resume_from, overrides=overrides)
+        worker = handle.worker
         worker.started.connect(self._on_started)
         worker.record.connect(self._on_record)
         worker.finished.connect(self._on_finished)
         if self.run is not None:
             self.run.thread.wait(10_000)  # the previous run's thread is past its last signal
-        self.run = RunHandle(worker)
+        self.run = handle
         self._active = True
         self._hold_pending = False
         self.paused = False
@@ -295,9 +333,6 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self._set_running(True)
         self.status_label.setText(_starting_text(config))
         self.run.start()
-        if config is not None:
-            self.settings.setValue("last_config", json.dumps(config.to_dict()))
-        return True
 
     def toggle_pause(self) -> None:
         if not self.is_running():

@@ -20,10 +20,10 @@ from multilane.gui.smoothing import EmaCache
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont
 
-PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "optimizer"]
+PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer"]
 # Okabe–Ito's colours (colour-blind safe), apart from the device palette: a phase is not a device;
 # waiting for data in a neutral grey.
-PHASE_COLORS = ["#999999", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00"]
+PHASE_COLORS = ["#999999", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#CC79A7", "#D55E00"]
 PAUSE_BRUSH = (150, 150, 150, 50)
 
 GRID_COLOR = "#e8e8e8"

@@ -31,7 +31,7 @@ class _Emitter(TrainerCallback):
                 "run_dir": str(trainer.run_dir.path) if trainer.run_dir else "",
                 "total_steps": trainer.total_steps,
                 "step": trainer.step,
-                "devices": list(trainer.backend.lane_names),
+                "devices": list(trainer.lane_names),
                 "steps_per_epoch": (trainer.loader.per_epoch or 0) / trainer.config.train.grad_accum,
             }
         )

@@ -61,6 +61,7 @@ def test_digits_on_two_cpu_lanes_reaches_90_percent_and_leaves_a_complete_run_di
         (["--lr", "-1"], "optim.lr = -1.0"),
         (["--batch-size", "zero"], "'zero' is not a whole number"),
         (["--optimizer", "rmsprop"], "optim.name"),
+        (["--strategy", "ring"], 'devices.strategy = "ring"'),
         (["--task", "nope"], "unknown task 'nope'"),
         (["--epochs", "2", "--steps", "3"], "not allowed with argument"),
         (["--config", "missing.toml"], "no such config file"),
@@ -88,10 +89,13 @@ def test_devices_lists_cpu_lanes_as_json():
 def test_config_file_and_flags_combine_with_flags_winning(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[task]\nname = "linear"\n[train]\nsteps = 50\n[optim]\nlr = 0.5\nname = "sgd"\n')
-    r = multilane("train", "--config", str(cfg), "--steps", "4", "--runs-dir", str(tmp_path / "runs"))
+    r = multilane(
+        "train", "--config", str(cfg), "--steps", "4", "--strategy", "persistent", "--runs-dir", str(tmp_path / "runs")
+    )
     assert r.returncode == 0, r.stderr
     saved = json.loads((only_run(tmp_path / "runs") / "config.json").read_text())
     assert saved["train"]["steps"] == 4 and saved["optim"]["lr"] == 0.5 and saved["task"]["name"] == "linear"
+    assert saved["devices"]["strategy"] == "persistent"
 
 
 def test_resume_from_the_command_line_continues_the_run(tmp_path):

@@ -147,6 +147,16 @@ def test_task_params_form_follows_the_task(window):
     assert window.form.param_editors["hidden"].widget.toolTip().startswith("Width of the hidden")
 
 
+def test_the_parallel_strategy_is_chosen_in_the_form_with_its_explanation(window):
+    combo = window.form.editors["devices.strategy"].widget
+    assert [combo.itemText(i) for i in range(combo.count())] == ["replicate", "persistent"]
+    assert "persistent:" in combo.toolTip()
+    combo.setCurrentText("persistent")
+    window.devices.set_checked(["cpu:0", "cpu:1"])
+    d = window.config_dict()
+    assert d["devices"]["strategy"] == "persistent" and d["devices"]["use"] == "cpu:0,cpu:1"
+
+
 def wait_for_train_steps(qtbot, w, n):
     qtbot.waitUntil(lambda: w.plots.data.train.rows >= n, timeout=60_000)
 

@@ -2,7 +2,7 @@
 
 Inputs as a tensor, a tuple and a dict; keyword arguments; models returning tuples, dicts and
 namedtuples; non-tensor arguments shared by every replica; replicas sharing the parameters;
-BatchNorm buffers; a failing replica named with its device.
+BatchNorm in eval mode (running statistics: tests/test_lane_batchnorm.py); a failing replica named with its device.
 """
 
 from collections import namedtuple
@@ -91,21 +91,6 @@ def test_model_returning_a_tuple_trains_with_a_loss_on_its_first_element(two_lan
 
     out = two_lanes.forward_loss(m, x, y, loss, chunk_sizes(8, 2), PhaseTimer())
     assert out.loss.item() == pytest.approx(F.mse_loss(m(x)[0], y).item(), rel=1e-12)
-
-
-def test_batchnorm_running_stats_persist_from_the_first_replica_only(two_lanes):
-    # torch's replicate gives replica 0 the original buffers; other replicas update copies that are
-    # dropped after the step. Multilane keeps that semantics on CPU lanes.
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    ref.load_state_dict(m.state_dict())
-    x = torch.randn(10, 4) * 3 + 1
-    two_lanes.forward(m, x, chunk_sizes(10, 2))
-    ref(x[:5])  # what replica 0 saw
-    torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)
-    torch.testing.assert_close(m[1].running_var, ref[1].running_var)
-    assert m[1].num_batches_tracked.item() == 1
 
 
 def test_eval_mode_batchnorm_uses_running_stats_on_every_lane(two_lanes):

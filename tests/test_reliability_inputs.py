@@ -366,3 +366,11 @@ def test_the_app_asks_before_resuming_with_a_changed_task_file(qtbot, tmp_path, 
         assert marker.read_text() == "ab"
     else:
         assert "Not resumed" in w.status_label.text() and marker.read_text() == "a"
+
+
+def test_a_user_error_is_one_line_whatever_characters_the_input_held():
+    from multilane.engine.errors import UserError
+
+    text = str(UserError("task file a/\x1cb\nc\u2028d: no such file"))
+    assert len(text.splitlines()) == 1
+    assert "\\x1c" in text and "\\n" in text and "\\u2028" in text

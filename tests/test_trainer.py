@@ -59,7 +59,16 @@ def test_train_records_carry_every_metric_the_app_plots(make_config):
     _, _result, rec = run(make_config(task__name="linear", train__steps=4, train__log_every=2, train__grad_clip=1.0))
     r = rec.logs[-1]
     assert set(r["device_loss"]) == {"cpu:0", "cpu:1"}
-    assert set(r["phase_ms"]) == {"data", "scatter", "replicate", "forward", "loss", "backward", "optimizer"}
+    assert set(r["phase_ms"]) == {
+        "data",
+        "scatter",
+        "replicate",
+        "forward",
+        "loss",
+        "backward",
+        "reduce",
+        "optimizer",
+    }
     assert r["phase_ms"]["forward"] > 0 and r["samples_per_s"] > 0
     assert r["grad_norm"] > 0 and r["lr"] == pytest.approx(3e-3)
     assert all(v > 0 for v in r["lane_busy_s"].values())

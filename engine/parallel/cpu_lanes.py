@@ -6,8 +6,8 @@ these are the same four primitives for the CPU, with the same semantics:
 - scatter splits along dim 0 (views, no copy: every lane shares the one CPU memory);
 - replicate gives every lane a true replica (engine/parallel/replica.py): its own differentiable copy
   of each parameter, whose gradients are summed back into the original parameters (as Broadcast's
-  backward does); lane 0 keeps the original buffers and the others copies, so BatchNorm running
-  statistics persist from lane 0 only, as on GPUs;
+  backward does) and its own copy of each buffer, which the step merges back into the model
+  (engine/parallel/buffers.py: the sample-weighted mean of the lanes'), as on GPUs;
 - parallel_apply runs replica i in lane i's own thread and re-raises a failure as
   "Caught X in replica i on device cpu:i", exactly like torch;
 - gather concatenates along dim 0.
@@ -46,8 +46,8 @@ class CpuLanesBackend(Backend):
 
     def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
         cpu = torch.device("cpu")
-        owner = list(lanes).index(0) if 0 in lanes else None
-        return replicate_module(model, [cpu] * len(lanes), detach, owner, share)
+        # Every lane updates copies of the buffers; the step merges them into the model (buffers.py).
+        return replicate_module(model, [cpu] * len(lanes), detach, None, share)
 
     def parallel_apply(
         self,

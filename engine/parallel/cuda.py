@@ -34,8 +34,8 @@ class CudaBackend(Backend):
 
     def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
         devices = [torch.device("cuda", self._indices[i]) for i in lanes]
-        owner = list(lanes).index(0) if 0 in lanes else None
-        return replicate_module(model, devices, detach, owner, share)
+        # Every lane updates copies of the buffers; the step merges them into the model (buffers.py).
+        return replicate_module(model, devices, detach, None, share)
 
     def parallel_apply(
         self,

@@ -23,16 +23,27 @@ from torch.autograd import Function
 
 
 class LaneCopies(Function):
-    """``apply(devices, *tensors)``: one copy of every tensor per device (lane), lane-major."""
+    """``apply(devices, shared, *tensors)``: one copy of every tensor per device (lane), lane-major; a
+    lane whose ``shared`` flag is set gets views of the tensors instead (no copy of the data).
+
+    Views and copies go through this one function so that the lanes' gradients are always summed in
+    the same order: a run whose first step copies and later steps view (and a resumed run, which copies
+    again at its first step) stays bitwise equal to a straight run on any number of lanes."""
 
     @staticmethod
-    def forward(ctx: Any, devices: Sequence[torch.device], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, devices: Sequence[torch.device], shared: Sequence[bool], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.n = len(tensors)
         ctx.lanes = len(devices)
         ctx.sources = [t.device for t in tensors]
-        out = [t.to(d, copy=True) for d in devices for t in tensors]
-        frozen = [o for k, o in enumerate(out) if not ctx.needs_input_grad[1 + k % ctx.n]]
+        out = [
+            t.view_as(t) if view else t.to(d, copy=True)
+            for d, view in zip(devices, shared, strict=True)
+            for t in tensors
+        ]
+        frozen = [o for k, o in enumerate(out) if not ctx.needs_input_grad[2 + k % ctx.n]]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(out)
@@ -40,7 +51,7 @@ class LaneCopies(Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         n = ctx.n
-        result: list[torch.Tensor | None] = [None]
+        result: list[torch.Tensor | None] = [None, None]
         for j in range(n):
             total = None
             for lane in range(ctx.lanes):  # lane order: the same sum on every run
@@ -74,26 +85,24 @@ def replicate_module(
     to change its parameters in forward: a view shares the original's version counter, so the strategy
     still notices any write (engine/parallel/inplace.py).
 
-    Buffers: the replica at position ``buffer_owner`` (the lane on the model's own device, if it takes
-    part) holds the original buffers, so BatchNorm running statistics persist from it, as with torch's
-    replicate; the others hold copies.
+    Buffers: the replica at position ``buffer_owner`` holds the original buffers (torch's replicate
+    semantics) and the others copies. Both backends pass None: every lane updates copies, and the step
+    merges them into the model once the forward that counts is done (engine/parallel/buffers.py).
     """
     params = list(model.parameters())
     grad = not detach and torch.is_grad_enabled()
     copies: list[list[torch.Tensor]] = [[] for _ in devices]
     if params:
         home = params[0].device  # the engine moves the whole model to its first device
-        copied = [k for k, d in enumerate(devices) if not (share and d == home)]
-        for k in range(len(devices)):
-            if k not in copied:
-                copies[k] = [p.view_as(p) if grad else p.detach() for p in params]
-        if copied and grad:
-            flat = LaneCopies.apply([devices[k] for k in copied], *params)
-            for i, k in enumerate(copied):
-                copies[k] = list(flat[i * len(params) : (i + 1) * len(params)])
-        elif copied:
-            for k in copied:
-                copies[k] = [p.detach().to(devices[k], copy=True) for p in params]
+        shared = [share and d == home for d in devices]
+        if grad:
+            flat = LaneCopies.apply(list(devices), shared, *params)
+            copies = [list(flat[k * len(params) : (k + 1) * len(params)]) for k in range(len(devices))]
+        else:
+            copies = [
+                [p.detach() if view else p.detach().to(d, copy=True) for p in params]
+                for d, view in zip(devices, shared, strict=True)
+            ]
     plan = _Plan(model, params)
     replicas = ReplicaSet(
         plan.build(lane_params, _lane_buffers(model, d, detach, k == buffer_owner))

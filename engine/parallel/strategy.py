@@ -5,11 +5,14 @@ scatter the batch → replicate the model (true replicas on every lane) → para
 parallel_apply the loss (and the task's loss weight) on each device → gather the per-device losses →
 combine them weighted by what each device's mean is over: its shard size, or the task's
 ``loss_weight`` (tokens, class weights) — equal to the full-batch loss. The trainer then calls
-``backward()`` once on the combined loss; gradients flow back through the replicas into the original
-parameters.
+``backward()`` once on the combined loss (``backward``); gradients flow back through the replicas
+into the original parameters.
 
-A second strategy (persistent replicas with an explicit gradient reduce, no per-step replicate) can
-sit beside this one behind the same two methods.
+A strategy is four calls per optimizer step, made by the trainer in this order:
+``forward_loss`` (per micro-batch) → ``backward`` (per micro-batch) → ``reduce_gradients`` (once:
+the model's ``.grad`` must then hold the whole batch's gradient) → the optimizer steps the model →
+``sync_replicas`` (once: whatever the strategy keeps on the other devices catches up). ``forward``
+serves evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy behind them.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from multilane.engine.parallel import inplace
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.buffers import merge_buffers
+from multilane.engine.parallel.lane_context import lane_apply
+from multilane.engine.parallel.lane_rng import LaneRandom, LaneRandomnessError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
 from torch import nn
@@ -44,6 +50,9 @@ class StepOutput:
     """With a task's ``loss_weight``: the batch's total weight (0-dim, on the output device)."""
     output: Any = None
     """The model's output gathered on the output device (``keep_output=True``, for evaluation)."""
+    shard_losses: list[torch.Tensor] = field(default_factory=list)
+    """Each lane's loss in ``lanes`` as its lane computed it, before gather, with grad: the roots of the
+    lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
 
 
 class LossNotScalarError(ValueError):
@@ -134,7 +143,7 @@ class _LaneLoss:
 class ReplicateEachStep:
     """Replicate the model at every step, as ``nn.DataParallel`` does."""
 
-    def __init__(self, backend: Backend, precision: str = "fp32") -> None:
+    def __init__(self, backend: Backend, precision: str = "fp32", seed: int = 0) -> None:
         self.backend = backend
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self._weights: dict[tuple, torch.Tensor] = {}
@@ -142,6 +151,13 @@ class ReplicateEachStep:
         # known, and for a model that does, every lane gets private copies; a model that does not gets
         # views where a lane sits on the parameters' device (no copy of the data each step).
         self._writes_params: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+        self.random = LaneRandom([d.torch_device() for d in backend.devices], seed)
+        """Each lane's random stream (lane 0's is torch's default generator); saved in checkpoints."""
+
+    def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
+        """parallel_apply, each lane with its own random stream and a group to exchange values in."""
+        b = self.backend
+        return lane_apply(b.parallel_apply, self.random, kind, fns, inputs, kwargs, lanes, b.lane_names)
 
     def _wrap(self, fns: Sequence[Callable[..., Any]]) -> Sequence[Callable[..., Any]]:
         if self.autocast_dtype is None:
@@ -191,21 +207,23 @@ class ReplicateEachStep:
         timer.mark("scatter")
         shard_inputs = b.scatter(inputs, active, lanes)
         shard_targets = b.scatter(target, active, lanes)
-        outputs = self._forward_lanes(model, shard_inputs, lanes, timer)
+        outputs = self._forward_lanes(model, shard_inputs, lanes, active, timer)
         timer.mark("loss")
-        losses = b.parallel_apply(
-            self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes)),
-            list(zip(outputs, shard_targets, strict=True)),
-            None,
-            lanes,
-        )
+        lane_loss = self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes))
+        pairs = list(zip(outputs, shard_targets, strict=True))
+        try:
+            losses = self._apply("loss", lane_loss, pairs, None, lanes)
+        except LaneRandomnessError:  # a loss that draws random numbers: again, locked (lane_rng.py)
+            losses = self._apply("loss", lane_loss, pairs, None, lanes)
         output = b.gather(outputs) if keep_output else None
         if weight_fn is None:
             lane_losses = b.gather(losses)
             combined = (
                 lane_losses[0] if len(lanes) == 1 else (lane_losses * self._weight(active, lane_losses.dtype)).sum()
             )
-            return StepOutput(combined.reshape(()), lane_losses.detach(), lanes, output=output)
+            return StepOutput(
+                combined.reshape(()), lane_losses.detach(), lanes, output=output, shard_losses=list(losses)
+            )
         w = b.gather([w for _, w in losses])
         ws = w.tolist()
         bad = [x for x in ws if not 0 <= x < math.inf]
@@ -217,10 +235,25 @@ class ReplicateEachStep:
         if len(keep) < len(ws):
             losses, lanes = [losses[k] for k in keep], [lanes[k] for k in keep]
             w = w[torch.tensor(keep, device=w.device)]
-        lane_losses = b.gather([loss for loss, _ in losses])
+        shard_losses = [loss for loss, _ in losses]
+        lane_losses = b.gather(shard_losses)
         total = w.sum()
         combined = (lane_losses * w).sum() / total
-        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output)
+        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output, shard_losses=shard_losses)
+
+    def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
+        graphs, which sums every lane's gradient into the model's own parameters."""
+        loss.backward()
+
+    def reduce_gradients(self, timer: PhaseTimer) -> None:
+        """Make the model's ``.grad`` the whole batch's gradient: here backward has done it."""
+
+    def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """Bring replicas up to date after the optimizer step: here the next step makes new ones."""
+
+    def close(self) -> None:
+        """Drop whatever the strategy holds between steps."""
 
     def _single_lane(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
         """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
@@ -240,35 +273,54 @@ class ReplicateEachStep:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
         return StepOutput(loss, loss.detach().reshape(1), [0], weight=weight, output=output if keep_output else None)
 
-    def _forward_lanes(self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], timer: PhaseTimer) -> list:
-        """The forward of every lane on its own true replica; a forward that changes parameters in place
-        is made equal to one device's (engine/parallel/inplace.py)."""
+    def _forward_lanes(
+        self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer
+    ) -> list:
+        """The forward of every lane on its own true replica, each on its own random stream (lane_rng.py);
+        a forward that changes parameters in place is made equal to one device's (inplace.py). Every
+        replica updates copies of the buffers, so the model's stay as they were until the forward that
+        counts is done; they are then the replicas' merged (buffers.py)."""
         b = self.backend
         detach = not torch.is_grad_enabled()
         args_kwargs = [model_args(x) for x in shard_inputs]
         fns_args = ([a for a, _ in args_kwargs], [k for _, k in args_kwargs])
         writes = self._writes_params.get(model)
         share = writes is False
+        kind = "train" if model.training else "eval"
         timer.mark("replicate")
         replicas = b.replicate(model, lanes, detach=detach, share=share)
         before = inplace.versions(replicas.params)
         timer.mark("forward")
-        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
+        streams = self.random.mark(lanes)
+        try:
+            outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
+        except LaneRandomnessError:
+            # The lanes ran unlocked and drew random numbers: their draws are taken back, and the
+            # forward runs again, locked, each lane on its own stream, from fresh replicas.
+            replicas = b.replicate(model, lanes, detach=detach, share=share)
+            before = inplace.versions(replicas.params)
+            outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
+        except RuntimeError as e:
+            # Shared lanes hold views that torch refuses to use once written: a late write, named.
+            touched = inplace.changed(replicas.params, before)
+            if share and touched and "modified inplace" in str(e):
+                raise inplace.late_write_error(model, touched) from None
+            raise
         touched = inplace.changed(replicas.params, before)
         if writes is None:
             self._writes_params[model] = bool(touched)
-        if not touched:
-            return outputs
-        names = [b.lane_names[i] for i in lanes]
-        if share:
-            raise inplace.late_write_error(model, touched)
-        if inplace.merge_into_original(model, replicas.params, touched, names):
-            return outputs
-        del outputs
-        replicas = b.replicate(model, lanes, detach=detach)
-        before = inplace.versions(replicas.params)
-        outputs = b.parallel_apply(self._wrap(replicas), *fns_args, lanes)
-        inplace.check_settled(model, replicas.params, before, names)
+        if touched:
+            names = [b.lane_names[i] for i in lanes]
+            if share:
+                raise inplace.late_write_error(model, touched)
+            if not inplace.merge_into_original(model, replicas.params, touched, names):
+                del outputs
+                self.random.rewind(streams)  # the replay draws what the first forward drew
+                replicas = b.replicate(model, lanes, detach=detach)
+                before = inplace.versions(replicas.params)
+                outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
+                inplace.check_settled(model, replicas.params, before, names)
+        merge_buffers(model, replicas, active)
         return outputs
 
     def forward(self, model: nn.Module, inputs: Any, sizes: Sequence[int]) -> Any:
@@ -280,7 +332,7 @@ class ReplicateEachStep:
             with self._autocast():
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
-        return b.gather(self._forward_lanes(model, shard_inputs, lanes, _NO_TIMER))
+        return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))
 
 
 class _NoTimer(PhaseTimer):

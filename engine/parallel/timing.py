@@ -7,7 +7,10 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("data", "scatter", "replicate", "forward", "loss", "backward", "optimizer")
+PHASES = ("data", "scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer")
+"""A step's phases in the order they run. ``replicate`` is the per-step copy of the model
+(ReplicateEachStep) or the copy of the new weights into persistent replicas (PersistentReplicas);
+``reduce`` is PersistentReplicas' gradient sum across devices (ReplicateEachStep sums inside backward)."""
 
 
 class PhaseTimer:

@@ -1,0 +1,171 @@
+"""Starting a ddp run through torch.distributed's own elastic launcher, and reporting how it ended.
+
+``multilane train --strategy ddp`` calls ``launch``: torch's ``elastic_launch`` (torchrun's machinery:
+a c10d rendezvous, the local elastic agent, one worker process per device) runs ``multilane train``
+again in each worker, where it becomes one rank (``worker.py``). The agent watches its workers: when
+one raises or is killed it stops the others at once (SIGTERM, SIGKILL after a grace period), and a
+signal to the launcher (Ctrl+C, SIGTERM) is passed on to every rank, which stop together at the same
+step with a checkpoint. The launcher then writes the outcome into the run folder: which rank failed
+and with what error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.config import RunConfig
+from multilane.engine.devices import default_devices, parse_devices
+from multilane.engine.distributed.worker import RUN_DIR_ENV
+from multilane.engine.errors import UserError
+from multilane.engine.runlog import ERROR, STATUS, RunDir, iter_metrics
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. 127.0.0.1:29500")
+    return host, int(port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The single-node launcher hosts the rendezvous: refuse a port something else holds."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(
+                f"rendezvous port {host}:{port} is not available ({e.strerror or e}); "
+                "choose another with --rdzv-endpoint or leave it out to pick a free one"
+            ) from None
+
+
+def processes_per_node(config: RunConfig) -> int:
+    spec = config.devices.use
+    return len(default_devices() if spec.strip().lower() == "auto" else parse_devices(spec))
+
+
+def launch(
+    argv: list[str],
+    config: RunConfig,
+    resume_from: str | None = None,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_timeout_s: float = 60.0,
+    rdzv_id: str | None = None,
+) -> int:
+    """Run ``multilane train ARGV`` as ``nproc`` ranks on this node (of ``nnodes``); the exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = processes_per_node(config)
+    run_dir: Path | None = Path(resume_from) if resume_from else None
+    if nnodes == 1:
+        host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else ("127.0.0.1", free_port())
+        check_port_free(host, port)
+        endpoint = f"{host}:{port}"
+        if run_dir is None and os.environ.get(RUN_DIR_ENV):  # made by the app that started us
+            run_dir = Path(os.environ[RUN_DIR_ENV])
+        elif run_dir is None:  # the launcher makes the folder, so that it can report any rank's failure
+            made = RunDir.create(config.run.runs_dir, config.run.name)
+            made.close()  # rank 0 takes the folder's lock: it is the run's writer
+            run_dir = made.path
+            os.environ[RUN_DIR_ENV] = str(run_dir)
+    else:
+        if not rdzv_endpoint:
+            raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
+        endpoint = "{}:{}".format(*parse_endpoint(rdzv_endpoint))
+    if not config.devices.use.startswith("cuda"):
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # the launcher reports outcomes itself
+    lc = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=rdzv_id or (f"multilane-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "multilane"),
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": int(rdzv_timeout_s), "read_timeout": int(rdzv_timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(lc, sys.executable)("-m", "multilane.engine.cli", "train", *argv)
+    except ChildFailedError as e:
+        rank, message, tb = first_failure(e)
+        if run_dir is not None:
+            report_failure(run_dir, rank, message, tb)
+        print(f"failed: {message}", file=sys.stderr)
+        if run_dir is not None:
+            print(f"  run directory: {run_dir}", file=sys.stderr)
+        return 1
+    except SignalException:
+        state = _state(run_dir)
+        print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
+        return 0 if state == "stopped" else 1
+    except RendezvousError as e:
+        what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
+        raise UserError(
+            f"rendezvous at {endpoint} failed for {what} within {rdzv_timeout_s:g} s "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    return 1 if _state(run_dir) == "failed" else 0
+
+
+def first_failure(e: Any) -> tuple[int, str, str | None]:
+    """The failure that caused the others: a rank killed by a signal or failing on its own comes
+    before one that only lost its peers; then the earliest, then the lowest rank."""
+
+    def lost(f: Any) -> bool:
+        return isinstance(f.message, dict) and "RankLostPeers" in str(f.message.get("message", ""))
+
+    rank, f = min(e.failures.items(), key=lambda kv: (lost(kv[1]), kv[1].timestamp, kv[0]))
+    if f.exitcode < 0:
+        return rank, f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}", None
+    if isinstance(f.message, dict):
+        text = str(f.message.get("message", ""))
+        text = text.split(": ", 1)[1] if text.startswith(("RankFailed: ", "RankLostPeers: ")) else text
+        tb = f.message.get("extraInfo", {}).get("py_callstack")
+        return rank, text or f"rank {rank} exited with {f.exitcode}", tb
+    return rank, f"rank {rank} (pid {f.pid}) exited with status {f.exitcode}", None
+
+
+def report_failure(run_dir: Path, rank: int, message: str, tb: str | None) -> None:
+    """Write the run's outcome: status failed, a failed event naming the rank, the traceback."""
+    rd = RunDir(run_dir)
+    old = rd.read_json(STATUS) or {}
+    step = max(
+        (r.get("step", 0) for r in iter_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"), default=0
+    )
+    if tb or not (run_dir / ERROR).exists():
+        rd.write_error(tb or message + "\n")
+    rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
+    rd.append_metric(
+        {"kind": "event", "event": "failed", "step": step, "wall_time": time.time(), "message": message, "rank": rank}
+    )
+    rd.close()
+
+
+def _state(run_dir: Path | None) -> str | None:
+    if run_dir is None:
+        return None
+    try:
+        return json.loads((run_dir / STATUS).read_text()).get("state")
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,68 @@
+"""Who this process is in a ddp run (from the environment torchrun and the elastic agent set) and its
+process group: NCCL on GPUs, Gloo on the CPU, with a timeout so that a dead or hung rank ends the run."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from multilane.engine.devices import Device, cuda_count, parse_devices
+from multilane.engine.errors import UserError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    host: str
+    device: Device
+
+    @property
+    def key(self) -> str:
+        """This rank's name in ``device_loss`` and telemetry: host, rank and device."""
+        return f"{self.host}/rank{self.rank}/{self.device.name}"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, devices_spec: str) -> RankInfo:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(rank, world, local_rank, local_world, socket.gethostname(), rank_device(devices_spec, local_rank))
+
+
+def rank_device(spec: str, local_rank: int) -> Device:
+    """The device of local rank ``local_rank``: the ``local_rank``-th of the node's device list
+    (``auto``: GPU ``local_rank`` where there are GPUs, else CPU lane ``local_rank``)."""
+    if spec.strip().lower() == "auto":
+        return Device("cuda", local_rank) if cuda_count() > local_rank else Device("cpu", local_rank)
+    devices = parse_devices(spec)
+    if local_rank >= len(devices):
+        raise UserError(
+            f"devices: local rank {local_rank} has no device; {spec} lists {len(devices)} "
+            "(give one device per process on each node)"
+        )
+    return devices[local_rank]
+
+
+def init_process_group(info: RankInfo, timeout_s: float) -> None:
+    """Join the run's process group (env:// from the launcher), on this rank's device."""
+    if info.device.is_cuda:
+        torch.cuda.set_device(info.device.index)
+    backend = "nccl" if info.device.is_cuda else "gloo"
+    kwargs = {"device_id": info.device.torch_device()} if info.device.is_cuda else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def cpu_threads_per_rank(local_world: int) -> int:
+    """Intra-op threads for a CPU rank: the node's cores shared among its ranks."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))

@@ -1,0 +1,401 @@
+"""The ddp trainer: the engine's loop, one process per device, DistributedDataParallel.
+
+It reuses ``Trainer``'s loop and overrides the parts that differ: each rank takes its shard of global
+micro-batch ``m`` (the same global batches as the single-process engine), scales its shard loss so
+that DDP's equal-weight gradient average is the full-batch gradient, gathers the log window to every
+rank once per window, evaluates its shard of the validation set, and agrees with the other ranks on
+pause and stop (see ``_sync_control``). Rank 0 writes the run folder; the other ranks write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from multilane.engine import checkpointer
+from multilane.engine.control import RunControl
+from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.window import ShardWindow, combine
+from multilane.engine.errors import UserError
+from multilane.engine.loader import ArrayLoader, build_loader
+from multilane.engine.metrics_window import check_finite
+from multilane.engine.optim import build_optimizer, lr_at
+from multilane.engine.parallel import chunk_sizes
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.parallel.tree import first_tensor
+from multilane.engine.runlog import RunDir
+from multilane.engine.tasks import loss_weight_fn
+from multilane.engine.telemetry import TelemetrySampler
+from multilane.engine.trainer import Trainer
+from torch.nn.parallel import DistributedDataParallel
+
+PAUSE_POLL_S = 0.2
+
+
+class NullRunDir(RunDir):
+    """The run folder as seen by a rank other than 0: it knows the path (for the control file) and
+    writes nothing."""
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None: ...
+    def append_metric(self, record: dict[str, Any]) -> None: ...
+    def set_status(self, state: str, message: str | None = None, **extra: Any) -> None: ...
+    def write_error(self, text: str) -> None: ...
+    def save_checkpoint(self, state: dict[str, Any]) -> None: ...
+
+
+class DdpTrainer(Trainer):
+    """``Trainer`` on one rank of a ddp run; the process group must be initialised.
+
+    ``requests`` takes this rank's own stop and pause requests (signals, the control file); the
+    loop acts on them only once every rank agrees (``control``), so all ranks stop at the same step.
+    """
+
+    def __init__(
+        self,
+        info: RankInfo,
+        requests: RunControl | None = None,
+        run_dir: str | Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.info = info  # before the base class opens a resumed run's folder: rank 0 alone locks it
+        super().__init__(**kwargs)
+        self.requests = requests or RunControl()
+        self._given_run_dir = Path(run_dir) if run_dir else None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._tele_lock = threading.Lock()
+        self._tele_buffer: list[dict[str, Any]] = []
+        self._busy_s = 0.0
+        self._keys: list[str] = [info.key]
+        self._parent = os.getppid()
+
+    def _open_resume_dir(self, path: str | Path) -> RunDir:
+        return RunDir.open_existing(path, lock=self.info.is_main)  # rank 0 is the run folder's writer
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg, info = self.config, self.info
+        torch.manual_seed(cfg.train.seed)
+        if not info.device.is_cuda:
+            torch.set_num_threads(cpu_threads_per_rank(info.local_world))
+        dev = info.device.torch_device()
+        self.loader = build_loader(self.task, cfg, dev if info.device.is_cuda else None)
+        if not isinstance(self.loader, ArrayLoader):
+            raise UserError(
+                f"task {self.task.name}: devices.strategy = ddp takes in-memory data (ArrayData) for now; "
+                "a Dataset or stream task runs with the replicate strategy"
+            )
+        self.batches, self.val = self.loader.batches, self.loader.val
+        self.model = self.task.build_model().to(dev)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        accum = cfg.train.grad_accum
+        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * self.batches.per_epoch / accum)
+        self.scaler = torch.amp.GradScaler(info.device.kind, enabled=cfg.train.precision == "fp16")
+        self._weights = cfg.devices.weights or None
+        if self._weights and len(self._weights) != info.world:
+            raise UserError(f"devices.weights: {len(self._weights)} weights for {info.world} ddp processes")
+        self._sizes_cache: dict[int, list[int]] = {}
+        self.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
+        self.window = ShardWindow()
+        self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
+        self._loss_weight = loss_weight_fn(self.task)
+        if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
+            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None})
+        self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if info.device.is_cuda else None)
+        # Pause/stop flags travel on a CPU (Gloo) group: no device sync per step on GPUs.
+        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        keys: list[Any] = [None] * info.world
+        dist.all_gather_object(keys, info.key)
+        self._keys = keys
+
+    @property
+    def lane_names(self) -> list[str]:
+        return list(self._keys)
+
+    def _sizes(self, batch: int) -> list[int]:
+        s = self._sizes_cache.get(batch)
+        if s is None:
+            s = self._sizes_cache[batch] = chunk_sizes(batch, self.info.world, self._weights)
+        return s
+
+    def _my_slice(self, size: int) -> tuple[int, int]:
+        sizes = self._sizes(size)
+        return sum(sizes[: self.info.rank]), sizes[self.info.rank]
+
+    def _open_run_dir(self) -> RunDir:
+        """Rank 0 opens the folder (the launcher's, the resumed one, or a new one) and tells the others."""
+        rd: RunDir | None = None
+        if self.info.is_main:
+            if self._given_run_dir is not None and self._resume_dir is None:
+                rd = RunDir(self._given_run_dir)
+                (rd.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+                rd.acquire()  # the launcher made the folder; rank 0 is its writer
+            else:
+                rd = super()._open_run_dir()
+        path: list[Any] = [str(rd.path) if rd is not None else None]
+        dist.broadcast_object_list(path, src=0)
+        return rd if rd is not None else NullRunDir(Path(path[0]))
+
+    # -- one step -------------------------------------------------------------------------------
+    def _train_step(self, accum: int) -> None:
+        cfg, timer, opt, world = self.config, self.timer, self.optimizer, self.info.world
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        for k in range(accum):
+            idx = self.batches.indices(self.step * accum + k)
+            size = int(idx.shape[0])
+            start, n = self._my_slice(size)
+            inputs, target = self.batches.data.take(idx[start : start + n])
+            # Gradients are averaged across ranks once per optimizer step, at its last micro-batch.
+            sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
+            with sync:
+                timer.mark("forward")
+                output, shard_loss, weight = self._forward(inputs, target, n)
+                timer.mark("backward")
+                share = n / size if self._loss_weight is None else self._weight_share(weight)
+                if shard_loss is not None and share > 0:
+                    contrib = shard_loss * share  # this shard's part of the full-batch loss
+                    local = contrib * world  # DDP divides the summed gradients by the world size
+                else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
+                    shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
+                    local = first_tensor(output).sum() * 0.0
+                    contrib = local.detach().float()
+                if k == 0:
+                    opt.zero_grad(set_to_none=True)
+                self.scaler.scale(local / accum if accum > 1 else local).backward()
+            self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
+        timer.mark("optimizer")
+        if cfg.train.grad_clip > 0:
+            self.scaler.unscale_(opt)
+            self.window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+        self.scaler.step(opt)
+        self.scaler.update()
+        timer.end_step()
+        self.window.end_step()
+        self._busy_s += time.perf_counter() - t0
+
+    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
+        args, kwargs = model_args(inputs)
+        dtype = self.autocast_dtype
+        cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
+        with cast:
+            output = self.ddp(*args, **kwargs)
+            if n == 0:
+                return output, None, None
+            check_batch(output, target)
+            loss = _LaneLoss.check(self.task.loss(output, target))
+            weight = None
+            if self._loss_weight is not None:
+                weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
+            return output, loss, weight
+
+    def _weight_share(self, weight: torch.Tensor | None) -> float:
+        """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
+        e.g. its non-padding tokens). The sum over ranks is one small all-reduce per micro-batch, on the
+        CPU group; only tasks that define ``loss_weight`` pay it."""
+        w = 0.0 if weight is None else float(weight)
+        if not 0 <= w < math.inf:
+            raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
+        total = torch.tensor([w], dtype=torch.float64)
+        dist.all_reduce(total, group=self._control_group)
+        t = float(total[0])
+        return w / t if t > 0 else 0.0
+
+    # -- agreeing on pause and stop -------------------------------------------------------------
+    def _flags(self, a: bool, b: bool) -> torch.Tensor:
+        return torch.tensor([int(a), int(b)], dtype=torch.int32)
+
+    def _sync_control(self) -> None:
+        """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
+        step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
+        act on the same agreed flags at the same step."""
+        self._control_file.apply(self.requests)
+        if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
+            self.requests.request_stop()
+        if self._pending is not None:
+            work, flags = self._pending
+            self._pending = None
+            work.wait()
+            stop, pause = flags.tolist()
+            if stop:
+                self.requests.request_stop()
+                self.control.request_stop()
+                return
+            if pause:
+                self.control.pause()
+                return
+        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
+        self._pending = (work, flags)
+
+    def _drain_pending(self) -> None:
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            work.wait()
+
+    def _wait_paused(self) -> None:
+        """Paused: every ``PAUSE_POLL_S`` all ranks compare notes (a sync all-reduce); a resume or a
+        stop seen by any rank ends the pause on all of them."""
+        self._drain_pending()
+        self.requests.pause()
+        while True:
+            time.sleep(PAUSE_POLL_S)
+            self._control_file.apply(self.requests)
+            flags = self._flags(self.requests.stop_requested, not self.requests.pause_requested)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+            stop, run = flags.tolist()
+            if stop:
+                self.requests.request_stop()
+                self.control.request_stop()
+                return
+            if run:
+                self.requests.resume()
+                self.control.resume()
+                return
+
+    # -- logging, evaluation, stopping ----------------------------------------------------------
+    def _log(self, **extra: Any) -> None:
+        """One collective per log window: every rank's window (and its buffered telemetry) to every
+        rank; all ranks build the same record, rank 0 writes it."""
+        mine = self.window.take()
+        if mine is None:  # the same on every rank: they count the same micro-batches
+            return
+        with self._tele_lock:
+            telemetry, self._tele_buffer = self._tele_buffer, []
+        everyone: list[Any] = [None] * self.info.world
+        dist.all_gather_object(everyone, (mine, telemetry, self.timer.read()))
+        windows = [e[0] for e in everyone]
+        first = windows[0]["first_step"] or self.step
+        rec = combine(
+            windows,
+            self._keys,
+            step=self.step,
+            epoch=round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
+            wall_time=time.time(),
+            lr=self.optimizer.param_groups[0]["lr"],
+            **extra,
+        )
+        rec["phase_ms"] = everyone[0][2]
+        if self.info.is_main:
+            for _, records, _ in everyone[1:]:
+                for r in records:
+                    self._dispatch(r)
+        self._last_train = rec
+        for cb in self.callbacks:
+            cb.on_log(rec)
+        check_finite(rec, first, self.step)
+
+    def _stop(self) -> None:
+        """All ranks stop at the same step: the open window is logged whole, then rank 0 saves."""
+        self._log()
+        checkpointer.save(self)
+
+    def _evaluate(self) -> None:
+        """Each rank evaluates its shard of every validation batch; one gather sums them."""
+        if self.val is None:
+            return
+        model, task, bs = self.model, self.task, self.config.data.batch_size
+        was_training = model.training
+        model.eval()
+        loss_sum = weight_sum = 0.0
+        metric_sums: list[float] = []
+        keys: list[str] = []
+        count, n_val = 0, len(self.val)
+        dtype = self.autocast_dtype
+        try:
+            with torch.no_grad():
+                for b0 in range(0, n_val, bs):
+                    start, n = self._my_slice(min(bs, n_val - b0))
+                    if n == 0:
+                        continue
+                    inputs, target = self.val.take(torch.arange(b0 + start, b0 + start + n))
+                    args, kwargs = model_args(inputs)
+                    cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
+                    with cast:
+                        output = model(*args, **kwargs)
+                        loss = _LaneLoss.check(task.loss(output, target))
+                        w = float(n)
+                        if self._loss_weight is not None:
+                            w = float(_LaneLoss.weight(self._loss_weight(output, target), loss))
+                    if w > 0:  # a shard holding no weight (all padding) adds nothing; its mean is 0/0
+                        loss_sum += float(loss.double()) * w
+                        weight_sum += w
+                    metrics = task.metrics(output, target)
+                    keys = list(metrics)
+                    values = [float(torch.as_tensor(metrics[k]).double()) * n for k in keys]
+                    metric_sums = (
+                        values if not metric_sums else [a + b for a, b in zip(metric_sums, values, strict=True)]
+                    )
+                    count += n
+        finally:
+            model.train(was_training)
+        everyone: list[Any] = [None] * self.info.world
+        dist.all_gather_object(everyone, (loss_sum, weight_sum, metric_sums, keys, count))
+        parts = [e for e in everyone if e[4] > 0]
+        keys = parts[0][3]
+        n_all = sum(e[4] for e in parts)
+        w_all = sum(e[1] for e in everyone)
+        rec = {
+            "kind": "eval",
+            "step": self.step,
+            "wall_time": time.time(),
+            "val_loss": sum(e[0] for e in everyone) / w_all if w_all > 0 else math.nan,
+            "metrics": {k: sum(e[2][i] for e in parts) / n_all for i, k in enumerate(keys)},
+        }
+        self._last_eval = rec
+        for cb in self.callbacks:
+            cb.on_eval(rec)
+
+    # -- telemetry: each rank samples its own device; rank 0 writes every rank's records ---------
+    def _make_sampler(self) -> TelemetrySampler | None:
+        t = self.config.telemetry
+        if not t.enabled:
+            return None
+        cpu = not self.info.device.is_cuda
+        return TelemetrySampler(
+            [self.info.device],
+            [self.info.key],
+            self._telemetry,
+            rate_hz=t.rate_hz,
+            record_s=t.record_s,
+            busy_seconds=(lambda: [self._busy_s]) if cpu else None,
+        )
+
+    def _telemetry(self, record: dict[str, Any]) -> None:
+        record = {**record, "step": self.step, "host": self.info.host, "rank": self.info.rank}
+        if record["kind"] == "telemetry":
+            devices = record["devices"]
+            entry = next(iter(devices.values()), {}) if devices else {}
+            process = record.get("process", {})
+            entry = {**entry, **{k: v for k, v in process.items() if k in ("cpu_pct", "rss_mb")}}
+            record["devices"] = {self.info.key: entry}
+            if not self.info.is_main:
+                record.pop("process", None)  # the run's "process" series is rank 0's
+        if self.info.is_main:
+            self._dispatch(record)
+        else:
+            with self._tele_lock:
+                self._tele_buffer.append(record)
+
+    def _dispatch(self, record: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            if record["kind"] == "telemetry":
+                cb.on_telemetry(record)
+            else:
+                cb.on_event(record)
+
+    def _finish(self, status: str, message: str | None, tb: str | None):
+        if status != "failed":
+            with contextlib.suppress(Exception):
+                self._drain_pending()
+        return super()._finish(status, message, tb)

@@ -1,0 +1,89 @@
+"""One rank's entry point: ``multilane train --strategy ddp`` inside torchrun or the elastic agent.
+
+``rank_main`` carries torch's ``@record``: a rank that fails writes its error (message and traceback)
+to the file the agent reads, so the launcher can say which rank failed and why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+from multilane.engine.config import RunConfig
+from multilane.engine.control import RunControl
+from multilane.engine.distributed.rank import RankInfo, init_process_group
+from multilane.engine.errors import UserError
+from torch.distributed.elastic.multiprocessing.errors import record
+
+RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
+
+# Errors that mean "another rank went away", not "this rank went wrong".
+_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I)
+
+
+class RankFailed(RuntimeError):
+    """This rank's run failed; the message names the rank and its error."""
+
+
+class RankLostPeers(RankFailed):
+    """This rank failed because another rank vanished (its own error is secondary)."""
+
+
+@record
+def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
+    from multilane.engine.distributed.trainer import DdpTrainer
+    from multilane.engine.progress import ProgressDisplay, summary
+
+    if config is None:  # resuming: the devices come from the checkpoint's config
+        from multilane.engine.config import build_config, merge
+        from multilane.engine.runlog import RunDir
+
+        ck = RunDir.open_existing(resume_from).load_checkpoint()
+        config = build_config(merge(ck["config"], overrides), "resume config")
+    info = RankInfo.from_env(config.devices.use)
+    init_process_group(info, config.devices.collective_timeout_s)
+    requests = RunControl()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        requests.request_stop()  # every time: the agent may repeat the signal; its SIGKILL comes later
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    callbacks = [ProgressDisplay()] if info.is_main else []
+    if resume_from:
+        trainer = DdpTrainer(info, requests, callbacks=callbacks, resume_from=resume_from, overrides=overrides)
+    else:
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        trainer = DdpTrainer(info, requests, run_dir=run_dir, callbacks=callbacks, config=config)
+    result = trainer.run()
+    if info.is_main:
+        print(summary(result, getattr(trainer, "total_steps", None)), flush=True)
+    if result.status == "failed":
+        message = f"rank {info.rank} ({info.key}): {result.message}"
+        raise (RankLostPeers if _LOST.search(result.message or "") else RankFailed)(message)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> NoReturn:
+    """Run this rank and exit: 0, or 1 (quietly: the launcher reports it) when the run failed.
+
+    The process ends with ``os._exit`` once everything is written (files are closed, the checkpoint
+    fsynced, the error file recorded): at interpreter teardown a c10d background thread could still
+    be joinable, and its destructor aborted the process now and then ("terminate called without an
+    active exception", SIGABRT), which turned a finished rank into a failed one.
+    """
+    try:
+        code = rank_main(config, resume_from, overrides)
+    except RankFailed:
+        code = 1
+    except UserError as e:
+        print(f"multilane: error: {e}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

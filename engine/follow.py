@@ -1,0 +1,96 @@
+"""Following a run another process is writing: incremental reads of metrics.jsonl and status.json.
+
+``MetricsTail`` keeps a byte offset into metrics.jsonl and parses only what was appended since the
+last read; a line still being written (no newline yet) waits for the next read. ``status.json`` is
+re-read only when its stamp (inode, mtime, size) changes. The CLI's ``multilane watch`` uses
+``RunFollower``; the app can poll one on a timer the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.runlog import METRICS, STATUS
+
+TERMINAL_STATES = ("finished", "stopped", "failed")
+
+
+class MetricsTail:
+    """The records appended to one metrics.jsonl since the last ``read()``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self._rest = b""  # an incomplete last line, kept until its newline arrives
+        self._ino: int | None = None
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self._ino or st.st_size < self.offset:  # a new or truncated file: start over
+                self._ino, self.offset, self._rest = st.st_ino, 0, b""
+            if st.st_size == self.offset:
+                return []
+            f.seek(self.offset)
+            data = f.read(st.st_size - self.offset)
+        self.offset += len(data)
+        lines = (self._rest + data).split(b"\n")
+        self._rest = lines.pop()  # b"" when the data ended with a newline
+        out = []
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue  # a torn line left by a kill
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+@dataclass
+class FollowUpdate:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    status: dict[str, Any] | None = None
+    """The new status.json, when it changed since the last poll."""
+
+
+class RunFollower:
+    """Polls one run directory: new metrics records and status changes."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics = MetricsTail(self.run_dir / METRICS)
+        self._status_stamp: tuple[int, int, int] | None = None
+        self.status: dict[str, Any] | None = None
+
+    def poll(self) -> FollowUpdate:
+        update = FollowUpdate(records=self.metrics.read())
+        path = self.run_dir / STATUS
+        try:
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp != self._status_stamp:
+            try:
+                status = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                status = None  # replaced between stat and read: the next poll sees it
+            if isinstance(status, dict):
+                self._status_stamp, self.status = stamp, status
+                update.status = status
+        return update
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None and self.status.get("state") in TERMINAL_STATES
