@@ -26,7 +26,7 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
         "total_steps": t.total_steps,
         "config": t.config.to_dict(),
         "rng": torch.get_rng_state(),
-        "lane_rng": t.strategy.random.state_dict(),
+        "lane_rng": _lane_random(t).state_dict() if _lane_random(t) is not None else None,
         "metrics_window": t.window.state_dict(),
         "multilane": __version__,
     }
@@ -40,14 +40,21 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
         t.scaler.load_state_dict(ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
         torch.set_rng_state(ck["rng"])
-    lane_rng = ck.get("lane_rng")
-    if lane_rng and len(lane_rng.get("lanes") or []) == len(t.devices):
+    lane_rng, streams = ck.get("lane_rng"), _lane_random(t)
+    if streams is not None and lane_rng and len(lane_rng.get("lanes") or []) == len(t.devices):
         # Each lane's random stream (lane 0's includes its GPU's generator). Resumed on another lane
         # count, lanes start fresh streams: a run reproduces on a given lane count only.
-        t.strategy.random.load_state_dict(lane_rng)
+        streams.load_state_dict(lane_rng)
     t.step = int(ck["step"])
     if ck.get("metrics_window") is not None:
         t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)
+
+
+def _lane_random(t: Trainer) -> Any:
+    """The lanes' random streams of a single-process run; None for a ddp rank (its process's own
+    generators are its stream)."""
+    strategy = getattr(t, "strategy", None)
+    return getattr(strategy, "random", None)
 
 
 def save(t: Trainer) -> None:

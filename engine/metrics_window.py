@@ -20,7 +20,27 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-class MetricsWindow:
+class ActiveClock:
+    """A log window's running time: paused time is not training time, so samples/s counts only the
+    time spent running. Subclasses set ``_active_s`` and ``_t0`` (None while stopped)."""
+
+    _active_s: float = 0.0
+    _t0: float | None = None
+
+    def pause(self) -> None:
+        if self._t0 is not None:
+            self._active_s += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def resume(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def active_seconds(self) -> float:
+        return self._active_s + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+
+class MetricsWindow(ActiveClock):
     """Sums of the combined and per-lane losses, gradient norms and samples since the last record."""
 
     def __init__(self, lane_names: Sequence[str]) -> None:
@@ -72,19 +92,6 @@ class MetricsWindow:
 
     def end_step(self) -> None:
         self.steps += 1
-
-    def pause(self) -> None:
-        """Paused time is not training time: samples/s counts only the time spent running."""
-        if self._t0 is not None:
-            self._active_s += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def resume(self) -> None:
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
-
-    def active_seconds(self) -> float:
-        return self._active_s + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
 
     # -- reading (at log time) --------------------------------------------------------------------
     def record(self, **fields: Any) -> dict[str, Any] | None:

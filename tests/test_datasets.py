@@ -236,7 +236,8 @@ def test_the_wait_for_data_is_logged_and_shown(tmp_path):
             d = super().data()
             return Slow(d.inputs, d.target)
 
-    result = Trainer(config(tmp_path, lanes=1, train__steps=4), task=SlowTask()).run()
+    # 77 training samples: steps 1-3 read 20 each (step 4 would read the epoch's last 17)
+    result = Trainer(config(tmp_path, lanes=1, train__steps=3), task=SlowTask()).run()
     rec = result.last_train
     assert rec["phase_ms"]["data"] >= 20 * 2.0 * 0.9  # 20 samples of 2 ms each per step
     assert rec["phase_ms"]["data"] <= rec["step_ms"]

@@ -12,9 +12,10 @@ import time
 from typing import Any
 
 import torch
+from multilane.engine.metrics_window import ActiveClock
 
 
-class ShardWindow:
+class ShardWindow(ActiveClock):
     def __init__(self) -> None:
         self._t0: float | None = None
         self.reset()
@@ -47,18 +48,6 @@ class ShardWindow:
 
     def end_step(self) -> None:
         self.steps += 1
-
-    def pause(self) -> None:
-        if self._t0 is not None:
-            self._active_s += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def resume(self) -> None:
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
-
-    def active_seconds(self) -> float:
-        return self._active_s + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
 
     def take(self) -> dict[str, Any] | None:
         """This rank's window as plain numbers (the one device sync), then a fresh window."""
