@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--strategy",
         metavar="S",
-        help="persistent (default: one process, a replica kept per device), replicate (one process, the model "
-        "copied every step, as nn.DataParallel), or ddp (one process per device)",
+        help="replicate (default: one process, the model copied to every device each step, as nn.DataParallel), "
+        "persistent (one process, a replica kept per device), or ddp (one process per device)",
     )
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")

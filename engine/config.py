@@ -56,12 +56,13 @@ class DevicesSection(Section):
         default_factory=list,
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
-    strategy: Literal["persistent", "replicate", "ddp"] = Field(
-        "persistent",
-        description="persistent: one process drives every device (parallel_apply) and keeps one replica per "
-        "device for the whole run, summing gradients across devices (no per-step copy); replicate: copy the "
-        "model to every device at every step, as nn.DataParallel does (the reference); ddp: one process per "
-        "device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), also across machines. Same results.",
+    strategy: Literal["replicate", "persistent", "ddp"] = Field(
+        "replicate",
+        description="replicate: one process drives every device, copying the model to each at every step, as "
+        "nn.DataParallel does (the reference); persistent: one process, one replica per device kept for the whole "
+        "run, each device's own backward and gradients summed across devices (no per-step copy: for models with "
+        "many modules on GPUs); ddp: one process per device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), "
+        "also across machines. Same results.",
     )
     collective_timeout_s: float = Field(
         120.0, ge=5.0, le=86_400.0, description="ddp: seconds a rank waits on the others before the run fails"
