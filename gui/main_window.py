@@ -490,8 +490,9 @@ class MainWindow(RunFilesMixin, QMainWindow):
         geometry = self.settings.value("geometry")
         if isinstance(geometry, QByteArray):
             self.restoreGeometry(geometry)
-        else:
-            self.resize(1400, 900)
+        else:  # first launch: 1400 x 900, or what fits on a smaller screen (a 1024 x 700 laptop)
+            screen = self.screen().availableGeometry()
+            self.resize(min(1400, screen.width()), min(900, screen.height()))
         self.hold_action.setChecked(self.settings.value("hold_for_redraw", True, type=bool))
         state = self.settings.value("splitter")
         if isinstance(state, QByteArray):
