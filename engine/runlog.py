@@ -227,7 +227,7 @@ class RunDir:
         raise UserError(f"runs folder {root}: too many runs named {name!r} this second")
 
     @classmethod
-    def open_existing(cls, path: str | Path, lock: bool = True) -> RunDir:
+    def open_existing(cls, path: str | Path, lock: bool = True, wait_s: float = 0.0) -> RunDir:
         """Reopen a run folder to continue it: checked, locked, and cleared of a killed write's
         temporary files. Raises ``UserError`` (one line) when it cannot be continued.
 
@@ -249,14 +249,15 @@ class RunDir:
         check_writable(p / "checkpoints", "resume: checkpoints folder")
         rd = cls(p)
         if lock:
-            rd.acquire()
+            rd.acquire(wait_s)
             rd.remove_stale_temp_files()
         return rd
 
-    def acquire(self) -> None:
-        """Take the folder's one-writer lock (``RunInUse`` if another process holds it)."""
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the folder's one-writer lock (``RunInUse`` if another process still holds it after
+        ``wait_s`` seconds)."""
         lock_path = self.path / LOCK
-        lock = filelock.FileLock(lock_path, timeout=0, thread_local=False)
+        lock = filelock.FileLock(lock_path, timeout=wait_s, thread_local=False)
         try:
             lock.acquire()
         except filelock.Timeout:

@@ -40,6 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 PAUSE_POLL_S = 0.2
 
 
+RANK_LOCK_WAIT_S = 20.0
+"""How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
+
+
 class NullRunDir(RunDir):
     """The run folder as seen by a rank other than 0: it knows the path (for the control file) and
     writes nothing."""
@@ -77,7 +81,9 @@ class DdpTrainer(Trainer):
         self._parent = os.getppid()
 
     def _open_resume_dir(self, path: str | Path) -> RunDir:
-        return RunDir.open_existing(path, lock=self.info.is_main)  # rank 0 is the run folder's writer
+        # Rank 0 is the run folder's writer. A rank of the launch being resumed may still be on its way
+        # out (its launcher already reported the failure): wait for its lock a little.
+        return RunDir.open_existing(path, lock=self.info.is_main, wait_s=RANK_LOCK_WAIT_S)
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -136,7 +142,7 @@ class DdpTrainer(Trainer):
             if self._given_run_dir is not None and self._resume_dir is None:
                 rd = RunDir(self._given_run_dir)
                 (rd.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-                rd.acquire()  # the launcher made the folder; rank 0 is its writer
+                rd.acquire(RANK_LOCK_WAIT_S)  # the launcher made the folder; rank 0 is its writer
             else:
                 rd = super()._open_run_dir()
         path: list[Any] = [str(rd.path) if rd is not None else None]
