@@ -44,6 +44,33 @@ def changed(replica_params: Sequence[Sequence[torch.Tensor]], before: list[list[
     )
 
 
+def merge_lane_writes(
+    orig: torch.Tensor,
+    copies: Sequence[tuple[str, torch.Tensor]],
+    param_name: str,
+    error: type[RuntimeError] = InplaceParameterError,
+) -> torch.Tensor:
+    """The lanes' in-place writes to one parameter (``copies``: each lane's name and its copy) merged
+    over ``orig``; ``error`` if two lanes wrote different values to one element."""
+    merged = orig.clone()
+    claimed = torch.zeros_like(orig, dtype=torch.bool)
+    owner = torch.full_like(orig, -1, dtype=torch.long)
+    for k, (lane_name, copy) in enumerate(copies):
+        copy = copy.detach().to(orig.device)
+        diff = copy != orig
+        clash = diff & claimed & (copy != merged)
+        if bool(clash.any()):
+            other = copies[int(owner[clash].flatten()[0])][0]
+            raise error(
+                f"parameter '{param_name}' was changed in place to different values on lanes {other} and "
+                f"{lane_name}: a data-parallel step cannot reproduce that; train this model on one device"
+            )
+        merged[diff] = copy[diff]
+        owner[diff & ~claimed] = k
+        claimed |= diff
+    return merged
+
+
 def merge_into_original(
     model: nn.Module, replica_params: Sequence[Sequence[torch.Tensor]], indices: list[int], lane_names: list[str]
 ) -> bool:
@@ -53,23 +80,9 @@ def merge_into_original(
     all_agree = True
     for j in indices:
         orig = params[j].detach()
-        merged = orig.clone()
-        claimed = torch.zeros_like(orig, dtype=torch.bool)
-        owner = torch.full_like(orig, -1, dtype=torch.long)
-        for lane, ps in enumerate(replica_params):
-            copy = ps[j].detach().to(orig.device)
-            diff = copy != orig
-            clash = diff & claimed & (copy != merged)
-            if bool(clash.any()):
-                other = lane_names[int(owner[clash].flatten()[0])]
-                raise InplaceParameterError(
-                    f"parameter '{_name(model, params[j])}' was changed in place to different values on "
-                    f"lanes {other} and {lane_names[lane]}: a data-parallel step cannot reproduce that; "
-                    "train this model on one device"
-                )
-            merged[diff] = copy[diff]
-            owner[diff & ~claimed] = lane
-            claimed |= diff
+        merged = merge_lane_writes(
+            orig, list(zip(lane_names, (ps[j] for ps in replica_params), strict=True)), _name(model, params[j])
+        )
         all_agree = all_agree and all(torch.equal(ps[j].detach().to(orig.device), merged) for ps in replica_params)
         with torch.no_grad():
             params[j].copy_(merged)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from multilane.engine.parallel.inplace import merge_lane_writes
 from torch import nn
 
 
@@ -100,22 +101,5 @@ class InplaceWatch:
         )
 
     def _merge(self, j: int, lanes: Sequence[int]) -> torch.Tensor:
-        orig = self._originals[j]
-        merged = orig.clone()
-        claimed = torch.zeros_like(orig, dtype=torch.bool)
-        owner = torch.full_like(orig, -1, dtype=torch.long)
-        for lane in lanes:
-            copy = self.params[lane][j].detach().to(orig.device)
-            diff = copy != orig
-            clash = diff & claimed & (copy != merged)
-            if bool(clash.any()):
-                other = self.lane_names[int(owner[clash].flatten()[0])]
-                raise InplaceForwardError(
-                    f"parameter '{self.name(j)}' was changed in place to different values on lanes {other} and "
-                    f"{self.lane_names[lane]}: a data-parallel step cannot reproduce that; train this model on "
-                    "one device"
-                )
-            merged[diff] = copy[diff]
-            owner[diff & ~claimed] = lane
-            claimed |= diff
-        return merged
+        copies = [(self.lane_names[lane], self.params[lane][j]) for lane in lanes]
+        return merge_lane_writes(self._originals[j], copies, self.name(j), InplaceForwardError)
