@@ -222,7 +222,28 @@ class ArrayLoader(_Epochs):
         pass
 
 
-class DatasetLoader(_Epochs):
+class _DataLoaderReader(_Epochs):
+    """What the two DataLoader-backed loaders share: a batch's size and device copy, and evaluation.
+    Subclasses set ``opts``, ``seed``, ``batch_size``, ``_val`` and ``_val_loader``."""
+
+    opts: _LoaderOptions
+    seed: int
+    batch_size: int
+    _val: Any
+    _val_loader: DataLoader | None
+
+    def _batch(self, inputs: Any, target: Any) -> Batch:
+        size = batch_size_of(target, inputs)
+        inputs, target = self.opts.to_device(inputs, target)
+        return inputs, target, size
+
+    def eval_batches(self) -> Iterator[Batch]:
+        if self._val_loader is None:
+            self._val_loader = _eval_loader(self._val, self.batch_size, self.seed, self.opts)
+        return _eval_iter(self._val_loader, self.opts)
+
+
+class DatasetLoader(_DataLoaderReader):
     """A map-style Dataset read by a DataLoader whose sampler starts at the run's micro-batch ``m0``."""
 
     def __init__(
@@ -260,14 +281,7 @@ class DatasetLoader(_Epochs):
             inputs, target = _next(self._it, self.workers)
         except StopIteration:
             raise RuntimeError("the run asked for more micro-batches than it planned") from None
-        size = batch_size_of(target, inputs)
-        inputs, target = self.opts.to_device(inputs, target)
-        return inputs, target, size
-
-    def eval_batches(self) -> Iterator[Batch]:
-        if self._val_loader is None:
-            self._val_loader = _eval_loader(self._val, self.batch_size, self.seed, self.opts)
-        return _eval_iter(self._val_loader, self.opts)
+        return self._batch(inputs, target)
 
     def close(self) -> None:
         self._it = None  # dropping the iterator shuts its workers down
@@ -318,7 +332,7 @@ class _CountedStream(IterableDataset):
             yield item
 
 
-class StreamLoader(_Epochs):
+class StreamLoader(_DataLoaderReader):
     """An IterableDataset: read in order, pass after pass. Its resume replays: the stream is read from its
     start again and the micro-batches the run had already taken are dropped (a stream cannot seek)."""
 
@@ -361,15 +375,7 @@ class StreamLoader(_Epochs):
         raise DataError("the training stream yields no samples")
 
     def next(self) -> Batch:
-        inputs, target = self._take()
-        size = batch_size_of(target, inputs)
-        inputs, target = self.opts.to_device(inputs, target)
-        return inputs, target, size
-
-    def eval_batches(self) -> Iterator[Batch]:
-        if self._val_loader is None:
-            self._val_loader = _eval_loader(self._val, self.batch_size, self.seed, self.opts)
-        return _eval_iter(self._val_loader, self.opts)
+        return self._batch(*self._take())
 
     def close(self) -> None:
         self._it = None
