@@ -120,7 +120,7 @@ class FollowWorker(QObject):
 
     def _final(self, status: dict[str, Any]) -> dict[str, Any]:
         if self.child is not None:
-            self.child.wait(30)  # the status is written; the process is closing its files
+            self.child.wait(10)  # the status is written; the process is closing its files
         state = status.get("state", "finished")
         tb = None
         if state == "failed":

@@ -208,8 +208,9 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         self.hold_action.setCheckable(True)
         self.hold_action.setChecked(True)
         self.hold_action.setToolTip(
-            "Training waits between steps while the plots repaint, so the two do not fight over Python's GIL "
-            "(on a busy CPU, training in the window is faster for it); untick to give training every cycle"
+            "A run in the app's own thread waits between steps while the plots repaint, so the two do not fight "
+            "over Python's GIL (on a busy CPU, training in the window is faster for it); untick to give training "
+            "every cycle. A run in a separate process shares no GIL with the window: this does not apply"
         )
         self.hold_action.toggled.connect(self._set_hold)
         r.addAction(self.hold_action)

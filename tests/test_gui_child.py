@@ -63,7 +63,9 @@ def test_separate_process_is_the_default_and_the_plots_follow_the_childs_folder(
     assert run_dir.parent == tmp_path / "runs"
     on_disk = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     window.plots.refresh()
-    assert [int(s) for s in window.plots.data.train.get("step")] == [r["step"] for r in on_disk] == list(range(3, 31, 3))
+    assert (
+        [int(s) for s in window.plots.data.train.get("step")] == [r["step"] for r in on_disk] == list(range(3, 31, 3))
+    )
     for dev in ("cpu:0", "cpu:1"):  # per-device loss, as the child logged it
         assert list(window.plots._curves[f"loss/{dev}"].yData) == pytest.approx(
             [r["device_loss"][dev] for r in on_disk]
