@@ -57,7 +57,8 @@ class Float64Dataset(Task):
         g = torch.Generator().manual_seed(3)
         x = torch.randn(self.params.samples, 5, generator=g, dtype=torch.float64)
         y = x.sum(dim=1, keepdim=True).sin()
-        cut = self.params.samples - round(0.2 * self.params.samples)  # 77 of 96 to train on: batches of 19 end with one sample
+        # 77 of 96 to train on: batches of 19 end with one sample
+        cut = self.params.samples - round(0.2 * self.params.samples)
         if self.params.kind == "stream":
             return Stream(x[:cut], y[:cut]), Stream(x[cut:], y[cut:])
         if self.params.kind == "pair":
