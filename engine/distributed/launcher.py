@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -105,6 +106,8 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
     )
+    what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
+    watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
     try:
         elastic_launch(lc, sys.executable)("-m", "multilane.engine.cli", "train", *argv)
     except ChildFailedError as e:
@@ -120,12 +123,53 @@ def launch(
         print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
         return 0 if state == "stopped" else 1
     except RendezvousError as e:
-        what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
         raise UserError(
             f"rendezvous at {endpoint} failed for {what} within {rdzv_timeout_s:g} s "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+    finally:
+        watchdog.cancel()
     return 1 if _state(run_dir) == "failed" else 0
+
+
+class RendezvousWatchdog:
+    """Ends a launcher whose rendezvous neither completes nor fails in time, with one line.
+
+    torch's c10d rendezvous gives up after ``join_timeout``, but not everywhere: a client that reaches
+    a port held by something other than a c10d store (another program, a stale process) waits on its
+    handshake forever. This thread waits ``timeout_s`` plus a grace period for the first worker process
+    (they start once the rendezvous is complete); if none came, it prints the line and exits (2).
+    """
+
+    GRACE_S = 5.0
+
+    def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
+        self.endpoint, self.what, self.timeout_s = endpoint, what, timeout_s
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="rendezvous-watchdog", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        import psutil
+
+        end = time.monotonic() + self.timeout_s + self.GRACE_S
+        me = psutil.Process()
+        while not self._done.wait(0.5):
+            try:
+                if any("multilane.engine.cli" in " ".join(c.cmdline()) for c in me.children(recursive=True)):
+                    return  # the ranks started: the rendezvous is complete
+            except psutil.Error:
+                pass
+            if time.monotonic() > end:
+                print(
+                    f"multilane: error: rendezvous at {self.endpoint} did not complete for {self.what} within "
+                    f"{self.timeout_s:g} s (is something else listening on that port?)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(2)
 
 
 def first_failure(e: Any) -> tuple[int, str, str | None]:
