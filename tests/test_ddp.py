@@ -409,3 +409,57 @@ def test_sigterm_on_the_launcher_stops_every_rank_with_a_checkpoint_and_the_run_
     assert [x["step"] for x in train] == [x["step"] for x in ref_train]
     for a, b in zip(train, ref_train, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(b["loss"]), (a, b)
+
+
+def two_nodes(runs: Path, *args: str, task: str = "mlp") -> list[subprocess.Popen]:
+    """Two ``multilane train --nnodes 2`` launchers ("nodes") meeting at one c10d rendezvous."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = [*train_args(runs, *args, task=task, devices="cpu:0"), "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    return [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+
+
+def test_a_rank_that_raises_on_the_other_node_fails_the_run_naming_that_rank_and_its_error(tmp_path):
+    task = tmp_path / "failing.py"
+    task.write_text(FAILING_TASK)
+    runs = tmp_path / "runs"
+    nodes = two_nodes(runs, "--steps", "1000", "--set", "train.log_every=2", task=str(task))
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], errs
+    (run,) = run_dirs(runs)
+    # Rank 1 is alone on the node without rank 0: rank 0 only lost its peer, and the run says why.
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["rank"] == 1, status
+    assert "rank 1" in status["message"] and "ValueError: boom on purpose" in status["message"], status
+    assert "boom on purpose" in (run / "error.txt").read_text()
+    events = [rec for rec in read_metrics(run) if rec.get("event") == "failed"]
+    assert events[-1]["rank"] == 1 and "boom on purpose" in events[-1]["message"]
+    assert all("failed: rank 1" in err and "boom on purpose" in err for err in errs), errs
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_sigkilled_rank_on_either_node_fails_the_run_within_seconds(tmp_path, victim):
+    runs = tmp_path / "runs"
+    nodes = two_nodes(runs, "--steps", "100000", "--set", "train.log_every=5", "--set", "train.eval_every=0")
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+        wait_for(lambda: last_train_step(run) >= 5, 120, "training")
+        pid = wait_for(lambda: next(filter(None, (rank_pid(p, victim) for p in nodes)), None), 30, f"rank {victim}")
+        t0 = time.monotonic()
+        psutil.Process(pid).kill()
+        for p in nodes:
+            p.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        errs = [p.communicate()[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], errs
+    assert elapsed < 15, f"the run took {elapsed:.1f} s to end"
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["rank"] == victim, status
+    assert f"rank {victim}" in status["message"] and "SIGKILL" in status["message"], status
+    assert all(f"rank {victim}" in err and "SIGKILL" in err for err in errs), errs

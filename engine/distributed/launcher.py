@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -24,9 +26,14 @@ from typing import Any
 
 from multilane.engine.config import RunConfig
 from multilane.engine.devices import default_devices, parse_devices
-from multilane.engine.distributed.worker import RUN_DIR_ENV
+from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes_from_child_failure, primary
+from multilane.engine.distributed.worker import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import ERROR, STATUS, RunDir, iter_metrics
+from multilane.engine.runlog import STATUS, RunDir
+
+FOREIGN_CAUSE_WAIT_S = 5.0
+"""With several nodes: how long a launcher whose ranks only lost their peers waits for the note of
+the failure on another node that caused it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,14 +113,21 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
     )
+    # The ranks tell this launcher the run folder (several nodes: rank 0 makes it) through this file.
+    node_file = Path(tempfile.mkdtemp(prefix="multilane-node-")) / "run_dir"
+    os.environ[NODE_FILE_ENV] = str(node_file)
     what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
     watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
     try:
         elastic_launch(lc, sys.executable)("-m", "multilane.engine.cli", "train", *argv)
     except ChildFailedError as e:
-        rank, message, tb = first_failure(e)
+        run_dir = run_dir or _run_dir_of_node(node_file)
+        cause = None
         if run_dir is not None:
-            report_failure(run_dir, rank, message, tb)
+            notes_from_child_failure(run_dir, e)
+            # With several nodes the failure that caused this node's may be another node's: wait for its note.
+            cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
+        message = cause["message"] if cause else first_failure(e)
         print(f"failed: {message}", file=sys.stderr)
         if run_dir is not None:
             print(f"  run directory: {run_dir}", file=sys.stderr)
@@ -129,6 +143,7 @@ def launch(
         ) from None
     finally:
         watchdog.cancel()
+        shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" else 0
 
 
@@ -172,38 +187,35 @@ class RendezvousWatchdog:
                 os._exit(2)
 
 
-def first_failure(e: Any) -> tuple[int, str, str | None]:
-    """The failure that caused the others: a rank killed by a signal or failing on its own comes
-    before one that only lost its peers; then the earliest, then the lowest rank."""
+def first_failure(e: Any) -> str:
+    """The message of the failure that caused the others among this node's ranks (no run folder known)."""
+    notes = []
+    for rank, f in e.failures.items():
+        text = str(f.message.get("message", "")) if isinstance(f.message, dict) else ""
+        lost = LOST_PEERS in text
+        if f.exitcode < 0:
+            text = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}"
+        elif text.startswith(("RankFailed: ", f"{LOST_PEERS}: ")):
+            text = text.split(": ", 1)[1]
+        notes.append(
+            {
+                "rank": rank,
+                "message": text or f"rank {rank} exited with {f.exitcode}",
+                "lost_peers": lost,
+                "time": f.timestamp,
+            }
+        )
+    cause = primary(notes)
+    return cause["message"] if cause else "a rank failed"
 
-    def lost(f: Any) -> bool:
-        return isinstance(f.message, dict) and "RankLostPeers" in str(f.message.get("message", ""))
 
-    rank, f = min(e.failures.items(), key=lambda kv: (lost(kv[1]), kv[1].timestamp, kv[0]))
-    if f.exitcode < 0:
-        return rank, f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}", None
-    if isinstance(f.message, dict):
-        text = str(f.message.get("message", ""))
-        text = text.split(": ", 1)[1] if text.startswith(("RankFailed: ", "RankLostPeers: ")) else text
-        tb = f.message.get("extraInfo", {}).get("py_callstack")
-        return rank, text or f"rank {rank} exited with {f.exitcode}", tb
-    return rank, f"rank {rank} (pid {f.pid}) exited with status {f.exitcode}", None
-
-
-def report_failure(run_dir: Path, rank: int, message: str, tb: str | None) -> None:
-    """Write the run's outcome: status failed, a failed event naming the rank, the traceback."""
-    rd = RunDir(run_dir)
-    old = rd.read_json(STATUS) or {}
-    step = max(
-        (r.get("step", 0) for r in iter_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"), default=0
-    )
-    if tb or not (run_dir / ERROR).exists():
-        rd.write_error(tb or message + "\n")
-    rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
-    rd.append_metric(
-        {"kind": "event", "event": "failed", "step": step, "wall_time": time.time(), "message": message, "rank": rank}
-    )
-    rd.close()
+def _run_dir_of_node(node_file: Path) -> Path | None:
+    """The run folder this node's ranks were told by rank 0 (several nodes: rank 0 made it)."""
+    try:
+        text = node_file.read_text().strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
 
 
 def _state(run_dir: Path | None) -> str | None:

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from multilane.engine import checkpointer
 from multilane.engine.control import RunControl
 from multilane.engine.distributed.evaluation import evaluate_shards
+from multilane.engine.distributed.failures import clear_notes
 from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
 from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
+from multilane.engine.distributed.worker import NODE_FILE_ENV
 from multilane.engine.errors import UserError
 from multilane.engine.evaluation import write_sample
 from multilane.engine.loader import build_loader
@@ -146,8 +148,13 @@ class DdpTrainer(Trainer):
                 rd.acquire(RANK_LOCK_WAIT_S)  # the launcher made the folder; rank 0 is its writer
             else:
                 rd = super()._open_run_dir()
+        if rd is not None:
+            clear_notes(rd.path)  # an earlier launch's failures
         path: list[Any] = [str(rd.path) if rd is not None else None]
         dist.broadcast_object_list(path, src=0)
+        node_file = os.environ.get(NODE_FILE_ENV)
+        if node_file and self.info.local_rank == 0:  # this node's launcher reports failures into it
+            Path(node_file).write_text(path[0])
         return rd if rd is not None else NullRunDir(Path(path[0]))
 
     # -- one step -------------------------------------------------------------------------------
