@@ -463,3 +463,23 @@ def test_a_sigkilled_rank_on_either_node_fails_the_run_within_seconds(tmp_path, 
     assert status["state"] == "failed" and status["rank"] == victim, status
     assert f"rank {victim}" in status["message"] and "SIGKILL" in status["message"], status
     assert all(f"rank {victim}" in err and "SIGKILL" in err for err in errs), errs
+
+
+def test_other_ranks_telemetry_reaches_metrics_within_seconds_even_when_log_windows_are_long(tmp_path):
+    runs = tmp_path / "runs"
+    p = long_ddp_run(runs, "train.log_every=100000", "telemetry.record_s=0.2")
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+
+        def rank1_telemetry():
+            return [r for r in read_metrics(run) if r["kind"] == "telemetry" and r.get("rank") == 1]
+
+        records = wait_for(rank1_telemetry, 60, "rank 1's telemetry")
+        assert last_train_step(run) == 0  # no log window has closed: it came on its own
+        key = next(iter(records[0]["devices"]))
+        assert key.split("/")[1:] == ["rank1", "cpu:1"] and "process" not in records[0]
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0

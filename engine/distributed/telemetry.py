@@ -1,13 +1,17 @@
 """Telemetry in a ddp run: each rank samples its own device; rank 0 writes every rank's records.
 
 Rank 0 writes its own records as they are sampled. The other ranks buffer theirs, and the buffer
-travels to rank 0 inside the log window's one gather (``DdpTrainer._log``): no collective of its own,
-so telemetry never adds a synchronisation between ranks.
+travels to rank 0 inside the log window's one gather (``DdpTrainer._log``): no collective of its own.
+Only when a log window is long (slow steps, a large ``train.log_every``) and a record has waited
+``TELEMETRY_LAG_S`` does a rank raise a flag in the per-step control all-reduce, and all ranks send
+their records to rank 0 at the next step: the app never shows another rank's device more than a
+couple of seconds late.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +58,11 @@ class RankTelemetry:
         else:
             with self._lock:
                 self._buffer.append(record)
+
+    def overdue(self, lag_s: float) -> bool:
+        """Whether a buffered record has waited longer than ``lag_s`` seconds."""
+        with self._lock:
+            return bool(self._buffer) and time.time() - self._buffer[0].get("wall_time", time.time()) > lag_s
 
     def take(self) -> list[dict[str, Any]]:
         """The records buffered since the last log window (a rank other than 0)."""

@@ -43,6 +43,8 @@ from multilane.engine.trainer import Trainer
 from torch.nn.parallel import DistributedDataParallel
 
 PAUSE_POLL_S = 0.2
+TELEMETRY_LAG_S = 2.0
+"""The longest another rank's telemetry waits for a log window before it is sent to rank 0 alone."""
 
 
 RANK_LOCK_WAIT_S = 20.0
@@ -225,13 +227,14 @@ class DdpTrainer(Trainer):
         return w / t if t > 0 else 0.0
 
     # -- agreeing on pause and stop -------------------------------------------------------------
-    def _flags(self, a: bool, b: bool) -> torch.Tensor:
-        return torch.tensor([int(a), int(b)], dtype=torch.int32)
+    def _flags(self, *bits: bool) -> torch.Tensor:
+        return torch.tensor([int(b) for b in bits], dtype=torch.int32)
 
     def _sync_control(self) -> None:
         """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
         step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
-        act on the same agreed flags at the same step."""
+        act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
+        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now."""
         self._control_file.apply(self.requests)
         if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
             self.requests.request_stop()
@@ -239,7 +242,7 @@ class DdpTrainer(Trainer):
             work, flags = self._pending
             self._pending = None
             work.wait()
-            stop, pause = flags.tolist()
+            stop, pause, telemetry = flags.tolist()
             if stop:
                 self.requests.request_stop()
                 self.control.request_stop()
@@ -247,9 +250,21 @@ class DdpTrainer(Trainer):
             if pause:
                 self.control.pause()
                 return
-        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested)
+            if telemetry:
+                self._gather_telemetry()
+        overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
+        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested, overdue)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
         self._pending = (work, flags)
+
+    def _gather_telemetry(self) -> None:
+        """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
+        everyone: list[Any] = [None] * self.info.world
+        dist.all_gather_object(everyone, self.rank_telemetry.take(), group=self._control_group)
+        if self.info.is_main:
+            for records in everyone[1:]:
+                for r in records:
+                    self._dispatch(r)
 
     def _drain_pending(self) -> None:
         if self._pending is not None:
