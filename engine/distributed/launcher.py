@@ -5,8 +5,9 @@ a c10d rendezvous, the local elastic agent, one worker process per device) runs 
 again in each worker, where it becomes one rank (``worker.py``). The agent watches its workers: when
 one raises or is killed it stops the others at once (SIGTERM, SIGKILL after a grace period), and a
 signal to the launcher (Ctrl+C, SIGTERM) is passed on to every rank, which stop together at the same
-step with a checkpoint. The launcher then writes the outcome into the run folder: which rank failed
-and with what error.
+step with a checkpoint. The launcher then writes the outcome into the run folder (``failures.py``):
+which rank failed and with what error, also when that rank ran on another node. A rendezvous that
+never completes ends the launcher with one line (``RendezvousWatchdog``).
 """
 
 from __future__ import annotations
