@@ -124,10 +124,13 @@ def launch(
     except ChildFailedError as e:
         run_dir = run_dir or _run_dir_of_node(node_file)
         cause = None
-        if run_dir is not None:
-            notes_from_child_failure(run_dir, e)
-            # With several nodes the failure that caused this node's may be another node's: wait for its note.
-            cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
+        if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
+            try:
+                notes_from_child_failure(run_dir, e)
+                # With several nodes the failure that caused this node's may be another node's: wait for its note.
+                cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
+            except OSError as err:
+                print(f"multilane: could not record the failure in {run_dir}: {err.strerror or err}", file=sys.stderr)
         message = cause["message"] if cause else first_failure(e)
         print(f"failed: {message}", file=sys.stderr)
         if run_dir is not None:

@@ -6,6 +6,7 @@ to the file the agent reads, so the launcher can say which rank failed and why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -68,10 +69,13 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
     if result.status == "failed":
         message = f"rank {info.rank} ({info.key}): {result.message}"
         lost = bool(_LOST.search(result.message or ""))
-        if trainer.run_dir is not None:  # the run folder knows every rank's failure (failures.py)
-            write_note(trainer.run_dir.path, info.rank, message, result.traceback, lost, time.time())
-            if info.is_main and NODE_FILE_ENV not in os.environ:  # under bare torchrun: no launcher of ours
-                consolidate(trainer.run_dir.path, wait_for_cause_s=5.0 if lost else 0.0)
+        # The run folder knows every rank's failure (failures.py); a node that does not share the
+        # folder (no shared filesystem) leaves the report to rank 0's.
+        if trainer.run_dir is not None and trainer.run_dir.path.is_dir():
+            with contextlib.suppress(OSError):
+                write_note(trainer.run_dir.path, info.rank, message, result.traceback, lost, time.time())
+                if info.is_main and NODE_FILE_ENV not in os.environ:  # bare torchrun: no launcher of ours
+                    consolidate(trainer.run_dir.path, wait_for_cause_s=5.0 if lost else 0.0)
         raise (RankLostPeers if lost else RankFailed)(message)
     dist.destroy_process_group()
     return 0
