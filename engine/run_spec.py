@@ -4,6 +4,7 @@ run folder."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,3 +80,12 @@ def record_run(rd: RunDir, config: RunConfig, task_file: dict[str, str] | None) 
     else:
         rd.remove(TASK_FILE)
     rd.write_json(ENVIRONMENT, environment())
+
+
+def planned_steps(task: Task, config: RunConfig, per_epoch: int | None) -> int:
+    """The run's optimizer steps: ``train.steps``, else ``train.epochs`` of ``per_epoch`` micro-batches."""
+    if config.train.steps is None and per_epoch is None:
+        raise UserError(
+            f"task {task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
+        )
+    return config.train.steps or math.ceil(config.train.epochs * (per_epoch or 0) / config.train.grad_accum)

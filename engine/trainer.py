@@ -9,7 +9,6 @@ The run's config and task (``run_spec.py``), the step strategy (``parallel/``), 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import traceback
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
-from multilane.engine.run_spec import record_run, resolve_run
+from multilane.engine.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.runlog import RunDir
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
@@ -99,11 +98,7 @@ class Trainer:
             convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        if cfg.train.steps is None and self.loader.per_epoch is None:
-            raise UserError(
-                f"task {self.task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
-            )
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * (self.loader.per_epoch or 0) / accum)
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
         weights = cfg.devices.weights or None
         self._sizes_cache: dict[int, list[int]] = {}

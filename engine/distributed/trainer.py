@@ -36,6 +36,7 @@ from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
+from multilane.engine.run_spec import planned_steps
 from multilane.engine.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
@@ -101,11 +102,7 @@ class DdpTrainer(Trainer):
         self.model = self.task.build_model().to(dev)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        if cfg.train.steps is None and self.loader.per_epoch is None:
-            raise UserError(
-                f"task {self.task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
-            )
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * (self.loader.per_epoch or 0) / accum)
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=cfg.train.precision == "fp16")
         self._weights = cfg.devices.weights or None
         if self._weights and len(self._weights) != info.world:
