@@ -14,7 +14,7 @@ import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
 from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
 from multilane.gui.plot_curves import CurveDrawing
-from multilane.gui.plot_items import WrappingLabel, make_curve, swatch
+from multilane.gui.plot_items import WrappingLabel, make_curve, set_plot_title, swatch, wrap_title
 from multilane.gui.plot_marks import PlotMarks
 from multilane.gui.plot_ranges import SharedXRange
 from multilane.gui.plot_style import GRID_COLOR, PHASE_COLORS, PHASES, TICK_FONT
@@ -78,7 +78,9 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self.memory = self.addPlot(row=4, col=1)
         self.grad_norm = self.addPlot(row=4, col=2)
         self.phases = self.addPlot(row=5, col=0, colspan=3)
-        phase_key = " ".join(f"{swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
+        phase_key = " ".join(
+            f"{swatch(c)}&nbsp;{p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True)
+        )  # a name wraps with its swatch
         titles = [
             "Loss",
             "Validation metric",
@@ -90,7 +92,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             f"Step time (ms) &nbsp; {phase_key}",
         ]
         self.ci.layout.setRowStretchFactor(2, 5)
-        for r in (3, 4, 5, 6):
+        for r in (3, 4, 5):  # row 6 (power, temperature) gets its share once it has plots
             self.ci.layout.setRowStretchFactor(r, 2)
         self.plots: list[pg.PlotItem] = []
         self._lines = []
@@ -113,7 +115,8 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self.scene().contextMenu = list(self.export_actions)
 
     def _style_plot(self, p: pg.PlotItem, title: str) -> None:
-        p.setTitle(title, size="9pt")
+        wrap_title(p)
+        set_plot_title(p, title)
         for axis in ("left", "bottom"):
             ax = p.getAxis(axis)
             # An opaque light-grey grid: pyqtgraph's default translucent one (tick pen at alpha
@@ -234,7 +237,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             title = "Gradient norm" if "grad_norm" in tr.columns else "Gradient norm (logged with grad clip > 0)"
             if title != self._grad_title:
                 self._grad_title = title
-                self.grad_norm.setTitle(title, size="9pt")
+                set_plot_title(self.grad_norm, title)
             self._draw_stack(x, tr)
         if ev.rows:
             x = self._x(d, ev)
@@ -269,9 +272,11 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
         if te.names("power/") and self.power is None:
             self.power = self.addPlot(row=6, col=0)
+            self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.power, "Power (W)")
         if te.names("temp/") and self.temperature is None:
             self.temperature = self.addPlot(row=6, col=1)
+            self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.temperature, "Temperature (°C)")
         for dev in names:
             color = self._device_color(dev)
@@ -291,7 +296,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
-            self.memory.setTitle(title, size="9pt")
+            set_plot_title(self.memory, title)
         keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
         self._from_zero(self.memory, [te.get(k) for k in keys])
 
