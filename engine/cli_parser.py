@@ -54,6 +54,7 @@ MIN_WIDTH, MAX_WIDTH = 200, 10_000  # the app's PNG width dialog takes the same 
 
 
 def short_text(text: str) -> str:
+    """A user's value quoted for an error line, cut to 20 characters (a 5,000-digit number stays short)."""
     return repr(text) if len(text) <= 24 else repr(text[:20] + "...")
 
 
