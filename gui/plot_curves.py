@@ -41,6 +41,18 @@ class CurveDrawing:
         vx, vy = pyramid[0].view(x, y, i0, i1, 2 * width)
         item.setData(vx, vy)
 
+    def _show_finite(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
+        """A telemetry curve from its recorded points only: under ddp each rank's record holds only its
+        own devices, so a device's column is NaN on every other rank's row and, drawn as is with
+        ``connect="finite"``, would show nothing. One point alone gets a marker."""
+        keep = np.isfinite(y)
+        if not keep.all():
+            x, y = x[keep], y[keep]
+        if (len(y) == 1) != (item.opts["symbol"] is not None):
+            item.setSymbol("o" if len(y) == 1 else None)
+            item.setSymbolSize(5)
+        self._show(key, item, x, y)
+
     def _smooth(self, key: str, y: np.ndarray) -> np.ndarray:
         cache = self._ema.get(key)
         if cache is None or cache.alpha != self.smoothing or cache.n > len(y):

@@ -289,10 +289,15 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             ):
                 key = f"{prefix}/{dev}"
                 if key in te.columns and plot is not None:
-                    self._show(key, self._item(key, plot, color, label, style=style), x, te.get(key))
-        cpu_only = "rss_mb" in te.columns and not te.names("mem/")
-        if cpu_only:  # CPU lanes: the process's memory
-            self._show("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
+                    self._show_finite(key, self._item(key, plot, color, label, style=style), x, te.get(key))
+        cpu_only = not te.names("mem/") and ("rss_mb" in te.columns or bool(te.names("rss/")))
+        if cpu_only and te.names("rss/"):  # ddp on CPU: each rank is a process of its own
+            for key in te.names("rss/"):
+                dev = key.split("/", 1)[1]
+                item = self._item(key, self.memory, self._device_color(dev), f"{dev} RSS")
+                self._show_finite(key, item, x, te.get(key))
+        elif cpu_only:  # CPU lanes: the process's memory
+            self._show_finite("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
         title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
