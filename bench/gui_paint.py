@@ -28,7 +28,7 @@ def main() -> None:
     from multilane.engine.config import build_config
     from multilane.engine.trainer import Trainer
     from multilane.gui.main_window import MainWindow
-    from multilane.gui.plots import GRID_COLOR
+    from multilane.gui.plot_style import GRID_COLOR
 
     tmp = tempfile.mkdtemp()
     raw = {"devices": {"use": "cpu:0,cpu:1"}, "train": {"steps": args.steps, "log_every": 5}, "run": {"runs_dir": tmp}}

@@ -7,6 +7,7 @@ form and tooltips are built from the same text.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import tomllib
 from pathlib import Path
@@ -178,20 +179,34 @@ class RunConfig(Section):
         return self.model_dump(mode="json")
 
 
-def describe_error(err: ValidationError, prefix: str = "") -> str:
-    """One line naming the key, the value and the rule it broke (the first error; the count if more)."""
+def describe_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line naming the key, the value and the rule it broke (the first error; the count if more).
+    With ``model``, an unknown key close to a known one is answered "did you mean ...?"."""
     e = err.errors()[0]
     key = ".".join(_key_part(p) for p in e["loc"])
     key = f"{prefix}.{key}" if prefix and key else prefix or key
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        text = f"{key}: unknown key"
+        text = f"{key}: unknown key" + _did_you_mean(model, e["loc"])
     elif e["type"] == "missing":
         text = f"{key}: missing"
     else:
         text = f"{key} = {_short(e.get('input'))}: {msg}"
     more = len(err.errors()) - 1
     return text + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """ "; did you mean telemetry.record_s?" for an unknown key close to a known key of its section."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if model is not None and isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
 
 
 def _key_part(part: Any) -> str:
@@ -230,7 +245,7 @@ def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise UserError(f"{source}: {describe_error(e)}") from None
+        raise UserError(f"{source}: {describe_error(e, model=RunConfig)}") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -4,9 +4,9 @@ The order of every epoch is a pure function of the run's seed and the epoch (``e
 one the in-memory path uses), so micro-batch ``m`` of a run is known without reading any other. A run
 that resumes at micro-batch ``m0`` starts its sampler there: the samples before it are never read.
 
-Each micro-batch is read with the random generators (torch, random, numpy) seeded from the run's seed
-and the micro-batch's number, so random augmentations depend on neither the worker count nor where the
-run was resumed.
+Each sample is read with the random generators (torch, random, numpy) seeded from the run's seed, the
+micro-batch's number and the sample, so random augmentations depend on neither the worker count, nor
+where the run was resumed, nor which ddp rank reads the sample.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ class SeededReader(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        seed_generators(batch_seed(self.seed, keys[0][0]) if keys else self.seed)
         out = []
-        for _, pos in keys:
+        for m, pos in keys:
+            # Each sample's own seed: the same whichever part of its batch is read (a ddp rank's slice).
+            seed_generators(batch_seed(batch_seed(self.seed, m), pos))
             i = self.indices[pos] if self.indices is not None else pos
             try:
                 out.append(self.dataset[i])

@@ -1,15 +1,14 @@
 """The training loop: a short loop over parts with one job each.
 
-The step strategy (``parallel/``), the loader (``loader.py``), the log window (``metrics_window.py``),
-evaluation (``evaluation.py``), checkpoints (``checkpointer.py``) and the run folder (``runlog.py``)
-each live in their own module; the trainer composes them and reports only through plain callbacks
+The run's config and task (``run_spec.py``), the step strategy (``parallel/``), the loader
+(``loader.py``), the log window (``metrics_window.py``), evaluation (``evaluation.py``), checkpoints
+(``checkpointer.py``) and the run folder (``runlog.py``) each live in their own module; the trainer composes them and reports only through plain callbacks
 (``callbacks.py``, no Qt).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import traceback
 from collections.abc import Sequence
@@ -20,11 +19,11 @@ import torch
 from multilane.engine import checkpointer
 from multilane.engine.balance import balance_warnings
 from multilane.engine.callbacks import MetricsWriter, RunResult, TrainerCallback
-from multilane.engine.config import RunConfig, build_config, merge
+from multilane.engine.config import RunConfig
 from multilane.engine.control import RunControl
 from multilane.engine.control_file import ControlFile
-from multilane.engine.devices import Device, parse_devices
-from multilane.engine.envinfo import environment
+from multilane.engine.devices import Device
+from multilane.engine.energy import EnergyMeter
 from multilane.engine.errors import UserError
 from multilane.engine.evaluation import evaluate, write_sample
 from multilane.engine.failures import one_line, outcome, release_cuda_memory, where
@@ -33,9 +32,9 @@ from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
-from multilane.engine.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
-from multilane.engine.tasks import Task, loss_weight_fn, make_task
-from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
+from multilane.engine.run_spec import planned_steps, record_run, resolve_run
+from multilane.engine.runlog import RunDir
+from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -81,38 +80,11 @@ class Trainer:
         return RunDir.open_existing(path)  # locked: this process is its one writer
 
     def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
-        expect_sha256 = None
-        if self._resume_dir is not None:
-            self._checkpoint = self._resume_dir.load_checkpoint()
-            self.checkpoint_step = self._checkpoint["step"]
-            config = build_config(merge(self._checkpoint["config"], overrides), "resume config")
-            if task is None and is_task_file(config.task.name) and "task.name" not in overrides:
-                # A run folder is data: its task file runs only as the run recorded it (or --task).
-                recorded = self._resume_dir.read_json(TASK_FILE)
-                expect_sha256 = check_resume_task_file(config.task.name, recorded)
-        elif config is None:
-            config = build_config(merge({}, overrides))
-        elif overrides:
-            config = build_config(merge(config.to_dict(), overrides))
-        if task is None and is_task_file(config.task.name):
-            # The full path, in the saved config too: a resume from another folder runs the same file.
-            config = config.model_copy(deep=True)
-            config.task.name = str(Path(config.task.name).expanduser().resolve())
-            for cb in self.callbacks:
-                cb.on_task_file(config.task.name)
-        self.config = config
-        self.task = task or make_task(config.task.name, config.task.params, expect_sha256)
-        self.task_file = task_file_record(type(self.task))  # {"path", "sha256"} of a task file, else None
-        self.devices: list[Device] = parse_devices(config.devices.use)
-        if config.devices.output >= len(self.devices):
-            raise UserError(
-                f"devices.output = {config.devices.output}: only {len(self.devices)} device(s) listed "
-                f"({config.devices.use})"
-            )
-        if config.devices.weights and len(config.devices.weights) != len(self.devices):
-            raise UserError(f"devices.weights: {len(config.devices.weights)} weights for {len(self.devices)} devices")
-        if config.train.precision == "fp16" and not self.devices[0].is_cuda:
-            raise UserError("train.precision = fp16: fp16 needs a GPU; on CPU lanes use bf16 or fp32")
+        spec = resolve_run(config, overrides, task, self._resume_dir, self.callbacks)
+        self._checkpoint, self.config, self.task = spec.checkpoint, spec.config, spec.task
+        self.checkpoint_step = spec.checkpoint["step"] if spec.checkpoint is not None else None
+        self.task_file = spec.task_file  # {"path", "sha256"} of a task file, else None
+        self.devices: list[Device] = spec.devices
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -128,11 +100,7 @@ class Trainer:
             convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        if cfg.train.steps is None and self.loader.per_epoch is None:
-            raise UserError(
-                f"task {self.task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
-            )
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * (self.loader.per_epoch or 0) / accum)
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
         weights = cfg.devices.weights or None
         self._sizes_cache: dict[int, list[int]] = {}
@@ -174,7 +142,7 @@ class Trainer:
         self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
         self.checkpoint_time = time.monotonic()
-        self._energy_at_log = self._energy_at_epoch = 0.0
+        self.energy = EnergyMeter(None)
         self._at_step = self.step  # the step a failure is reported at
         self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         self._last_train: dict[str, Any] = {}
@@ -183,14 +151,10 @@ class Trainer:
         status, message, tb = "finished", None, None
         try:
             rd.reserve_space()  # freed to record a failure if the disk fills up
-            rd.write_json(CONFIG, cfg.to_dict())
-            if self.task_file is not None:
-                rd.write_json(TASK_FILE, self.task_file)
-            else:
-                rd.remove(TASK_FILE)
-            rd.write_json(ENVIRONMENT, environment())
+            record_run(rd, cfg, self.task_file)
             self.callbacks.insert(0, MetricsWriter(rd))
             self.sampler = self._make_sampler()
+            self.energy = EnergyMeter(self.sampler)
             rd.set_status("running", step=self.step, total_steps=self.total_steps)
             for cb in self.callbacks:
                 cb.on_train_start(self)
@@ -318,13 +282,7 @@ class Trainer:
         busy = self.backend.lane_busy_seconds()
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
-        energy = self.sampler.energy_j() if self.sampler is not None else None
-        if energy is not None:
-            rec["energy_j"] = energy
-            used = energy - self._energy_at_log
-            if used > 0:
-                rec["samples_per_j"] = samples / used  # = samples per second per watt
-            self._energy_at_log = energy
+        rec.update(self.energy.at_log(samples))
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
@@ -332,16 +290,9 @@ class Trainer:
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""
-        extra: dict[str, Any] = {"epoch": epoch}
-        energy = self.sampler.energy_j() if self.sampler is not None else None
-        if energy is not None:
-            used = energy - self._energy_at_epoch
-            extra["energy_j"] = used
-            if used > 0:
-                extra["samples_per_j"] = (epoch - self._epoch) * (self.loader.n or 0) / used
-            self._energy_at_epoch = energy
+        energy = self.energy.at_epoch((epoch - self._epoch) * (self.loader.n or 0))
         self._epoch = epoch
-        self._event("epoch_end", **extra)
+        self._event("epoch_end", epoch=epoch, **energy)
 
     def _evaluate(self) -> None:
         if not self.loader.has_val:

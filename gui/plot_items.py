@@ -1,10 +1,11 @@
-"""Small pyqtgraph pieces of the plot panel: a curve with the app's pen, a label that wraps, a colour
-swatch for the key."""
+"""Small pyqtgraph pieces of the plot panel: a curve with the app's pen, a label that wraps, a plot
+title that wraps, a colour swatch for the key."""
 
 from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QTextOption
 
 
 def make_curve(
@@ -43,6 +44,52 @@ class WrappingLabel(pg.LabelItem):
         if abs(self.item.textWidth() - width) > 0.5:
             self.item.setTextWidth(width)
         super().resizeEvent(ev)
+
+
+class PlotTitle(WrappingLabel):
+    """A plot's title, centred, that wraps onto another line where the plot is narrower than its text.
+    pyqtgraph's title takes its text's width as the plot's minimum: at 1024×700 the step-time title
+    (with its phase key) and the right-hand column's titles made the plot grid wider than its room,
+    and the grid was cut off at the right."""
+
+    def __init__(self, parent: pg.PlotItem) -> None:
+        super().__init__("", size="11pt", parent=parent)
+        option = QTextOption(Qt.AlignmentFlag.AlignHCenter)
+        option.setWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        self.item.document().setDefaultTextOption(option)
+
+    def resizeEvent(self, ev) -> None:
+        # One line where it fits; wrapped only once the layout has given the title a real width (at
+        # width 0, before the first layout, a wrap at every word made the panel's first layout
+        # thousands of pixels tall, and the view kept that height).
+        width = self.width()
+        if self.item.textWidth() >= 0:
+            self.item.setTextWidth(-1)
+        if width >= 40 and self.item.boundingRect().width() > width:
+            self.item.setTextWidth(width)
+        pg.LabelItem.resizeEvent(self, ev)
+
+
+TITLE_ROW_PX = 30  # pyqtgraph's title row: one line; a wrapped title gets the lines it needs
+
+
+def wrap_title(plot: pg.PlotItem) -> None:
+    """Give ``plot`` a ``PlotTitle`` in place of pyqtgraph's title label."""
+    old = plot.titleLabel
+    plot.layout.removeItem(old)
+    old.setParentItem(None)
+    if old.scene() is not None:
+        old.scene().removeItem(old)
+    plot.titleLabel = PlotTitle(plot)
+    plot.layout.addItem(plot.titleLabel, 0, 1)
+
+
+def set_plot_title(plot: pg.PlotItem, text: str) -> None:
+    """Set a plot's title (9 pt); its row grows to fit a wrapped title instead of cutting it off."""
+    plot.setTitle(text, size="9pt")
+    plot.titleLabel.setMaximumHeight(10_000)  # setTitle fixes the row at 30 px
+    plot.layout.setRowMaximumHeight(0, 10_000)
+    plot.layout.setRowMinimumHeight(0, TITLE_ROW_PX)
 
 
 def swatch(color: str, dashed: bool = False) -> str:

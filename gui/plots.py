@@ -13,27 +13,18 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
 from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
-from multilane.gui.plot_items import WrappingLabel, make_curve, swatch
+from multilane.gui.plot_curves import CurveDrawing
+from multilane.gui.plot_items import WrappingLabel, make_curve, set_plot_title, swatch, wrap_title
+from multilane.gui.plot_marks import PlotMarks
+from multilane.gui.plot_ranges import SharedXRange
+from multilane.gui.plot_style import GRID_COLOR, PHASE_COLORS, PHASES, TICK_FONT
 from multilane.gui.run_data import RunData, Series
-from multilane.gui.run_view import X_LABELS, pause_spans, values_at, x_values
 from multilane.gui.smoothing import EmaCache
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QAction, QFont
-
-PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "reduce", "optimizer"]
-# Okabe–Ito's colours (colour-blind safe), apart from the device palette: a phase is not a device;
-# waiting for data in a neutral grey.
-PHASE_COLORS = ["#999999", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#CC79A7", "#D55E00"]
-PAUSE_BRUSH = (150, 150, 150, 50)
-
-GRID_COLOR = "#e8e8e8"
-
-pg.setConfigOptions(antialias=False, background="w", foreground="#333")
-_TICK_FONT = QFont()
-_TICK_FONT.setPointSize(8)
+from PySide6.QtGui import QAction
 
 
-class PlotPanel(pg.GraphicsLayoutWidget):
+class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
     """Every live plot of one run (plus overlaid past runs, for comparison).
 
     No plot carries a legend (a legend inside a plot covers data): colours mean the same everywhere,
@@ -87,7 +78,9 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.memory = self.addPlot(row=4, col=1)
         self.grad_norm = self.addPlot(row=4, col=2)
         self.phases = self.addPlot(row=5, col=0, colspan=3)
-        phase_key = " ".join(f"{swatch(c)} {p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True))
+        phase_key = " ".join(
+            f"{swatch(c)}&nbsp;{p}" for p, c in zip(PHASES, PHASE_COLORS, strict=True)
+        )  # a name wraps with its swatch
         titles = [
             "Loss",
             "Validation metric",
@@ -99,7 +92,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             f"Step time (ms) &nbsp; {phase_key}",
         ]
         self.ci.layout.setRowStretchFactor(2, 5)
-        for r in (3, 4, 5, 6):
+        for r in (3, 4, 5):  # row 6 (power, temperature) gets its share once it has plots
             self.ci.layout.setRowStretchFactor(r, 2)
         self.plots: list[pg.PlotItem] = []
         self._lines = []
@@ -122,13 +115,14 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.scene().contextMenu = list(self.export_actions)
 
     def _style_plot(self, p: pg.PlotItem, title: str) -> None:
-        p.setTitle(title, size="9pt")
+        wrap_title(p)
+        set_plot_title(p, title)
         for axis in ("left", "bottom"):
             ax = p.getAxis(axis)
             # An opaque light-grey grid: pyqtgraph's default translucent one (tick pen at alpha
             # 0.2) doubled the cost of a repaint (15 ms against 8, bench/gui_paint.py).
             # Major ticks only: opaque minor lines too made a dense mesh.
-            ax.setStyle(tickFont=_TICK_FONT, tickAlpha=255, maxTickLevel=0)
+            ax.setStyle(tickFont=TICK_FONT, tickAlpha=255, maxTickLevel=0)
             ax.setTickPen(pg.mkPen(GRID_COLOR))
             ax.setZValue(-200)  # the grid under the view box: under the curves
         p.showGrid(x=True, y=True)
@@ -145,25 +139,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         if self._x_span is not None:
             p.setXRange(*self._x_span, padding=0)
         self.plots.append(p)
-
-    def _sync_x(self, source, x_range) -> None:
-        """Copy one plot's x range to all; a range the user made (zoom, pan) ends auto x."""
-        if self._syncing:
-            return
-        span = self._x_span
-        if span is not None and self.auto_x:
-            tol = 1e-6 * max(span[1] - span[0], 1e-12)
-            if abs(x_range[0] - span[0]) > tol or abs(x_range[1] - span[1]) > tol:
-                self.auto_x = False
-                self.sigAutoXLost.emit()
-        self._dirty = True  # decimate for the new view at the next refresh
-        self._syncing = True
-        try:
-            for p in self.plots:
-                if p.vb is not source:
-                    p.setXRange(*x_range, padding=0)
-        finally:
-            self._syncing = False
 
     # -- data ------------------------------------------------------------------------------------
     def reset(self, data: RunData | None = None) -> None:
@@ -219,123 +194,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.smoothing = alpha
         self._dirty = True
 
-    def set_log_y(self, on: bool) -> None:
-        """A log loss axis; the x range and auto range stay as they were."""
-        x_range = self.loss.vb.viewRange()[0]
-        self._syncing = True  # the switch moves the view: not the user's zoom
-        try:
-            self.loss.setLogMode(y=on)
-            if self.auto_x:
-                self.loss.enableAutoRange(axis="y")
-            for p in self.plots:
-                p.setXRange(*x_range, padding=0)
-        finally:
-            self._syncing = False
-        self._dirty = True
-
-    def set_auto_range(self, on: bool) -> None:
-        self.auto_x = on
-        self._x_span = None
-        for p in self.plots:
-            if on and p is not self.util and p not in self.zero_based:
-                p.enableAutoRange(axis="y")
-            elif not on:
-                p.disableAutoRange()
-        self.util.setYRange(0, 100, padding=0.02)  # a percentage: a fixed axis, never repainted for it
-        self._tops.clear()
-        self._dirty = True
-        self.refresh()
-
-    def fit_x(self) -> None:
-        """The x range exactly around the data (a finished run has no more to grow into)."""
-        if not self.auto_x:
-            return
-        ends = self._x_ends()
-        if ends:
-            lo, hi = ends
-            pad = 0.01 * max(hi - lo, 1e-9)
-            self._set_span((lo - pad, hi + pad))
-
-    def _x_ends(self) -> tuple[float, float] | None:
-        d = self.data
-        ends = [(self._x(d, s)[0], self._x(d, s)[-1]) for s in (d.train, d.eval, d.telemetry) if s.rows]
-        ends += [(self._x(r, r.train)[0], self._x(r, r.train)[-1]) for r, _ in self.overlays if r.train.rows]
-        ends = [(a, b) for a, b in ends if np.isfinite(a) and np.isfinite(b)]
-        if not ends:
-            return None
-        return min(a for a, _ in ends), max(b for _, b in ends)
-
-    def _set_span(self, new: tuple[float, float]) -> None:
-        self._x_span = new
-        self._syncing = True
-        try:
-            for p in self.plots:
-                p.setXRange(*new, padding=0)
-        finally:
-            self._syncing = False
-
-    def _follow_x(self, lo: float, hi: float) -> None:
-        """Keep all data in view, growing the range by a quarter when the data reaches its end."""
-        span = self._x_span
-        if span is not None and span[0] <= lo and hi <= span[1] and (hi - lo) > 0.5 * (span[1] - span[0]):
-            return
-        width = max(hi - lo, 1e-9)
-        self._set_span((lo, hi + 0.25 * width if span is not None else hi + 0.05 * width))
-
-    def _set_x_label(self) -> None:
-        self.phases.setLabel("bottom", X_LABELS[self.x_mode])
-
-    def _x(self, data: RunData, series: Series) -> np.ndarray:
-        return x_values(data, series, self.x_mode)
-
     # -- drawing ---------------------------------------------------------------------------------
-    def _item(self, key: str, plot: pg.PlotItem, color: str, name: str, **kw) -> pg.PlotDataItem:
-        item = self._curves.get(key)
-        if item is None:
-            item = self._curves[key] = make_curve(plot, color, name, **kw)
-        return item
-
-    def _show(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
-        """Set a curve's data, decimated to a few points per pixel of what is in view."""
-        n = len(y)
-        pyramid = self._pyramids.get(key)
-        if pyramid is None or pyramid[1] > n:  # a new curve, or its data was cut (resume, reset)
-            pyramid = (PeakPyramid(), 0)
-        pyramid[0].update(y)
-        self._pyramids[key] = (pyramid[0], n)
-        i0, i1 = 0, n
-        if not self.auto_x and n:
-            # zoomed in: only what is in view (autorange needs all of it to see the data grow)
-            lo, hi = self.loss.vb.viewRange()[0]
-            i0 = max(0, int(np.searchsorted(x, lo)) - 1)
-            i1 = min(n, int(np.searchsorted(x, hi)) + 1)
-        width = max(200, int(item.getViewBox().width()) if item.getViewBox() is not None else 1000)
-        vx, vy = pyramid[0].view(x, y, i0, i1, 2 * width)
-        item.setData(vx, vy)
-
-    def _smooth(self, key: str, y: np.ndarray) -> np.ndarray:
-        cache = self._ema.get(key)
-        if cache is None or cache.alpha != self.smoothing or cache.n > len(y):
-            cache = self._ema[key] = EmaCache(self.smoothing)
-        return cache.extend(y)
-
-    def _smoothed(self, key: str, plot: pg.PlotItem, color: str, name: str, x, y, width=1.5) -> None:
-        """A curve with EMA smoothing (on the full data), the raw data faint behind it."""
-        raw = self._raw.get(key)
-        if self.smoothing > 0:
-            if raw is None:
-                raw = self._raw[key] = make_curve(plot, color, None, width=1, alpha=60)
-                raw.setZValue(-1)
-            self._show(f"raw|{key}", raw, x, y)
-            raw.setVisible(True)
-            y = self._smooth(key, y)
-            data_key = f"ema|{key}|{self.smoothing}"  # a decimation pyramid of its own
-        else:
-            data_key = key
-            if raw is not None:
-                raw.setVisible(False)
-        self._show(data_key, self._item(key, plot, color, name, width=width), x, y)
-
     def paintEvent(self, ev) -> None:
         super().paintEvent(ev)
         if self.after_paint is not None:
@@ -378,7 +237,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             title = "Gradient norm" if "grad_norm" in tr.columns else "Gradient norm (logged with grad clip > 0)"
             if title != self._grad_title:
                 self._grad_title = title
-                self.grad_norm.setTitle(title, size="9pt")
+                set_plot_title(self.grad_norm, title)
             self._draw_stack(x, tr)
         if ev.rows:
             x = self._x(d, ev)
@@ -413,9 +272,11 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         names = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("alloc/")})
         if te.names("power/") and self.power is None:
             self.power = self.addPlot(row=6, col=0)
+            self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.power, "Power (W)")
         if te.names("temp/") and self.temperature is None:
             self.temperature = self.addPlot(row=6, col=1)
+            self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.temperature, "Temperature (°C)")
         for dev in names:
             color = self._device_color(dev)
@@ -428,28 +289,21 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             ):
                 key = f"{prefix}/{dev}"
                 if key in te.columns and plot is not None:
-                    self._show(key, self._item(key, plot, color, label, style=style), x, te.get(key))
-        cpu_only = "rss_mb" in te.columns and not te.names("mem/")
-        if cpu_only:  # CPU lanes: the process's memory
-            self._show("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
+                    self._show_finite(key, self._item(key, plot, color, label, style=style), x, te.get(key))
+        cpu_only = not te.names("mem/") and ("rss_mb" in te.columns or bool(te.names("rss/")))
+        if cpu_only and te.names("rss/"):  # ddp on CPU: each rank is a process of its own
+            for key in te.names("rss/"):
+                dev = key.split("/", 1)[1]
+                item = self._item(key, self.memory, self._device_color(dev), f"{dev} RSS")
+                self._show_finite(key, item, x, te.get(key))
+        elif cpu_only:  # CPU lanes: the process's memory
+            self._show_finite("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
         title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
-            self.memory.setTitle(title, size="9pt")
+            set_plot_title(self.memory, title)
         keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
         self._from_zero(self.memory, [te.get(k) for k in keys])
-
-    def _from_zero(self, plot: pg.PlotItem, columns: list[np.ndarray]) -> None:
-        """A y axis from zero with headroom, changed only when the data outgrows it (or shrinks a lot):
-        autoscaled, a flat 0.2 MiB wobble in memory looked like a cliff and a constant lr a wall."""
-        if not self.auto_x:
-            return
-        tops = [np.nanmax(c) for c in columns if len(c) and np.isfinite(c).any()]
-        top = max(tops, default=0.0)
-        shown = self._tops.get(id(plot), 0.0)
-        if top > 0 and not (0.5 * shown <= top <= shown / 1.05):
-            self._tops[id(plot)] = top * 1.25
-            plot.setYRange(0, top * 1.25, padding=0)
 
     def _restyle(self, comparing: bool) -> None:
         """Comparing runs: one colour per run (the shown run first), its devices hidden."""
@@ -468,106 +322,3 @@ class PlotPanel(pg.GraphicsLayoutWidget):
             val.setPen(pg.mkPen(color, width=2, style=Qt.DashLine))
             val.setSymbolPen(pg.mkPen(color))
             val.setSymbolBrush(pg.mkBrush(color))
-
-    def _update_key(self) -> None:
-        """One key over all plots: what each colour and line style means."""
-        d = self.data
-        runs = tuple(r.name for r, _ in self.overlays)
-        state = (tuple(d.devices), runs, d.name, bool(d.eval.rows), self.smoothing > 0)
-        if state == self._key_state:
-            return
-        self._key_state = state
-        if runs:
-            parts = [f"{swatch(series_color(i))} {name}" for i, name in enumerate((d.name, *runs))]
-            parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
-        else:
-            parts = [f"{swatch(self._device_color(dev))} {dev}" for dev in d.devices]
-            if d.train.rows:
-                parts.append(f"{swatch(COMBINED)} combined")
-            if d.eval.rows:
-                parts.append(f"{swatch(VALIDATION, dashed=True)} validation")
-        if self.smoothing > 0 and parts:
-            parts.append("(smoothed; raw faint)")
-        self.key.setText(" &nbsp; ".join(parts), size="9pt")
-
-    def _clear_pauses(self) -> None:
-        for plot, item in self._pause_items:
-            plot.removeItem(item)
-        self._pause_items.clear()
-        self._pause_state = ()
-
-    def _draw_pauses(self) -> None:
-        """A pause is a grey band on the time axis (no data there is not a straight trend) and a
-        dotted line at its step on the step axis."""
-        spans = pause_spans(self.data)
-        state = (self.x_mode, tuple((round(a, 1), round(b, 1), s) for a, b, s in spans))
-        if state == self._pause_state:
-            return
-        self._clear_pauses()
-        self._pause_state = state
-        for a, b, step in spans:
-            for p in self.plots:
-                if self.x_mode == "time":
-                    item = pg.LinearRegionItem(
-                        (a, b), movable=False, brush=pg.mkBrush(*PAUSE_BRUSH), pen=pg.mkPen(None)
-                    )
-                else:
-                    item = pg.InfiniteLine(step, angle=90, movable=False, pen=pg.mkPen("#999", style=Qt.DotLine))
-                item.setZValue(-10)
-                item.setToolTip(f"paused at step {step} for {b - a:.1f} s")
-                p.addItem(item, ignoreBounds=True)
-                self._pause_items.append((p, item))
-
-    def _draw_stack(self, x: np.ndarray, tr: Series) -> None:
-        present = [p for p in PHASES if f"phase/{p}" in tr.columns]
-        if not present:
-            return
-        if not self._stack:
-            # drawn top (the total) first, so each lower band paints over the one above it
-            for p, color in reversed(list(zip(PHASES, PHASE_COLORS, strict=True))):
-                if p not in present:
-                    continue
-                c = pg.mkColor(color)
-                item = self.phases.plot([], [], pen=pg.mkPen(c, width=1), fillLevel=0, brush=pg.mkBrush(c), name=p)
-                self._stack.append(item)
-        # running totals, extended for new rows only
-        n = tr.rows
-        if self._stack_tops is None or self._stack_tops.shape[1] > n:
-            self._stack_tops, done = np.zeros((len(present), 0)), 0
-        else:
-            done = self._stack_tops.shape[1]
-        if n > done:
-            new = np.cumsum([np.nan_to_num(tr.get(f"phase/{p}")[done:n]) for p in present], axis=0)
-            self._stack_tops = np.concatenate([self._stack_tops, new], axis=1)
-        for k, (item, top) in enumerate(zip(self._stack, self._stack_tops[::-1], strict=True)):
-            self._show(f"stack{k}", item, x, top)
-
-    # -- crosshair -------------------------------------------------------------------------------
-    def _on_mouse(self, event) -> None:
-        pos = event[0]
-        for p in self.plots:
-            if p.sceneBoundingRect().contains(pos):
-                x = p.vb.mapSceneToView(pos).x()
-                self.show_values_at(x)
-                return
-        self.clear_values()
-
-    def leaveEvent(self, ev) -> None:
-        super().leaveEvent(ev)
-        self.clear_values()
-
-    def clear_values(self) -> None:
-        """The mouse left the plots: no crosshair, and the header names the run again."""
-        if any(line.isVisible() for line in self._lines):
-            for line in self._lines:
-                line.setVisible(False)
-            self.header.setText(self.title_text, size="9pt")
-
-    def show_values_at(self, x: float) -> str:
-        """Move every plot's crosshair to ``x`` and show every curve's value there, named, with units."""
-        for line in self._lines:
-            line.setPos(x)
-            line.setVisible(True)
-        text = values_at(self.data, x, self.x_mode)
-        self.header.setText(text, size="9pt")
-        return text

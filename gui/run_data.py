@@ -124,7 +124,8 @@ class RunData:
                 row[f"metric/{k}"] = _num(v)
             self.eval.add(row)
         elif kind == "telemetry":
-            row = {"wall_time": wall, "step": float(self.last_step)}
+            step = _num(rec.get("step"))  # a ddp rank's record can arrive after a later train record
+            row = {"wall_time": wall, "step": step if math.isfinite(step) else float(self.last_step)}
             for dev, d in (rec.get("devices") or {}).items():
                 for src, dst in (
                     ("util_pct", "util"),
@@ -133,6 +134,7 @@ class RunData:
                     ("torch_allocated_mb", "alloc"),
                     ("power_w", "power"),
                     ("temp_c", "temp"),
+                    ("rss_mb", "rss"),  # a ddp rank's process
                 ):
                     if src in d:
                         row[f"{dst}/{dev}"] = _num(d[src])
@@ -182,11 +184,9 @@ class RunData:
             w.writerow(["step", "wall_time", "elapsed_s", *train_cols, *eval_cols, *tele_cols])
             t0 = self.t0 or 0.0
             tsteps, twall = self.train.get("step"), self.train.get("wall_time")
-            # the telemetry sample each train row saw last (none before the first sample)
-            tele_at = np.searchsorted(self.telemetry.get("wall_time"), twall, side="right") - 1
+            tele = {k: _latest_at(self.telemetry.get("wall_time"), self.telemetry.get(k), twall) for k in tele_cols}
             for i in range(self.train.rows):
                 ev = eval_by_step.get(int(tsteps[i]), {})
-                j = int(tele_at[i]) if self.telemetry.rows else -1
                 w.writerow(
                     [
                         int(tsteps[i]),
@@ -194,10 +194,23 @@ class RunData:
                         f"{twall[i] - t0:.3f}",
                         *(_fmt(self.train.get(k)[i]) for k in train_cols),
                         *(_fmt(ev.get(k, math.nan)) for k in eval_cols),
-                        *(_fmt(self.telemetry.get(k)[j] if j >= 0 else math.nan) for k in tele_cols),
+                        *(_fmt(tele[k][i]) for k in tele_cols),
                     ]
                 )
         return self.train.rows
+
+
+def _latest_at(wall: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Each time in ``at``: the column's latest finite value recorded at or before it (NaN before the
+    first). Telemetry records come one per ddp rank, each holding only its own devices, and a rank's
+    record can reach the file after a later one of another rank, so rows are sorted and each column
+    is forward-filled on its own."""
+    order = np.argsort(wall, kind="stable")
+    w, v = wall[order], values[order]
+    keep = np.isfinite(v)
+    w, v = w[keep], v[keep]
+    j = np.searchsorted(w, at, side="right") - 1
+    return np.where(j >= 0, v[np.maximum(j, 0)] if len(v) else math.nan, math.nan)
 
 
 def _fmt(v: float) -> str:

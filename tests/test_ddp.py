@@ -312,9 +312,24 @@ def test_a_port_in_use_and_a_rendezvous_that_never_completes_are_one_line_each(t
             text=True,
             timeout=60,
         )
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "not available" in lines[0], r.stderr
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "not available" in lines[0], r.stderr
+        # Several nodes: the port is the rendezvous's, held by something that is no c10d store (torch's
+        # client would wait on its handshake forever): one line once --rdzv-timeout has passed.
+        t0 = time.monotonic()
+        r = subprocess.run(
+            train_args(
+                runs, "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stderr[-3000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"rendezvous at 127.0.0.1:{port} did not complete" in lines[0], r.stderr
+        assert time.monotonic() - t0 < 60
     t0 = time.monotonic()
     r = subprocess.run(
         train_args(
@@ -348,3 +363,123 @@ def test_ranks_whose_launcher_was_sigkilled_stop_with_a_checkpoint(tmp_path):
                 psutil.Process(pid).kill()
     ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert int(ck["step"]) == json.loads((run / "status.json").read_text())["step"]
+
+
+def test_sigterm_on_the_launcher_stops_every_rank_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path):
+    runs = tmp_path / "runs"
+    cfg = float64_settings(100000)
+    cfg["run"] = {"runs_dir": str(runs), "name": "ddp"}
+    cfg["train"]["eval_every"] = 0
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(cfg))
+    p = subprocess.Popen(
+        [*CLI, "train", "--strategy", "ddp", "--config", str(path), "--devices", "cpu:0,cpu:1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+        wait_for(lambda: last_train_step(run) >= 3, 120, "training")
+        ranks = [wait_for(lambda r=r: rank_pid(p, r), 30, f"rank {r}") for r in (0, 1)]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    _, err = p.communicate()
+    assert p.returncode == 0, err[-3000:]
+    assert "stopped" in err
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in ranks), 30, "the ranks to exit")
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "stopped"
+    step = int(torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"])
+    assert step == status["step"] == last_train_step(run)
+    # The resumed run continues exactly: the same numbers as a straight run to the same step.
+    r = subprocess.run(
+        [*CLI, "train", "--resume", str(run), "--steps", str(step + 3)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, ref_records = reference(tmp_path, step + 3)
+    assert max_rel_diff(model_from(run), ref.model) <= 1e-10
+    train = [x for x in read_metrics(run) if x["kind"] == "train"]
+    ref_train = [x for x in ref_records if x["kind"] == "train"]
+    assert [x["step"] for x in train] == [x["step"] for x in ref_train]
+    for a, b in zip(train, ref_train, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(b["loss"]), (a, b)
+
+
+def two_nodes(runs: Path, *args: str, task: str = "mlp") -> list[subprocess.Popen]:
+    """Two ``multilane train --nnodes 2`` launchers ("nodes") meeting at one c10d rendezvous."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = [*train_args(runs, *args, task=task, devices="cpu:0"), "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    return [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+
+
+def test_a_rank_that_raises_on_the_other_node_fails_the_run_naming_that_rank_and_its_error(tmp_path):
+    task = tmp_path / "failing.py"
+    task.write_text(FAILING_TASK)
+    runs = tmp_path / "runs"
+    nodes = two_nodes(runs, "--steps", "1000", "--set", "train.log_every=2", task=str(task))
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], errs
+    (run,) = run_dirs(runs)
+    # Rank 1 is alone on the node without rank 0: rank 0 only lost its peer, and the run says why.
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["rank"] == 1, status
+    assert "rank 1" in status["message"] and "ValueError: boom on purpose" in status["message"], status
+    assert "boom on purpose" in (run / "error.txt").read_text()
+    events = [rec for rec in read_metrics(run) if rec.get("event") == "failed"]
+    assert events[-1]["rank"] == 1 and "boom on purpose" in events[-1]["message"]
+    assert all("failed: rank 1" in err and "boom on purpose" in err for err in errs), errs
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_sigkilled_rank_on_either_node_fails_the_run_within_seconds(tmp_path, victim):
+    runs = tmp_path / "runs"
+    nodes = two_nodes(runs, "--steps", "100000", "--set", "train.log_every=5", "--set", "train.eval_every=0")
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+        wait_for(lambda: last_train_step(run) >= 5, 120, "training")
+        pid = wait_for(lambda: next(filter(None, (rank_pid(p, victim) for p in nodes)), None), 30, f"rank {victim}")
+        t0 = time.monotonic()
+        psutil.Process(pid).kill()
+        for p in nodes:
+            p.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        errs = [p.communicate()[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], errs
+    assert elapsed < 15, f"the run took {elapsed:.1f} s to end"
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["rank"] == victim, status
+    assert f"rank {victim}" in status["message"] and "SIGKILL" in status["message"], status
+    assert all(f"rank {victim}" in err and "SIGKILL" in err for err in errs), errs
+
+
+def test_other_ranks_telemetry_reaches_metrics_within_seconds_even_when_log_windows_are_long(tmp_path):
+    runs = tmp_path / "runs"
+    p = long_ddp_run(runs, "train.log_every=100000", "telemetry.record_s=0.2")
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+
+        def rank1_telemetry():
+            return [r for r in read_metrics(run) if r["kind"] == "telemetry" and r.get("rank") == 1]
+
+        records = wait_for(rank1_telemetry, 60, "rank 1's telemetry")
+        assert last_train_step(run) == 0  # no log window has closed: it came on its own
+        key = next(iter(records[0]["devices"]))
+        assert key.split("/")[1:] == ["rank1", "cpu:1"] and "process" not in records[0]
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0

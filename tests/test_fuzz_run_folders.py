@@ -15,9 +15,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from multilane.engine.checkpoint_file import load_checkpoint
 from multilane.engine.config import build_config, read_config_file
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import load_checkpoint, load_metrics, read_json, record_problem, run_task_name
+from multilane.engine.runlog import load_metrics, read_json, record_problem, run_task_name
 from multilane.gui.run_data import RunData
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

@@ -12,9 +12,9 @@ import torch
 from helpers import CLI
 from multilane.engine.config import build_config, merge, read_config_file
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import check_writable
 from multilane.engine.tasks import load_task_file, make_task
 from multilane.engine.trainer import Trainer
+from multilane.engine.writefile import check_writable
 
 
 def multilane(*args, timeout=120, **kw):

@@ -5,8 +5,9 @@ a c10d rendezvous, the local elastic agent, one worker process per device) runs 
 again in each worker, where it becomes one rank (``worker.py``). The agent watches its workers: when
 one raises or is killed it stops the others at once (SIGTERM, SIGKILL after a grace period), and a
 signal to the launcher (Ctrl+C, SIGTERM) is passed on to every rank, which stop together at the same
-step with a checkpoint. The launcher then writes the outcome into the run folder: which rank failed
-and with what error.
+step with a checkpoint. The launcher then writes the outcome into the run folder (``failures.py``):
+which rank failed and with what error, also when that rank ran on another node. A rendezvous that
+never completes ends the launcher with one line (``RendezvousWatchdog``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,9 +27,14 @@ from typing import Any
 
 from multilane.engine.config import RunConfig
 from multilane.engine.devices import default_devices, parse_devices
-from multilane.engine.distributed.worker import RUN_DIR_ENV
+from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes_from_child_failure, primary
+from multilane.engine.distributed.worker import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import ERROR, STATUS, RunDir, iter_metrics
+from multilane.engine.runlog import STATUS, RunDir
+
+FOREIGN_CAUSE_WAIT_S = 5.0
+"""With several nodes: how long a launcher whose ranks only lost their peers waits for the note of
+the failure on another node that caused it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,12 +114,24 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
     )
+    # The ranks tell this launcher the run folder (several nodes: rank 0 makes it) through this file.
+    node_file = Path(tempfile.mkdtemp(prefix="multilane-node-")) / "run_dir"
+    os.environ[NODE_FILE_ENV] = str(node_file)
+    what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
+    watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
     try:
         elastic_launch(lc, sys.executable)("-m", "multilane.engine.cli", "train", *argv)
     except ChildFailedError as e:
-        rank, message, tb = first_failure(e)
-        if run_dir is not None:
-            report_failure(run_dir, rank, message, tb)
+        run_dir = run_dir or _run_dir_of_node(node_file)
+        cause = None
+        if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
+            try:
+                notes_from_child_failure(run_dir, e)
+                # With several nodes the failure that caused this node's may be another node's: wait for its note.
+                cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
+            except OSError as err:
+                print(f"multilane: could not record the failure in {run_dir}: {err.strerror or err}", file=sys.stderr)
+        message = cause["message"] if cause else first_failure(e)
         print(f"failed: {message}", file=sys.stderr)
         if run_dir is not None:
             print(f"  run directory: {run_dir}", file=sys.stderr)
@@ -120,46 +141,85 @@ def launch(
         print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
         return 0 if state == "stopped" else 1
     except RendezvousError as e:
-        what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
         raise UserError(
             f"rendezvous at {endpoint} failed for {what} within {rdzv_timeout_s:g} s "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+    finally:
+        watchdog.cancel()
+        shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" else 0
 
 
-def first_failure(e: Any) -> tuple[int, str, str | None]:
-    """The failure that caused the others: a rank killed by a signal or failing on its own comes
-    before one that only lost its peers; then the earliest, then the lowest rank."""
+class RendezvousWatchdog:
+    """Ends a launcher whose rendezvous neither completes nor fails in time, with one line.
 
-    def lost(f: Any) -> bool:
-        return isinstance(f.message, dict) and "RankLostPeers" in str(f.message.get("message", ""))
+    torch's c10d rendezvous gives up after ``join_timeout``, but not everywhere: a client that reaches
+    a port held by something other than a c10d store (another program, a stale process) waits on its
+    handshake forever. This thread waits ``timeout_s`` plus a grace period for the first worker process
+    (they start once the rendezvous is complete); if none came, it prints the line and exits (2).
+    """
 
-    rank, f = min(e.failures.items(), key=lambda kv: (lost(kv[1]), kv[1].timestamp, kv[0]))
-    if f.exitcode < 0:
-        return rank, f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}", None
-    if isinstance(f.message, dict):
-        text = str(f.message.get("message", ""))
-        text = text.split(": ", 1)[1] if text.startswith(("RankFailed: ", "RankLostPeers: ")) else text
-        tb = f.message.get("extraInfo", {}).get("py_callstack")
-        return rank, text or f"rank {rank} exited with {f.exitcode}", tb
-    return rank, f"rank {rank} (pid {f.pid}) exited with status {f.exitcode}", None
+    GRACE_S = 5.0
+
+    def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
+        self.endpoint, self.what, self.timeout_s = endpoint, what, timeout_s
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="rendezvous-watchdog", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        import psutil
+
+        end = time.monotonic() + self.timeout_s + self.GRACE_S
+        me = psutil.Process()
+        while not self._done.wait(0.5):
+            try:
+                if any("multilane.engine.cli" in " ".join(c.cmdline()) for c in me.children(recursive=True)):
+                    return  # the ranks started: the rendezvous is complete
+            except psutil.Error:
+                pass
+            if time.monotonic() > end:
+                print(
+                    f"multilane: error: rendezvous at {self.endpoint} did not complete for {self.what} within "
+                    f"{self.timeout_s:g} s (is something else listening on that port?)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(2)
 
 
-def report_failure(run_dir: Path, rank: int, message: str, tb: str | None) -> None:
-    """Write the run's outcome: status failed, a failed event naming the rank, the traceback."""
-    rd = RunDir(run_dir)
-    old = rd.read_json(STATUS) or {}
-    step = max(
-        (r.get("step", 0) for r in iter_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"), default=0
-    )
-    if tb or not (run_dir / ERROR).exists():
-        rd.write_error(tb or message + "\n")
-    rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
-    rd.append_metric(
-        {"kind": "event", "event": "failed", "step": step, "wall_time": time.time(), "message": message, "rank": rank}
-    )
-    rd.close()
+def first_failure(e: Any) -> str:
+    """The message of the failure that caused the others among this node's ranks (no run folder known)."""
+    notes = []
+    for rank, f in e.failures.items():
+        text = str(f.message.get("message", "")) if isinstance(f.message, dict) else ""
+        lost = LOST_PEERS in text
+        if f.exitcode < 0:
+            text = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}"
+        elif text.startswith(("RankFailed: ", f"{LOST_PEERS}: ")):
+            text = text.split(": ", 1)[1]
+        notes.append(
+            {
+                "rank": rank,
+                "message": text or f"rank {rank} exited with {f.exitcode}",
+                "lost_peers": lost,
+                "time": f.timestamp,
+            }
+        )
+    cause = primary(notes)
+    return cause["message"] if cause else "a rank failed"
+
+
+def _run_dir_of_node(node_file: Path) -> Path | None:
+    """The run folder this node's ranks were told by rank 0 (several nodes: rank 0 made it)."""
+    try:
+        text = node_file.read_text().strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
 
 
 def _state(run_dir: Path | None) -> str | None:

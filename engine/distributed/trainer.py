@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,23 @@ import torch
 import torch.distributed as dist
 from multilane.engine import checkpointer
 from multilane.engine.control import RunControl
+from multilane.engine.distributed.evaluation import evaluate_shards
+from multilane.engine.distributed.failures import clear_notes
 from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.shards import RankLoader
+from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
+from multilane.engine.distributed.worker import NODE_FILE_ENV
 from multilane.engine.errors import UserError
-from multilane.engine.loader import ArrayLoader, build_loader
+from multilane.engine.evaluation import write_sample
+from multilane.engine.loader import build_loader
 from multilane.engine.metrics_window import check_finite
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
+from multilane.engine.run_spec import planned_steps
 from multilane.engine.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry import TelemetrySampler
@@ -38,6 +44,8 @@ from multilane.engine.trainer import Trainer
 from torch.nn.parallel import DistributedDataParallel
 
 PAUSE_POLL_S = 0.2
+TELEMETRY_LAG_S = 2.0
+"""The longest another rank's telemetry waits for a log window before it is sent to rank 0 alone."""
 
 
 RANK_LOCK_WAIT_S = 20.0
@@ -74,9 +82,7 @@ class DdpTrainer(Trainer):
         self.requests = requests or RunControl()
         self._given_run_dir = Path(run_dir) if run_dir else None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self._tele_lock = threading.Lock()
-        self._tele_buffer: list[dict[str, Any]] = []
-        self._busy_s = 0.0
+        self.rank_telemetry = RankTelemetry(info, lambda: self.step, self._dispatch)
         self._keys: list[str] = [info.key]
         self._parent = os.getppid()
 
@@ -92,17 +98,11 @@ class DdpTrainer(Trainer):
         if not info.device.is_cuda:
             torch.set_num_threads(cpu_threads_per_rank(info.local_world))
         dev = info.device.torch_device()
-        self.loader = build_loader(self.task, cfg, dev if info.device.is_cuda else None)
-        if not isinstance(self.loader, ArrayLoader):
-            raise UserError(
-                f"task {self.task.name}: devices.strategy = ddp takes in-memory data (ArrayData) for now; "
-                "a Dataset or stream task runs with the replicate strategy"
-            )
-        self.batches, self.val = self.loader.batches, self.loader.val
+        self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
         self.model = self.task.build_model().to(dev)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
-        self.total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * self.batches.per_epoch / accum)
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=cfg.train.precision == "fp16")
         self._weights = cfg.devices.weights or None
         if self._weights and len(self._weights) != info.world:
@@ -120,6 +120,8 @@ class DdpTrainer(Trainer):
         keys: list[Any] = [None] * info.world
         dist.all_gather_object(keys, info.key)
         self._keys = keys
+        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
+        self.loader.start(self.step * accum, self.total_steps * accum)
 
     @property
     def lane_names(self) -> list[str]:
@@ -145,8 +147,13 @@ class DdpTrainer(Trainer):
                 rd.acquire(RANK_LOCK_WAIT_S)  # the launcher made the folder; rank 0 is its writer
             else:
                 rd = super()._open_run_dir()
+        if rd is not None:
+            clear_notes(rd.path)  # an earlier launch's failures
         path: list[Any] = [str(rd.path) if rd is not None else None]
         dist.broadcast_object_list(path, src=0)
+        node_file = os.environ.get(NODE_FILE_ENV)
+        if node_file and self.info.local_rank == 0:  # this node's launcher reports failures into it
+            Path(node_file).write_text(path[0])
         return rd if rd is not None else NullRunDir(Path(path[0]))
 
     # -- one step -------------------------------------------------------------------------------
@@ -156,10 +163,10 @@ class DdpTrainer(Trainer):
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
-            idx = self.batches.indices(self.step * accum + k)
-            size = int(idx.shape[0])
-            start, n = self._my_slice(size)
-            inputs, target = self.batches.data.take(idx[start : start + n])
+            timer.mark(None)
+            t_data = time.perf_counter()
+            inputs, target, n, size = self.loader.next_shard()
+            timer.add("data", time.perf_counter() - t_data)
             # Gradients are averaged across ranks once per optimizer step, at its last micro-batch.
             sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
             with sync:
@@ -186,7 +193,7 @@ class DdpTrainer(Trainer):
         self.scaler.update()
         timer.end_step()
         self.window.end_step()
-        self._busy_s += time.perf_counter() - t0
+        self.rank_telemetry.busy_s += time.perf_counter() - t0
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
@@ -217,13 +224,14 @@ class DdpTrainer(Trainer):
         return w / t if t > 0 else 0.0
 
     # -- agreeing on pause and stop -------------------------------------------------------------
-    def _flags(self, a: bool, b: bool) -> torch.Tensor:
-        return torch.tensor([int(a), int(b)], dtype=torch.int32)
+    def _flags(self, *bits: bool) -> torch.Tensor:
+        return torch.tensor([int(b) for b in bits], dtype=torch.int32)
 
     def _sync_control(self) -> None:
         """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
         step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
-        act on the same agreed flags at the same step."""
+        act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
+        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now."""
         self._control_file.apply(self.requests)
         if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
             self.requests.request_stop()
@@ -231,7 +239,7 @@ class DdpTrainer(Trainer):
             work, flags = self._pending
             self._pending = None
             work.wait()
-            stop, pause = flags.tolist()
+            stop, pause, telemetry = flags.tolist()
             if stop:
                 self.requests.request_stop()
                 self.control.request_stop()
@@ -239,9 +247,21 @@ class DdpTrainer(Trainer):
             if pause:
                 self.control.pause()
                 return
-        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested)
+            if telemetry:
+                self._gather_telemetry()
+        overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
+        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested, overdue)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
         self._pending = (work, flags)
+
+    def _gather_telemetry(self) -> None:
+        """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
+        everyone: list[Any] = [None] * self.info.world
+        dist.all_gather_object(everyone, self.rank_telemetry.take(), group=self._control_group)
+        if self.info.is_main:
+            for records in everyone[1:]:
+                for r in records:
+                    self._dispatch(r)
 
     def _drain_pending(self) -> None:
         if self._pending is not None:
@@ -276,8 +296,7 @@ class DdpTrainer(Trainer):
         mine = self.window.take()
         if mine is None:  # the same on every rank: they count the same micro-batches
             return
-        with self._tele_lock:
-            telemetry, self._tele_buffer = self._tele_buffer, []
+        telemetry = self.rank_telemetry.take()
         everyone: list[Any] = [None] * self.info.world
         dist.all_gather_object(everyone, (mine, telemetry, self.timer.read()))
         windows = [e[0] for e in everyone]
@@ -286,7 +305,7 @@ class DdpTrainer(Trainer):
             windows,
             self._keys,
             step=self.step,
-            epoch=round(self.step * self.config.train.grad_accum / self.batches.per_epoch, 4),
+            epoch=self.loader.epoch_fraction(self.step * self.config.train.grad_accum),
             wall_time=time.time(),
             lr=self.optimizer.param_groups[0]["lr"],
             **extra,
@@ -307,91 +326,30 @@ class DdpTrainer(Trainer):
         checkpointer.save(self)
 
     def _evaluate(self) -> None:
-        """Each rank evaluates its shard of every validation batch; one gather sums them."""
-        if self.val is None:
+        """Each rank evaluates its slice of every validation batch; rank 0 writes the task's text sample."""
+        if not self.loader.has_val:
             return
-        model, task, bs = self.model, self.task, self.config.data.batch_size
-        was_training = model.training
-        model.eval()
-        loss_sum = weight_sum = 0.0
-        metric_sums: list[float] = []
-        keys: list[str] = []
-        count, n_val = 0, len(self.val)
-        dtype = self.autocast_dtype
-        try:
-            with torch.no_grad():
-                for b0 in range(0, n_val, bs):
-                    start, n = self._my_slice(min(bs, n_val - b0))
-                    if n == 0:
-                        continue
-                    inputs, target = self.val.take(torch.arange(b0 + start, b0 + start + n))
-                    args, kwargs = model_args(inputs)
-                    cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
-                    with cast:
-                        output = model(*args, **kwargs)
-                        loss = _LaneLoss.check(task.loss(output, target))
-                        w = float(n)
-                        if self._loss_weight is not None:
-                            w = float(_LaneLoss.weight(self._loss_weight(output, target), loss))
-                    if w > 0:  # a shard holding no weight (all padding) adds nothing; its mean is 0/0
-                        loss_sum += float(loss.double()) * w
-                        weight_sum += w
-                    metrics = task.metrics(output, target)
-                    keys = list(metrics)
-                    values = [float(torch.as_tensor(metrics[k]).double()) * n for k in keys]
-                    metric_sums = (
-                        values if not metric_sums else [a + b for a, b in zip(metric_sums, values, strict=True)]
-                    )
-                    count += n
-        finally:
-            model.train(was_training)
-        everyone: list[Any] = [None] * self.info.world
-        dist.all_gather_object(everyone, (loss_sum, weight_sum, metric_sums, keys, count))
-        parts = [e for e in everyone if e[4] > 0]
-        keys = parts[0][3]
-        n_all = sum(e[4] for e in parts)
-        w_all = sum(e[1] for e in everyone)
-        rec = {
-            "kind": "eval",
-            "step": self.step,
-            "wall_time": time.time(),
-            "val_loss": sum(e[0] for e in everyone) / w_all if w_all > 0 else math.nan,
-            "metrics": {k: sum(e[2][i] for e in parts) / n_all for i, k in enumerate(keys)},
-        }
+        info = self.info
+        rec = evaluate_shards(
+            self.model,
+            self.task,
+            self.loader.eval_shards(),
+            info.device.kind,
+            self.autocast_dtype,
+            self._loss_weight,
+            info.world,
+            self.step,
+        )
+        if info.is_main:
+            assert self.run_dir is not None
+            write_sample(self.task, self.model, info.device.torch_device(), rec, self.run_dir)
         self._last_eval = rec
         for cb in self.callbacks:
             cb.on_eval(rec)
 
     # -- telemetry: each rank samples its own device; rank 0 writes every rank's records ---------
     def _make_sampler(self) -> TelemetrySampler | None:
-        t = self.config.telemetry
-        if not t.enabled:
-            return None
-        cpu = not self.info.device.is_cuda
-        return TelemetrySampler(
-            [self.info.device],
-            [self.info.key],
-            self._telemetry,
-            rate_hz=t.rate_hz,
-            record_s=t.record_s,
-            busy_seconds=(lambda: [self._busy_s]) if cpu else None,
-        )
-
-    def _telemetry(self, record: dict[str, Any]) -> None:
-        record = {**record, "step": self.step, "host": self.info.host, "rank": self.info.rank}
-        if record["kind"] == "telemetry":
-            devices = record["devices"]
-            entry = next(iter(devices.values()), {}) if devices else {}
-            process = record.get("process", {})
-            entry = {**entry, **{k: v for k, v in process.items() if k in ("cpu_pct", "rss_mb")}}
-            record["devices"] = {self.info.key: entry}
-            if not self.info.is_main:
-                record.pop("process", None)  # the run's "process" series is rank 0's
-        if self.info.is_main:
-            self._dispatch(record)
-        else:
-            with self._tele_lock:
-                self._tele_buffer.append(record)
+        return self.rank_telemetry.make_sampler(self.config)
 
     def _dispatch(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:

@@ -6,20 +6,24 @@ to the file the agent reads, so the launcher can say which rank failed and why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
+import time
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
 from multilane.engine.control import RunControl
+from multilane.engine.distributed.failures import consolidate, write_note
 from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
+NODE_FILE_ENV = "MULTILANE_NODE_FILE"  # where a node's ranks tell their launcher the run folder
 
 # Errors that mean "another rank went away", not "this rank went wrong".
 _LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I)
@@ -64,7 +68,15 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         print(summary(result, getattr(trainer, "total_steps", None)), flush=True)
     if result.status == "failed":
         message = f"rank {info.rank} ({info.key}): {result.message}"
-        raise (RankLostPeers if _LOST.search(result.message or "") else RankFailed)(message)
+        lost = bool(_LOST.search(result.message or ""))
+        # The run folder knows every rank's failure (failures.py); a node that does not share the
+        # folder (no shared filesystem) leaves the report to rank 0's.
+        if trainer.run_dir is not None and trainer.run_dir.path.is_dir():
+            with contextlib.suppress(OSError):
+                write_note(trainer.run_dir.path, info.rank, message, result.traceback, lost, time.time())
+                if info.is_main and NODE_FILE_ENV not in os.environ:  # bare torchrun: no launcher of ours
+                    consolidate(trainer.run_dir.path, wait_for_cause_s=5.0 if lost else 0.0)
+        raise (RankLostPeers if lost else RankFailed)(message)
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,183 @@
+"""The ``multilane`` command line: its options, their checks, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefixes: `--epoch 3` must not silently become `--epochs 3`.
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        # One line, exit 2: what is wrong (and the option meant, for a typo), not a usage screen.
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(self, message)} (see --help)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, [], argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """ "; did you mean --epochs?" for an unknown option close to a known one."""
+    if "unrecognized arguments:" not in message:
+        return ""
+    import difflib
+
+    known: list[str] = []
+    for action in parser._actions:
+        known += action.option_strings
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            for a in sub._actions:
+                known += a.option_strings
+    for word in message.split(":", 1)[1].split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
+MAX_WHOLE = 10**12  # no count of steps, epochs or pixels is larger; int() of 5,000 digits is refused
+MIN_WIDTH, MAX_WIDTH = 200, 10_000  # the app's PNG width dialog takes the same range
+
+
+def short_text(text: str) -> str:
+    """A user's value quoted for an error line, cut to 20 characters (a 5,000-digit number stays short)."""
+    return repr(text) if len(text) <= 24 else repr(text[:20] + "...")
+
+
+def _whole(text: str, low: int = 0, high: int = MAX_WHOLE) -> int:
+    digits = text.strip().lstrip("+-")
+    if digits.isdigit() and len(digits) > 15:
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is too large (at most {high:,})")
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is not a whole number") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {low}")
+    if v > high:
+        raise argparse.ArgumentTypeError(f"{v} is too large (at most {high:,})")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _seed(text: str) -> int:
+    return _whole(text, 0, 2**32 - 1)
+
+
+def _width(text: str) -> int:
+    return _whole(text, MIN_WIDTH, MAX_WIDTH)
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from multilane.engine import __version__
+    from multilane.engine.config import RunConfig
+
+    d0 = RunConfig()  # the defaults the help shows are the config's own
+    p = _Parser(prog="multilane", description="Data-parallel PyTorch training across the GPUs of one machine.")
+    p.add_argument("--version", action="version", version=f"multilane {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train headless, with a progress bar", description="Train headless.")
+    t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
+    t.add_argument(
+        "--task",
+        metavar="NAME|FILE",
+        help=f"digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task (default: {d0.task.name})",
+    )
+    t.add_argument(
+        "--devices",
+        metavar="LIST",
+        help=f"cuda:0,cuda:1 | cpu:0,cpu:1 | auto: every GPU, else two CPU lanes (default: {d0.devices.use})",
+    )
+    t.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="N",
+        help=f"global batch, split across the devices (default: {d0.data.batch_size})",
+    )
+    t.add_argument("--lr", type=_number, metavar="X", help=f"learning rate (default: {d0.optim.lr:g})")
+    t.add_argument("--optimizer", metavar="NAME", help=f"sgd, adam or adamw (default: {d0.optim.name})")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--epochs", type=_positive_int, metavar="N", help=f"passes over the training data (default: {d0.train.epochs})"
+    )
+    budget.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps, instead of --epochs")
+    t.add_argument(
+        "--seed", type=_seed, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
+    )
+    t.add_argument("--precision", metavar="P", help=f"fp32, bf16 or fp16 (default: {d0.train.precision})")
+    t.add_argument("--runs-dir", metavar="DIR", help=f"where run folders go (default: ./{d0.run.runs_dir})")
+    t.add_argument("--name", metavar="NAME", help=f"run name, part of the run folder's name (default: {d0.run.name})")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    t.add_argument(
+        "--strategy",
+        metavar="S",
+        help="replicate (default: one process, the model copied to every device each step, as nn.DataParallel), "
+        "persistent (one process, a replica kept per device), or ddp (one process per device)",
+    )
+    dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
+    dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
+    dd.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous (default: a free local port)")
+    dd.add_argument("--rdzv-id", metavar="ID", help="run id, the same on every node (default: multilane)")
+    dd.add_argument(
+        "--rdzv-timeout", type=_number, default=60.0, metavar="S", help="seconds to wait for every node (default 60)"
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
+    )
+
+    e = sub.add_parser(
+        "export",
+        help="export a run's figures and metrics (no display, no Qt needed)",
+        description="Write loss.* (every device, combined, validation), plots.* (every plot), compare.* "
+        "(with --compare: one curve per run) as PNG, SVG and PDF with real text, and metrics.csv.",
+    )
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
+    e.add_argument("--format", default="png,svg,pdf,csv", metavar="LIST", help="any of png,svg,pdf,csv")
+    e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
+    e.add_argument("--compare", action="append", default=[], metavar="RUN_DIR", help="another run to compare with")
+    e.add_argument("--smoothing", type=_number, default=0.0, metavar="A", help="EMA of the train loss, 0 to 0.99")
+    e.add_argument("--x", choices=["step", "time"], default="step", help="x axis: optimizer step or elapsed time")
+    e.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
+
+    w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
+    w.add_argument("run_dir", metavar="RUN_DIR")
+    w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+
+    c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
+
+    d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
+    return p

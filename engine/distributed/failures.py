@@ -1,0 +1,117 @@
+"""How a ddp run's failure is recorded, on one machine or several.
+
+A failing rank takes its peers down with it: they fail too, but only with "connection closed" (they
+lost a peer). What the user needs is the first failure, whichever machine it happened on. So every
+failure is written down as a note in the run folder, ``failures/rank<N>.json`` (on a shared
+filesystem, that is every node's): a rank that raises writes its own (message and traceback); a
+launcher writes one for each of its ranks that failed, also one killed by a signal, which could not.
+Then ``consolidate`` (under a lock in the run folder) picks the note that caused the others (a rank's
+own error or a signal before "lost its peers", then the earliest, then the lowest rank) and writes it
+as the run's outcome: ``status.json`` failed, a ``failed`` event naming the rank, its traceback in
+``error.txt``. Every launcher that knows the folder consolidates after writing its notes, and so does
+rank 0, so whichever comes last has seen every note and the outcome names the real failure.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import filelock
+from multilane.engine.runlog import ERROR, STATUS, RunDir, iter_metrics
+
+NOTES = "failures"
+LOST_PEERS = "RankLostPeers"
+
+
+def note_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / NOTES / f"rank{rank}.json"
+
+
+def clear_notes(run_dir: Path) -> None:
+    """Forget an earlier launch's notes (rank 0, as a launch opens the folder)."""
+    folder = Path(run_dir) / NOTES
+    if folder.is_dir():
+        for f in folder.glob("rank*.json"):
+            f.unlink(missing_ok=True)
+
+
+def write_note(run_dir: Path, rank: int, message: str, traceback: str | None, lost: bool, at: float) -> None:
+    path = note_path(run_dir, rank)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    note = {"rank": rank, "message": message, "traceback": traceback, "lost_peers": lost, "time": at}
+    tmp.write_text(json.dumps(note))
+    tmp.replace(path)
+
+
+def read_notes(run_dir: Path) -> list[dict[str, Any]]:
+    notes = []
+    for f in sorted((Path(run_dir) / NOTES).glob("rank*.json")):
+        try:
+            notes.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return notes
+
+
+def primary(notes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failure that caused the others."""
+    return min(notes, key=lambda n: (bool(n["lost_peers"]), n["time"], n["rank"]), default=None)
+
+
+def notes_from_child_failure(run_dir: Path, e: Any) -> None:
+    """A launcher's notes for its ranks that failed (torch's ``ChildFailedError``)."""
+    for rank, f in e.failures.items():
+        lost = False
+        if f.exitcode < 0:
+            message, tb = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}", None
+        elif isinstance(f.message, dict):
+            text = str(f.message.get("message", ""))
+            lost = LOST_PEERS in text
+            text = text.split(": ", 1)[1] if text.startswith(("RankFailed: ", f"{LOST_PEERS}: ")) else text
+            message = text or f"rank {rank} exited with {f.exitcode}"
+            tb = f.message.get("extraInfo", {}).get("py_callstack")
+        else:
+            message, tb = f"rank {rank} (pid {f.pid}) exited with status {f.exitcode}", None
+        old = note_path(run_dir, rank)
+        if old.exists() and not f.exitcode < 0:
+            continue  # the rank wrote its own note (the same error, its exact time)
+        write_note(run_dir, rank, message, tb, lost, float(f.timestamp or time.time()))
+
+
+def consolidate(run_dir: Path, wait_for_cause_s: float = 0.0) -> dict[str, Any] | None:
+    """Write the primary failure among the notes as the run's outcome; return it.
+
+    ``wait_for_cause_s``: while only "lost its peers" notes are there, wait up to that long for the
+    note of the failure that caused them (another node's launcher writes it a moment later)."""
+    end = time.monotonic() + wait_for_cause_s
+    notes = read_notes(run_dir)
+    while notes and all(n["lost_peers"] for n in notes) and time.monotonic() < end:
+        time.sleep(0.1)
+        notes = read_notes(run_dir)
+    (Path(run_dir) / NOTES).mkdir(exist_ok=True)
+    with filelock.FileLock(Path(run_dir) / NOTES / ".lock", timeout=30):
+        cause = primary(read_notes(run_dir))
+        if cause is None:
+            return None
+        rd = RunDir(Path(run_dir))
+        try:
+            old = rd.read_json(STATUS) or {}
+            if old.get("state") == "failed" and old.get("message") == cause["message"]:
+                return cause  # already recorded
+            step = max(
+                (r.get("step", 0) for r in iter_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"),
+                default=0,
+            )
+            if cause["traceback"] or not (Path(run_dir) / ERROR).exists():
+                rd.write_error(cause["traceback"] or cause["message"] + "\n")
+            rank, message = cause["rank"], cause["message"]
+            rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
+            event = {"kind": "event", "event": "failed", "step": step, "wall_time": time.time()}
+            rd.append_metric({**event, "message": message, "rank": rank})
+        finally:
+            rd.close()
+        return cause
