@@ -111,6 +111,11 @@ class ChildRun:
                 self._remove_made_folder()
             message = line.removeprefix("multilane: error: ") or "the run was not started"
             return {"status": "rejected", "message": message, "step": 0, "run_dir": "", "traceback": None}
+        if self.terminated and code == -signal.SIGTERM and not started:
+            # Stopped by the app before the CLI had set its handler up: nothing trained, nothing to keep.
+            if self.made_folder:
+                self._remove_made_folder()
+            return {"status": "stopped", "message": "before training began", "step": 0, "run_dir": ""}
         if code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name

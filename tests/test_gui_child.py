@@ -200,3 +200,22 @@ def test_closing_the_app_can_leave_the_child_training(qtbot, window):
     finally:
         child.proc.kill()
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+
+
+def test_a_config_the_child_refuses_is_one_line_not_a_traceback(qtbot, window):
+    configure(window, task="linear", steps=3, log_every=1)
+    window.form.editors["train.precision"].widget.setCurrentText("fp16")  # checked by the engine: CPU lanes
+    window.start()
+    result = wait_done(qtbot, window)
+    assert result["status"] == "rejected", result
+    assert result["message"].startswith("train.precision = fp16: fp16 needs a GPU"), result["message"]
+    assert window.status_label.text() == f"Not started: {result['message']}"
+
+
+def test_stop_while_the_child_is_still_setting_up_stops_it(qtbot, window):
+    configure(window)
+    window.start()
+    window.stop()  # before its first step: its control file is not read yet, so a SIGTERM
+    result = wait_done(qtbot, window, 60_000)
+    assert result["status"] == "stopped", result  # by the CLI's own handler, or before it was set up
+    assert window.run.child.poll() is not None
