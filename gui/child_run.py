@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
+from multilane.engine.distributed.worker import RUN_DIR_ENV
 from multilane.engine.errors import UserError
 from multilane.engine.runlog import CONFIG, ERROR, METRICS, STATUS, TASK_FILE, RunDir, iter_metrics
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file
 
-RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # engine/distributed/worker.py reads the same name (it imports torch)
 CONSOLE = "console.log"
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.config import RunConfig
 from multilane.engine.control_file import write_control
 from multilane.engine.errors import UserError
 from multilane.engine.follow import RunFollower
@@ -47,14 +48,12 @@ class FollowWorker(QObject):
     record = Signal(object)
     finished = Signal(object)
 
-    def __init__(self, run_dir: str | Path, child: ChildRun | None = None) -> None:
+    def __init__(self, run_dir: str | Path, child: ChildRun | None = None, follower: RunFollower | None = None) -> None:
         super().__init__()
         self.run_dir = Path(run_dir)
         self.child = child
         self.control = NoHold()
-        self.follower = RunFollower(self.run_dir)
-        if child is not None and not child.made_folder:
-            self.follower.skip_existing()  # a resume: the window shows the run so far from its folder
+        self.follower = follower or RunFollower(self.run_dir)
         self._step = 0
         self._total: int | None = None
         self._lock = threading.Lock()
@@ -175,8 +174,13 @@ def follow(run_dir: str | Path) -> FollowWorker:
 
 
 def start_child(
-    config: Any = None, resume_from: str | None = None, overrides: dict[str, Any] | None = None
+    config: RunConfig | None, resume_from: str | None = None, overrides: dict[str, Any] | None = None
 ) -> FollowWorker:
     """Start ``multilane train`` for ``config`` (or to resume ``resume_from``) and follow its folder."""
-    child = ChildRun.resume(resume_from, overrides) if resume_from else ChildRun.start(config)
-    return FollowWorker(child.run_dir, child)
+    if not resume_from:
+        child = ChildRun.start(config)
+        return FollowWorker(child.run_dir, child)
+    follower = RunFollower(Path(resume_from).expanduser())
+    follower.skip_existing()  # before the child starts: the window shows the run so far from its folder
+    child = ChildRun.resume(resume_from, overrides)
+    return FollowWorker(child.run_dir, child, follower)
