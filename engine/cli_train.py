@@ -111,6 +111,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         waiting.start()
     try:
         from multilane.engine.control import RunControl
+        from multilane.engine.distributed.worker import RUN_DIR_ENV
         from multilane.engine.progress import ProgressDisplay, summary
         from multilane.engine.trainer import Trainer
 
@@ -120,8 +121,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         callbacks = [progress, _NameTaskFile()]
         if args.resume:
             trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
-        else:
-            trainer = Trainer(config, callbacks=callbacks, control=control)
+        else:  # the app that started this process may have made the run folder, to follow it
+            trainer = Trainer(config, callbacks=callbacks, control=control, run_dir=os.environ.get(RUN_DIR_ENV))
     except BaseException:
         if waiting is not None:
             waiting.stop()

@@ -56,6 +56,14 @@ class MetricsTail:
                 out.append(rec)
         return out
 
+    def skip_existing(self) -> None:
+        """Start after what the file holds now (a resumed run: its earlier records are shown already)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        self._ino, self.offset, self._rest = st.st_ino, st.st_size, b""
+
 
 @dataclass
 class FollowUpdate:
@@ -73,14 +81,23 @@ class RunFollower:
         self._status_stamp: tuple[int, int, int] | None = None
         self.status: dict[str, Any] | None = None
 
+    def skip_existing(self) -> None:
+        """Report only what is written from now on: a resumed run's earlier records and its old
+        (final) status are not the new process's."""
+        self.metrics.skip_existing()
+        self._status_stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.run_dir / STATUS)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     def poll(self) -> FollowUpdate:
         update = FollowUpdate(records=self.metrics.read())
         path = self.run_dir / STATUS
-        try:
-            st = os.stat(path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            stamp = None
+        stamp = self._stamp()
         if stamp is not None and stamp != self._status_stamp:
             try:
                 status = json.loads(path.read_text(encoding="utf-8"))

@@ -56,8 +56,10 @@ class Trainer:
         resume_from: str | Path | None = None,
         overrides: dict[str, Any] | None = None,
         task: Task | None = None,
+        run_dir: str | Path | None = None,
     ) -> None:
         self.control = control or RunControl()
+        self._made_run_dir = Path(run_dir) if run_dir else None  # made for this run by whoever started it
         self.callbacks = list(callbacks)
         self._checkpoint: dict[str, Any] | None = None
         self._resume_dir: RunDir | None = None
@@ -173,6 +175,13 @@ class Trainer:
     def _open_run_dir(self) -> RunDir:
         if self._resume_dir is not None:
             return self._resume_dir
+        if self._made_run_dir is not None:  # the app made it (to follow it) before starting this process
+            rd = RunDir(self._made_run_dir)
+            if not rd.path.is_dir():
+                raise UserError(f"run folder {rd.path} does not exist (it is made by whoever starts the run)")
+            (rd.path / "checkpoints").mkdir(exist_ok=True)
+            rd.acquire()
+            return rd
         return RunDir.create(self.config.run.runs_dir, self.config.run.name)
 
     @property

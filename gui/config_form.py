@@ -178,6 +178,7 @@ class ConfigForm(QWidget):
         super().__init__(parent)
         self.editors: dict[str, FieldEditor] = {}
         self.param_editors: dict[str, FieldEditor] = {}
+        self.sections: dict[str, QFormLayout] = {}
         self._loading = False
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -202,6 +203,7 @@ class ConfigForm(QWidget):
             sfield = sections[section]
             box = QGroupBox(TITLES.get(section, section))
             form = QFormLayout(box)
+            self.sections[section] = form
             form.setFieldGrowthPolicy(QFormLayout.AllNonFixedFieldsGrow)
             for name, field in sfield.annotation.model_fields.items():
                 if (section, name) in HIDDEN:
@@ -214,6 +216,10 @@ class ConfigForm(QWidget):
         self._task_name = "digits"
         self._task_params: dict[str, Any] = {}
         self.set_config(RunConfig())
+
+    def add_row(self, section: str, label: str, widget: QWidget) -> None:
+        """A field of the app's own (not the run's config) in a section's box."""
+        self.sections[section].addRow(label, widget)
 
     # -- task ------------------------------------------------------------------------------------
     def _task_chosen(self, index: int) -> None:

@@ -1,35 +1,37 @@
-"""Runs the window shows but does not run in its own thread: a run folder another process writes
-(File > Follow run), and a ddp run the app starts as a child process (``multilane train``).
+"""Runs the window shows while another process trains: a run the app started as a child process
+(``gui/child_run.py``: any strategy, ddp always) and a run folder someone else writes (File > Follow run).
 
-Both are read the same way: a timer in the GUI thread polls the folder with the engine's
-``RunFollower`` (incremental: only the bytes appended to metrics.jsonl since the last tick are read)
-and emits the same ``started``/``record``/``finished`` signals as the in-process worker, so the window
-shows them exactly like a local run. Pause, Resume and Stop write the run folder's control file,
-which every rank polls between steps, so they work for a run on another machine too.
+Both are one mechanism. A ``FollowWorker`` runs in the window's worker thread, like the in-process
+``TrainWorker``, and emits the same ``started``/``record``/``finished`` signals, so the window shows a
+followed run exactly like a local one. Its loop polls the run folder with the engine's
+``RunFollower`` (incremental: only the bytes appended to metrics.jsonl since the last poll are read)
+and, between polls, waits on the child process, so a child that dies is seen at once. Pause, Resume and
+Stop write the run folder's control file, which the trainer (every rank of a ddp run) polls between
+steps, so they work for a run on another machine too. The training process shares no GIL with the
+window: a redraw never delays a step (docs/performance.md).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
 from multilane.engine.control_file import write_control
-from multilane.engine.distributed.worker import RUN_DIR_ENV
+from multilane.engine.errors import UserError
 from multilane.engine.follow import RunFollower
-from multilane.engine.runlog import CONFIG, RunDir
-from PySide6.QtCore import QObject, QTimer, Signal
+from multilane.engine.runlog import CONFIG, ERROR, RunDir
+from multilane.gui.child_run import ChildRun, last_logged_step
+from PySide6.QtCore import QObject, Signal, Slot
 
-POLL_MS = 250
+POLL_S = 0.25
 
 
-class _NoHold:
-    """A followed run is in another process: the window's redraw hold does not apply."""
+class NoHold:
+    """A followed run trains in another process: the window's redraw hold does not apply."""
+
+    held_s = 0.0
 
     def hold(self, max_s: float) -> None: ...
     def release(self) -> None: ...
@@ -39,133 +41,146 @@ class _NoHold:
         return True
 
 
-class _NoThread:
-    def wait(self, timeout_ms: int = 0) -> bool:
-        return True
-
-
 class FollowWorker(QObject):
-    """Polls one run folder and emits what it finds, like ``TrainWorker``."""
+    """Follows one run folder (and supervises its child process, if the app started one)."""
 
     started = Signal(object)
     record = Signal(object)
     finished = Signal(object)
 
-    def __init__(self, run_dir: str | Path, child: subprocess.Popen | None = None, stderr_path: Path | None = None):
+    def __init__(self, run_dir: str | Path, child: ChildRun | None = None, follower: RunFollower | None = None) -> None:
         super().__init__()
         self.run_dir = Path(run_dir)
-        self.child, self.stderr_path = child, stderr_path
-        self.follower = RunFollower(self.run_dir)
-        self.timer = QTimer(self)
-        self.timer.timeout.connect(self.poll)
+        self.child = child
+        self.control = NoHold()
+        self.follower = follower or RunFollower(self.run_dir)
         self._step = 0
         self._total: int | None = None
-        self._done = False
+        self._lock = threading.Lock()
+        self._training = False  # the run's "started" event was seen: its control file is read
+        self._pending: str | None = None  # a command given before that, written once it is
+        self._detach = threading.Event()
 
-    def start(self) -> None:
+    @property
+    def detached(self) -> bool:
+        return self._detach.is_set()
+
+    @Slot()
+    def run(self) -> None:
+        self.started.emit(self._info())
+        try:
+            result = self._loop()
+        except Exception as e:  # an unreadable folder: the window must still learn the follow ended
+            result = {"status": "failed", "message": f"following {self.run_dir}: {e}", "step": self._step}
+        self.finished.emit({"run_dir": str(self.run_dir), "traceback": None, **result})
+
+    def _loop(self) -> dict[str, Any]:
+        while True:
+            self._poll()
+            if self.follower.done:
+                return self._final(self.follower.status or {})
+            if self.child is not None and self.child.poll() is not None:
+                self._poll()  # what the child wrote before it ended
+                if self.follower.done:
+                    return self._final(self.follower.status or {})
+                return self.child.outcome(max(self._step, last_logged_step(self.run_dir)))
+            if self._detach.is_set():
+                return {"status": "detached", "message": "no longer followed", "step": self._step}
+            if self.child is not None:
+                self.child.wait(POLL_S)
+            else:
+                self._detach.wait(POLL_S)
+
+    def _info(self) -> dict[str, Any]:
         cfg = RunDir(self.run_dir).read_json(CONFIG) or {}
-        self.started.emit({"run_dir": str(self.run_dir), "total_steps": None, "step": 0, "devices": self._devices(cfg)})
-        self.poll()
-        if not self._done:
-            self.timer.start(POLL_MS)
-
-    @staticmethod
-    def _devices(cfg: dict[str, Any]) -> list[str]:
         use = (cfg.get("devices") or {}).get("use")
-        return [s.strip() for s in use.split(",")] if isinstance(use, str) else []
+        devices = [s.strip() for s in use.split(",")] if isinstance(use, str) else []
+        return {"run_dir": str(self.run_dir), "total_steps": self._total, "step": self._step, "devices": devices}
 
-    def poll(self) -> None:
-        if self._done:
-            return
+    def _poll(self) -> None:
         update = self.follower.poll()
         for rec in update.records:
-            if rec.get("kind") == "train":
+            kind = rec.get("kind")
+            if kind == "train":
                 self._step = rec.get("step", self._step)
+            elif kind == "event" and rec.get("event") == "started":
+                self._began()
             self.record.emit(rec)
         status = update.status
         if status is not None and status.get("total_steps") and self._total is None:
             self._total = status["total_steps"]  # now the window can show progress and an ETA
-            devices = self._devices(RunDir(self.run_dir).read_json(CONFIG) or {})
-            self.started.emit(
-                {"run_dir": str(self.run_dir), "total_steps": self._total, "step": self._step, "devices": devices}
-            )
-        if self.follower.done:
-            self._end(self.follower.status or {})
-        elif self.child is not None and self.child.poll() is not None:
-            # The child ended without a final status: bad input (one line on its stderr) or a crash.
-            self._end({"state": "failed" if self.child.returncode else "finished", "message": self._child_error()})
+            self.started.emit(self._info())
 
-    def _child_error(self) -> str:
-        try:
-            lines = self.stderr_path.read_text(errors="replace").strip().splitlines() if self.stderr_path else []
-        except OSError:
-            lines = []
-        return lines[-1] if lines else f"the training process exited with status {self.child.returncode}"
+    def _began(self) -> None:
+        with self._lock:
+            self._training, pending, self._pending = True, self._pending, None
+        if pending is not None:
+            self._write(pending)
 
-    def _end(self, status: dict[str, Any]) -> None:
-        self._done = True
-        self.timer.stop()
-        self.finished.emit(
-            {
-                "status": status.get("state", "finished"),
-                "step": status.get("step") or self._step,
-                "run_dir": str(self.run_dir),
-                "message": status.get("message"),
-                "traceback": None,
-            }
-        )
+    def _final(self, status: dict[str, Any]) -> dict[str, Any]:
+        if self.child is not None:
+            self.child.wait(10)  # the status is written; the process is closing its files
+        state = status.get("state", "finished")
+        tb = None
+        if state == "failed":
+            try:
+                tb = (self.run_dir / ERROR).read_text(encoding="utf-8", errors="replace") or None
+            except OSError:
+                pass
+        return {
+            "status": state,
+            "step": status.get("step") or self._step,
+            "message": status.get("message"),
+            "traceback": tb,
+        }
 
+    # -- called from the GUI thread ----------------------------------------------------------------
     def pause(self) -> None:
-        write_control(self.run_dir, "pause")
+        self._command("pause")
 
     def resume(self) -> None:
-        write_control(self.run_dir, "resume")
+        self._command("resume")
 
     def stop(self) -> None:
-        write_control(self.run_dir, "stop")
+        self._command("stop")
 
+    def _command(self, command: str) -> None:
+        """Through the control file; a command given while the run is still setting up (its control
+        file is not read yet) waits until it trains, except a stop of the app's own child, which is
+        a SIGTERM at once (it stops set-up too, with no checkpoint to lose)."""
+        with self._lock:
+            if not self._training:
+                if command == "stop" and self.child is not None:
+                    self.child.terminate()
+                else:
+                    self._pending = command
+                return
+        self._write(command)
 
-class FollowedRun:
-    """What the window holds for a followed run (the same face as ``worker.RunHandle``)."""
-
-    def __init__(self, worker: FollowWorker) -> None:
-        self.worker = worker
-        self.control = _NoHold()
-        self.thread = _NoThread()
-
-    def start(self) -> None:
-        self.worker.start()
-
-    def stop_and_wait(self, timeout_ms: int = 60_000) -> bool:
-        self.worker.stop()
-        child = self.worker.child
-        if child is None:
-            return True
+    def _write(self, command: str) -> None:
         try:
-            child.wait(timeout_ms / 1000)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+            write_control(self.run_dir, command)
+        except UserError:
+            pass  # the folder went away: the loop reports how the run ended
+
+    def detach(self) -> None:
+        """Stop following; the run goes on (a child too, in its own session)."""
+        self._detach.set()
 
 
-def follow(run_dir: str | Path) -> FollowedRun:
+def follow(run_dir: str | Path) -> FollowWorker:
     """Follow a run folder another process writes."""
-    return FollowedRun(FollowWorker(run_dir))
+    return FollowWorker(run_dir)
 
 
-def start_child_run(config: RunConfig) -> FollowedRun:
-    """Start ``multilane train`` with ``config`` as a child process (a ddp run: its launcher and
-    ranks) and follow the run folder made for it."""
-    run_dir = RunDir.create(config.run.runs_dir, config.run.name).path
-    cfg_path = Path(tempfile.mkdtemp(prefix="multilane-")) / "config.json"
-    cfg_path.write_text(json.dumps(config.to_dict()))
-    stderr_path = cfg_path.with_name("stderr.txt")
-    env = {**os.environ, RUN_DIR_ENV: str(run_dir)}
-    with open(stderr_path, "wb") as err:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "multilane.engine.cli", "train", "--config", str(cfg_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=env,
-        )
-    return FollowedRun(FollowWorker(run_dir, child, stderr_path))
+def start_child(
+    config: RunConfig | None, resume_from: str | None = None, overrides: dict[str, Any] | None = None
+) -> FollowWorker:
+    """Start ``multilane train`` for ``config`` (or to resume ``resume_from``) and follow its folder."""
+    if not resume_from:
+        child = ChildRun.start(config)
+        return FollowWorker(child.run_dir, child)
+    follower = RunFollower(Path(resume_from).expanduser())
+    follower.skip_existing()  # before the child starts: the window shows the run so far from its folder
+    child = ChildRun.resume(resume_from, overrides)
+    return FollowWorker(child.run_dir, child, follower)

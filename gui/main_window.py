@@ -2,33 +2,27 @@
 
 from __future__ import annotations
 
-import gc
 import json
-import time
-from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
-from multilane.engine.progress import data_wait
-from multilane.engine.tasks.loader import is_task_file
-from multilane.gui import follow
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.plots import PlotPanel
+from multilane.gui.run_mode import SeparateProcessOption
 from multilane.gui.runs_table import RunsTable
 from multilane.gui.window_files import RunFilesMixin
-from multilane.gui.worker import RunHandle, TrainWorker
+from multilane.gui.window_run import RunControlMixin
+from multilane.gui.worker import RunHandle
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QFileDialog,
     QHBoxLayout,
     QLabel,
     QMainWindow,
-    QMessageBox,
     QPushButton,
     QScrollArea,
     QSlider,
@@ -38,31 +32,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-HOLD_MAX_S = 0.1  # the longest a redraw may hold training (it normally ends after the paint)
-HOLD_WAIT_S = 0.02  # the longest the window waits for the step in progress before redrawing anyway
 REDRAW_MS = 100  # 10 Hz; a refresh and repaint of the six plots cost ~20 ms (bench/gui_latency_probe.py)
 
 
-def _freeze_heap() -> None:
-    """Collect what is garbage now, then exempt every live object from future collections.
-
-    Python's full (generation-2) collections walk every object in the process: with torch, Qt and
-    pyqtgraph loaded that took 100-230 ms, in whichever thread triggered it, holding the GIL: the
-    window froze for that long. After ``gc.freeze()`` they walk only what was made since (the worker
-    freezes again once the run is set up). Unfreezing first, at each Start, lets the previous run's
-    cycles be collected.
-    """
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-
-
-def _fmt_duration(s: float) -> str:
-    s = int(max(0, s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-class MainWindow(RunFilesMixin, QMainWindow):
+class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
     def __init__(self, settings: QSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or QSettings("Multilane", "Multilane")
@@ -80,6 +53,8 @@ class MainWindow(RunFilesMixin, QMainWindow):
         # -- left: devices, hyperparameters, controls --------------------------------------------
         self.devices = DevicePicker()
         self.form = ConfigForm()
+        self.separate = SeparateProcessOption(self.settings, self.form.editors["devices.strategy"].widget)
+        self.form.add_row("devices", "process", self.separate)
         left_inner = QWidget()
         lv = QVBoxLayout(left_inner)
         self.devices_label = QLabel("<b>Devices</b>")
@@ -233,23 +208,17 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.hold_action.setCheckable(True)
         self.hold_action.setChecked(True)
         self.hold_action.setToolTip(
-            "Training waits between steps while the plots repaint, so the two do not fight over Python's GIL "
-            "(on a busy CPU, training in the window is faster for it); untick to give training every cycle"
+            "A run in the app's own thread waits between steps while the plots repaint, so the two do not fight "
+            "over Python's GIL (on a busy CPU, training in the window is faster for it); untick to give training "
+            "every cycle. A run in a separate process shares no GIL with the window: this does not apply"
         )
         self.hold_action.toggled.connect(self._set_hold)
         r.addAction(self.hold_action)
-        self.ddp_action = QAction("One process per device (ddp, runs as a child process)", self)
-        self.ddp_action.setObjectName("action.ddp")
-        self.ddp_action.setCheckable(True)
-        self.ddp_action.setToolTip("devices.strategy = ddp: DistributedDataParallel, one process per device")
-        r.addAction(self.ddp_action)
 
     # -- config --------------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         d = self.form.values()
         d["devices"] = {**d.get("devices", {}), **self.devices.values()}
-        if self.ddp_action.isChecked():
-            d["devices"]["strategy"] = "ddp"
         return d
 
     def validate(self) -> list[str]:
@@ -268,217 +237,13 @@ class MainWindow(RunFilesMixin, QMainWindow):
     def set_config(self, cfg: RunConfig) -> None:
         self.form.set_config(cfg)
         self.devices.set_values(cfg.devices.model_dump())
-        self.ddp_action.setChecked(cfg.devices.strategy == "ddp")
         self.validate()
-
-    # -- run control ---------------------------------------------------------------------------------
-    def is_running(self) -> bool:
-        """A run is active from Start until its finished signal reaches the window."""
-        return self._active
-
-    def start(self, resume_from: str | None = None, overrides: dict[str, Any] | None = None) -> bool:
-        if self.is_running():
-            return False
-        if not resume_from and self.validate():
-            return False
-        config = None
-        if not resume_from:
-            try:
-                config = build_config(self.config_dict(), "settings")
-            except UserError as e:
-                self.why.setText(str(e))
-                return False
-        if config is not None and config.devices.strategy == "ddp":
-            handle = follow.start_child_run(config)  # ddp ranks are processes: the app follows them
-        else:
-            handle = RunHandle(TrainWorker(config, resume_from=resume_from, overrides=overrides))
-        self._resume_from = resume_from
-        self._begin(handle, config)
-        if config is not None:
-            self.settings.setValue("last_config", json.dumps(config.to_dict()))
-        return True
-
-    def follow_run(self, path: str) -> bool:
-        """File > Follow run: show a run another process is writing, live (Pause/Stop via its control file)."""
-        if self.is_running():
-            return False
-        if not Path(path).is_dir():
-            QMessageBox.warning(self, "Not a run folder", f"{path} is not a folder")
-            return False
-        self._resume_from = None
-        self._begin(follow.follow(path), None)
-        return True
-
-    def follow_run_dialog(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Follow run folder", self._runs_dir())
-        if path:
-            self.follow_run(path)
-
-    def _begin(self, handle: Any, config: RunConfig | None) -> None:
-        """Show a run from its start: one in this process's thread, or one another process writes."""
-        self.plots.reset()
-        self._last_train = {}
-        _freeze_heap()
-        worker = handle.worker
-        worker.started.connect(self._on_started)
-        worker.record.connect(self._on_record)
-        worker.finished.connect(self._on_finished)
-        if self.run is not None:
-            self.run.thread.wait(10_000)  # the previous run's thread is past its last signal
-        self.run = handle
-        self._active = True
-        self._hold_pending = False
-        self.paused = False
-        self._t_start = time.monotonic()
-        self._set_running(True)
-        self.status_label.setText(_starting_text(config))
-        self.run.start()
-
-    def toggle_pause(self) -> None:
-        if not self.is_running():
-            return
-        if self.paused:
-            self.run.worker.resume()
-        else:
-            self.run.worker.pause()
-        self.paused = not self.paused
-        self.pause_btn.setText("Resume" if self.paused else "Pause")
-
-    def stop(self) -> None:
-        if self.is_running():
-            self.run.worker.stop()
-            self.status_label.setText("Stopping after this step…")
-
-    def _set_running(self, running: bool) -> None:
-        self.pause_btn.setEnabled(running)
-        self.stop_btn.setEnabled(running)
-        self.pause_action.setEnabled(running)
-        self.stop_action.setEnabled(running)
-        self.pause_btn.setText("Pause")
-        self.devices.setEnabled(not running)
-        self.form.setEnabled(not running)
-        if not running:
-            self.validate()
-        else:
-            self.start_btn.setEnabled(False)
-            self.start_action.setEnabled(False)
-
-    # -- worker signals (GUI thread) -------------------------------------------------------------------
-    def _on_started(self, info: dict) -> None:
-        self.run_info = info
-        self.shown_run_dir = info["run_dir"]
-        self.plots.data.name = Path(info["run_dir"]).name
-        self.plots.set_title(f"{Path(info['run_dir']).name} · {', '.join(info['devices'])}")
-
-    def _on_record(self, rec: dict) -> None:
-        self.plots.add_record(rec)
-        kind = rec.get("kind")
-        if kind == "train":
-            self._last_train = rec
-        elif kind == "telemetry":
-            self.devices.update_from_telemetry(rec)
-        elif kind == "event" and rec.get("event") == "warning":
-            self.note(f"⚠ {rec['message']}", 30_000)
-        elif kind == "eval" and rec.get("sample"):
-            # A task's text sample (charlm): one line at the status bar's right; all of it is in samples.txt.
-            text = " ⏎ ".join(line for line in rec["sample"].splitlines() if line.strip())
-            self.note(f"Sample at step {rec['step']}: {text[:300]}", 30_000)
-
-    def _on_finished(self, result: dict) -> None:
-        self.last_result = result
-        self._active = False
-        self._set_running(False)
-        self.plots.refresh()
-        self.plots.fit_x()  # nothing more will come: no empty quarter at the right
-        if self.tabs.currentWidget() is self.runs_table:
-            self.refresh_runs()
-        status = result["status"]
-        if status == "rejected" and result.get("task_file_changed") and self._resume_from:
-            self._ask_to_run_changed_task_file(self._resume_from, result)
-        elif status == "rejected":
-            self.status_label.setText(f"Not started: {result['message']}")
-            box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
-            box.open()
-            self.error_box = box
-        elif status == "failed":
-            # The message names the step that failed (the one after the last completed step).
-            self.status_label.setText(f"Failed: {result['message']}")
-            box = QMessageBox(
-                QMessageBox.Critical,
-                "Run failed",
-                f"{result['message']}\n\nRun folder: {result['run_dir'] or '-'}",
-                parent=self,
-            )
-            if result.get("traceback"):
-                box.setDetailedText(result["traceback"])
-            box.open()  # not exec(): the app stays responsive, and tests are not blocked
-            self.error_box = box
-        else:
-            msg = f" — {result['message']}" if result.get("message") else ""
-            self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
-        self.validate()
-
-    def _ask_to_run_changed_task_file(self, run_dir: str, result: dict) -> None:
-        """A resume whose task file moved or changed: say so, and run the file as it is now only if
-        the user agrees (the CLI's ``--task``)."""
-        path = result["task_file_changed"]
-        answer = QMessageBox.question(
-            self, "Task file changed", f"{result['message']}\n\nResume the run with {path} as it is now?"
-        )
-        if answer == QMessageBox.Yes:
-            self.start(resume_from=run_dir, overrides={"task.name": path})
-        else:
-            self.status_label.setText(f"Not resumed: {result['message']}")
 
     def _auto_range_lost(self) -> None:
         self.auto_range.blockSignals(True)
         self.auto_range.setChecked(False)
         self.auto_range.blockSignals(False)
         self.plots.set_auto_range(False)
-
-    @property
-    def hold_for_redraw(self) -> bool:
-        """Run > Smooth window: training waits while the plots repaint."""
-        return self.hold_action.isChecked()
-
-    def _set_hold(self, on: bool) -> None:
-        self.settings.setValue("hold_for_redraw", on)
-        if not on and self.run is not None:
-            self.run.control.release()
-
-    def _tick(self) -> None:
-        if (
-            self.hold_for_redraw
-            and self.is_running()
-            and not self.paused
-            and self.plots.dirty
-            and not self._hold_pending
-        ):
-            # Training waits (between steps) while the plots update and paint: the GUI thread then has
-            # the GIL to itself. We let the step in progress finish first (waiting releases the GIL, so
-            # it finishes sooner), but no longer than HOLD_WAIT_S. The hold ends after the paint, or by
-            # itself after HOLD_MAX_S; while a hold saw no paint (a minimized window paints nothing), no
-            # new one is taken.
-            self._hold_pending = True
-            self.run.control.hold(HOLD_MAX_S)
-            self.run.control.wait_until_held(HOLD_WAIT_S)
-        self.plots.refresh()
-        if self.is_running() and self._last_train:
-            r = self._last_train
-            total = self.run_info.get("total_steps") or 0
-            elapsed = time.monotonic() - self._t_start
-            sps = r.get("samples_per_s") or 0
-            step_ms = r.get("step_ms") or 0
-            eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
-            self.status_label.setText(
-                f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f} · "
-                f"{sps:,.0f} samples/s{data_wait(r)} · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
-            )
-
-    def _release_hold(self) -> None:
-        self._hold_pending = False
-        if self.run is not None:
-            self.run.control.release()
 
     def _idle_tick(self) -> None:
         if not self.is_running():
@@ -504,19 +269,10 @@ class MainWindow(RunFilesMixin, QMainWindow):
             except (UserError, ValueError, TypeError):
                 pass  # an old or broken saved config: start from the defaults
 
-    def confirm_close(self) -> bool:
-        answer = QMessageBox.question(
-            self, "A run is in progress", "Stop the run (it finishes its step and saves a checkpoint) and quit?"
-        )
-        return answer == QMessageBox.Yes
-
     def closeEvent(self, event) -> None:
-        if self.is_running():
-            if not self.confirm_close():
-                event.ignore()
-                return
-            self.status_label.setText("Stopping…")
-            self.run.stop_and_wait()
+        if not self.close_run():
+            event.ignore()
+            return
         if self.run is not None:
             self.run.thread.wait(10_000)
         self.settings.setValue("geometry", self.saveGeometry())
@@ -524,10 +280,3 @@ class MainWindow(RunFilesMixin, QMainWindow):
         self.timer.stop()
         self.idle_timer.stop()
         event.accept()
-
-
-def _starting_text(config: RunConfig | None) -> str:
-    """What the status bar says at Start: a task file that is about to run is named in full."""
-    if config is not None and is_task_file(config.task.name):
-        return f"Starting… running task file {Path(config.task.name).expanduser().resolve()}"
-    return "Starting…"

@@ -123,9 +123,13 @@ def _result_dict(r: RunResult) -> dict[str, Any]:
 
 
 class RunHandle:
-    """A worker, its thread and the wiring between them (Qt's own pattern for a background job)."""
+    """A worker, its thread and the wiring between them (Qt's own pattern for a background job).
 
-    def __init__(self, worker: TrainWorker) -> None:
+    The worker is a ``TrainWorker`` (the engine in this thread) or a ``follow.FollowWorker`` (a run
+    in another process: the app's child, or a folder someone else writes): the window treats both
+    alike."""
+
+    def __init__(self, worker: QObject) -> None:
         self.worker = worker
         self.control = worker.control  # the run's flags, for the window (pause, stop, hold)
         self.thread = QThread()
@@ -142,10 +146,32 @@ class RunHandle:
         # deadlocks with it: the intermittent hang of the GUI tests. The worker is a plain Python-owned
         # QObject: it is deleted, in the GUI thread, when this handle goes.
 
+    @property
+    def child(self) -> Any:
+        """The app's own training process (``child_run.ChildRun``), or None."""
+        return getattr(self.worker, "child", None)
+
+    @property
+    def followed(self) -> bool:
+        """A run folder another process writes, not started by this app."""
+        return hasattr(self.worker, "detach") and self.child is None
+
     def start(self) -> None:
         self.thread.start()
 
     def stop_and_wait(self, timeout_ms: int = 60_000) -> bool:
-        """Ask the run to stop (it finishes its step and checkpoints), then wait for the thread."""
-        self.worker.control.request_stop()
+        """Ask the run to stop (it finishes its step and checkpoints), then wait for it to end. A child
+        that has not ended by then gets a SIGTERM (the same stop, also when its control file goes
+        unread) and 15 s more."""
+        self.worker.stop()
+        if self.thread.wait(timeout_ms):
+            return True
+        if self.child is None:
+            return False
+        self.child.terminate()
+        return self.thread.wait(15_000)
+
+    def detach(self, timeout_ms: int = 5_000) -> bool:
+        """Stop following a run in another process; the run goes on."""
+        self.worker.detach()
         return self.thread.wait(timeout_ms)

@@ -43,6 +43,7 @@ def window(qtbot, tmp_path):
     w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
     w.form.editors["telemetry.record_s"].widget.setText("0.2")
     w.devices.set_checked(["cpu:0", "cpu:1"])
+    w.separate.setChecked(False)  # in the app's thread: quicker; tests/test_gui_child.py tests the child
     yield w
     if w.is_running():
         w.run.stop_and_wait()

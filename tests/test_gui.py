@@ -188,11 +188,12 @@ def test_closing_the_window_mid_run_stops_cleanly_and_keeps_the_metrics(qtbot, t
     w = MainWindow(settings)
     w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
     w.devices.set_checked(["cpu:0", "cpu:1"])
+    w.separate.setChecked(False)  # in the app's thread (tests/test_gui_child.py closes on a child)
     configure(w, task="mlp", steps=100_000, log_every=5, eval_every=0)
     w.show()
     w.start()
     wait_for_train_steps(qtbot, w, 2)
-    w.confirm_close = lambda: True  # the user answers "Yes, stop and quit"
+    w.confirm_close = lambda: "stop"  # the user answers "Stop and quit"
     thread = w.run.thread
     assert w.close()
     assert not thread.isRunning()
@@ -208,7 +209,7 @@ def test_closing_can_be_cancelled(qtbot, window):
     window.show()
     window.start()
     wait_for_train_steps(qtbot, window, 1)
-    window.confirm_close = lambda: False
+    window.confirm_close = lambda: "cancel"
     assert not window.close()
     assert window.is_running()
 
@@ -360,7 +361,7 @@ def test_training_yields_to_the_window_while_it_repaints_and_not_when_told_not_t
 def test_a_window_that_does_not_paint_does_not_hold_training(qtbot, window):
     # Never shown (like a minimized window): no paint ends a hold, so at most one hold, which
     # ends by itself, is taken.
-    from multilane.gui.main_window import HOLD_MAX_S
+    from multilane.gui.window_run import HOLD_MAX_S
 
     configure(window, task="mlp", steps=150, log_every=1)
     assert start_and_wait(qtbot, window)["status"] == "finished"

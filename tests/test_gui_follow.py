@@ -57,7 +57,8 @@ def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_ra
     window.form.editors["train.steps"].widget.setValue(12)
     window.form.editors["train.log_every"].widget.setValue(3)
     window.form.editors["train.eval_every"].widget.setValue(0)
-    window.ddp_action.setChecked(True)
+    window.form.editors["devices.strategy"].widget.setCurrentText("ddp")
+    assert window.separate.isChecked() and not window.separate.isEnabled()  # ddp always runs outside
     assert window.validate() == []
     t0 = time.monotonic()
     assert window.start()
