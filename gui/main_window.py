@@ -10,6 +10,7 @@ from multilane.engine.errors import UserError
 from multilane.gui.config_form import ConfigForm
 from multilane.gui.device_picker import DevicePicker
 from multilane.gui.plots import PlotPanel
+from multilane.gui.redraw_pace import REDRAW_MS, RedrawPace
 from multilane.gui.run_mode import SeparateProcessOption
 from multilane.gui.runs_table import RunsTable
 from multilane.gui.window_files import RunFilesMixin
@@ -31,8 +32,6 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-
-REDRAW_MS = 100  # 10 Hz; a refresh and repaint of the six plots cost ~20 ms (bench/gui_latency_probe.py)
 
 
 class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
@@ -161,6 +160,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
 
+        self.redraw_pace = RedrawPace()
         self.timer = QTimer(self)
         self.timer.timeout.connect(self._tick)
         self.timer.start(REDRAW_MS)

@@ -9,6 +9,8 @@ spikes stay visible; smoothing (EMA) runs on the full data, also incrementally.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
@@ -52,6 +54,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self.auto_x = True  # the x range follows the data, growing in steps (see _follow_x)
         self._x_span: tuple[float, float] | None = None
         self.after_paint = None  # called once the view has painted (the window ends a run's hold there)
+        self.paint_s = 0.0  # seconds spent painting since the window last took it (its redraw pace)
         self.title_text = ""
         self._key_state: tuple = ()
         self._compare_state = False
@@ -196,7 +199,9 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
 
     # -- drawing ---------------------------------------------------------------------------------
     def paintEvent(self, ev) -> None:
+        t0 = time.perf_counter()
         super().paintEvent(ev)
+        self.paint_s += time.perf_counter() - t0
         if self.after_paint is not None:
             self.after_paint()
 

@@ -15,6 +15,7 @@ from multilane.engine.progress import data_wait
 from multilane.engine.runlog import CONFIG, RunDir
 from multilane.engine.tasks.loader import TaskFileChanged, is_task_file
 from multilane.gui import follow
+from multilane.gui.redraw_pace import REDRAW_MS
 from multilane.gui.worker import RunHandle, TrainWorker
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
@@ -246,7 +247,7 @@ class RunControlMixin:
             self._hold_pending = True
             self.run.control.hold(HOLD_MAX_S)
             self.run.control.wait_until_held(HOLD_WAIT_S)
-        self.plots.refresh()
+        self._paced_refresh()
         if self.is_running() and self._last_train:
             r = self._last_train
             total = self.run_info.get("total_steps") or 0
@@ -258,6 +259,20 @@ class RunControlMixin:
                 f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f} · "
                 f"{sps:,.0f} samples/s{data_wait(r)} · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
             )
+
+    def _paced_refresh(self) -> None:
+        """Refresh the plots; while a run trains, the next refresh comes when the redraw pace allows
+        (gui/redraw_pace.py: the plots' redraws take at most a small share of the machine's CPU)."""
+        dirty = self.plots.dirty
+        t0 = time.perf_counter()
+        self.plots.refresh()
+        cost = time.perf_counter() - t0 + self.plots.paint_s  # this refresh, and the paint of the last
+        self.plots.paint_s = 0.0
+        if dirty or cost > 0.001:
+            self.redraw_pace.add(cost)
+        interval = self.redraw_pace.interval_ms() if self.is_running() else REDRAW_MS
+        if interval != self.timer.interval():
+            self.timer.setInterval(interval)
 
     def _release_hold(self) -> None:
         self._hold_pending = False
