@@ -95,7 +95,9 @@ class FollowWorker(QObject):
         cfg = RunDir(self.run_dir).read_json(CONFIG) or {}
         use = (cfg.get("devices") or {}).get("use")
         devices = [s.strip() for s in use.split(",")] if isinstance(use, str) else []
-        return {"run_dir": str(self.run_dir), "total_steps": self._total, "step": self._step, "devices": devices}
+        task = (cfg.get("task") or {}).get("name")
+        info = {"run_dir": str(self.run_dir), "total_steps": self._total, "step": self._step, "devices": devices}
+        return info | ({"task": Path(task).name} if isinstance(task, str) and task else {})
 
     def _poll(self) -> None:
         update = self.follower.poll()

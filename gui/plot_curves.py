@@ -50,7 +50,9 @@ class CurveDrawing:
             x, y = x[keep], y[keep]
         if (len(y) == 1) != (item.opts["symbol"] is not None):
             item.setSymbol("o" if len(y) == 1 else None)
-            item.setSymbolSize(5)
+            item.setSymbolSize(6)
+            item.setSymbolPen(item.opts["pen"])
+            item.setSymbolBrush(item.opts["pen"].color())
         self._show(key, item, x, y)
 
     def _smooth(self, key: str, y: np.ndarray) -> np.ndarray:

@@ -159,7 +159,8 @@ class RunControlMixin:
         self.run_info = info
         self.shown_run_dir = info["run_dir"]
         self.plots.data.name = Path(info["run_dir"]).name
-        self.plots.set_title(f"{Path(info['run_dir']).name} · {', '.join(info['devices'])}")
+        task = [info["task"]] if info.get("task") else []
+        self.plots.set_title(" · ".join([Path(info["run_dir"]).name, *task, ", ".join(info["devices"])]))
 
     def _on_record(self, rec: dict) -> None:
         self.plots.add_record(rec)

@@ -32,6 +32,7 @@ class _Emitter(TrainerCallback):
                 "total_steps": trainer.total_steps,
                 "step": trainer.step,
                 "devices": list(trainer.lane_names),
+                "task": trainer.task.name,
                 "steps_per_epoch": (trainer.loader.per_epoch or 0) / trainer.config.train.grad_accum,
             }
         )
