@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.run_lock import writer_gone
 from multilane.engine.runlog import METRICS, STATUS
 
 TERMINAL_STATES = ("finished", "stopped", "failed")
+WRITER_CHECK_S = 2.0  # how often a follower checks that a running run's writer still exists
 
 
 class MetricsTail:
@@ -75,11 +78,15 @@ class FollowUpdate:
 class RunFollower:
     """Polls one run directory: new metrics records and status changes."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, check_writer: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.metrics = MetricsTail(self.run_dir / METRICS)
         self._status_stamp: tuple[int, int, int] | None = None
         self.status: dict[str, Any] | None = None
+        self.check_writer = check_writer
+        self.lost: str | None = None
+        """Set when the run's writer is gone without a final status (``writer_gone``): nothing more comes."""
+        self._checked = 0.0
 
     def skip_existing(self) -> None:
         """Report only what is written from now on: a resumed run's earlier records and its old
@@ -106,8 +113,13 @@ class RunFollower:
             if isinstance(status, dict):
                 self._status_stamp, self.status = stamp, status
                 update.status = status
+        now = time.monotonic()
+        if self.check_writer and not self.done and now - self._checked >= WRITER_CHECK_S:
+            self._checked = now
+            # (a status written since this poll read it is read by the next poll, not called lost)
+            self.lost = writer_gone(self.run_dir) if self._stamp() == self._status_stamp else None
         return update
 
     @property
     def done(self) -> bool:
-        return self.status is not None and self.status.get("state") in TERMINAL_STATES
+        return self.lost is not None or (self.status is not None and self.status.get("state") in TERMINAL_STATES)

@@ -91,4 +91,7 @@ def watch(run_dir: str | Path, interval: float = 0.5, out: Any = None) -> int:
         pass
     if tty:
         out.write("\n")
+    if follower.lost:
+        out.write(f"{folder.name}: {follower.lost}\n")
+        return 1
     return 1 if state.state == "failed" else 0

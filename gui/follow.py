@@ -53,7 +53,8 @@ class FollowWorker(QObject):
         self.run_dir = Path(run_dir)
         self.child = child
         self.control = NoHold()
-        self.follower = follower or RunFollower(self.run_dir)
+        # the app's own child is watched as a process (its outcome says how it ended), not by its lock
+        self.follower = follower or RunFollower(self.run_dir, check_writer=child is None)
         self._step = 0
         self._total: int | None = None
         self._lock = threading.Lock()
@@ -120,6 +121,8 @@ class FollowWorker(QObject):
             self._write(pending)
 
     def _final(self, status: dict[str, Any]) -> dict[str, Any]:
+        if self.follower.lost:  # a followed run whose writer died: said, never written into its folder
+            return {"status": "failed", "step": self._step, "message": self.follower.lost, "traceback": None}
         if self.child is not None:
             self.child.wait(10)  # the status is written; the process is closing its files
         state = status.get("state", "finished")
@@ -182,7 +185,7 @@ def start_child(
     if not resume_from:
         child = ChildRun.start(config)
         return FollowWorker(child.run_dir, child)
-    follower = RunFollower(Path(resume_from).expanduser())
+    follower = RunFollower(Path(resume_from).expanduser(), check_writer=False)
     follower.skip_existing()  # before the child starts: the window shows the run so far from its folder
     child = ChildRun.resume(resume_from, overrides)
     return FollowWorker(child.run_dir, child, follower)

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from helpers import start_long_cli_run
+from helpers import CLI, start_long_cli_run
 from multilane.engine.runlog import read_metrics
 from multilane.gui.main_window import MainWindow
 from PySide6.QtCore import QSettings
@@ -69,3 +69,26 @@ def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_ra
     assert json.loads((run_dir / "config.json").read_text())["devices"]["strategy"] == "ddp"
     assert train_steps(window) == [3, 6, 9, 12]
     assert sorted(k.split("/")[1] for k in window.plots.data.devices) == ["rank0", "rank1"]
+
+
+def test_a_followed_run_whose_process_is_killed_ends_with_one_line_saying_so(qtbot, window, tmp_path):
+    """A SIGKILL leaves status.json at "running" for ever: the follower sees its writer is gone
+    (the lock file names the pid and host) and ends, in the app and in ``multilane watch``."""
+    runs = tmp_path / "cli-runs"
+    proc = start_long_cli_run(runs, "train.log_every=5", "train.eval_every=0", stderr=subprocess.DEVNULL)
+    try:
+        qtbot.waitUntil(lambda: bool(list(runs.glob("*/metrics.jsonl"))), timeout=90_000)
+        (run_dir,) = [p.parent for p in runs.glob("*/metrics.jsonl")]
+        assert window.follow_run(str(run_dir))
+        qtbot.waitUntil(lambda: len(train_steps(window)) >= 2, timeout=90_000)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    qtbot.waitUntil(lambda: not window.is_running(), timeout=15_000)
+    result = window.last_result
+    assert result["status"] == "failed"
+    assert f"pid {proc.pid}" in result["message"] and "no final status" in result["message"]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "running"  # the folder is not ours
+    watch = subprocess.run([*CLI, "watch", str(run_dir)], capture_output=True, text=True, timeout=30)
+    assert watch.returncode == 1
+    assert watch.stdout.strip().splitlines()[-1] == f"{run_dir.name}: {result['message']}"
