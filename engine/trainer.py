@@ -2,13 +2,13 @@
 
 The run's config and task (``run_spec.py``), the step strategy (``parallel/``), the loader
 (``loader.py``), the log window (``metrics_window.py``), evaluation (``evaluation.py``), checkpoints
-(``checkpointer.py``) and the run folder (``runlog.py``) each live in their own module; the trainer composes them and reports only through plain callbacks
-(``callbacks.py``, no Qt).
+(``checkpointer.py``), the run folder (``runlog.py``) and the run's end (``run_end.py``) each live in
+their own module; the trainer composes them and reports only through plain callbacks (``callbacks.py``,
+no Qt).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import traceback
 from collections.abc import Sequence
@@ -32,6 +32,7 @@ from multilane.engine.metrics_window import MetricsWindow, NonFiniteLoss, check_
 from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.sync_batchnorm import convert_sync_batchnorm
+from multilane.engine.run_end import finish_run
 from multilane.engine.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.runlog import RunDir
 from multilane.engine.tasks import Task, loss_weight_fn
@@ -363,43 +364,4 @@ class Trainer:
                 cb.on_event({**record, "step": self.step})
 
     def _finish(self, status: str, message: str | None, tb: str | None) -> RunResult:
-        rd = self.run_dir
-        assert rd is not None
-        if getattr(self, "sampler", None) is not None:
-            with contextlib.suppress(Exception):
-                self.sampler.stop()
-        elapsed = time.time() - self.t_start
-        if status != "finished":
-            rd.free_reserve()  # room to record the failure, on a disk that filled up
-        try:
-            if tb:
-                rd.write_error(tb)
-            rd.set_status(status, message, step=self.step, total_steps=getattr(self, "total_steps", None))
-        except OSError as e:  # the run's outcome is still returned (and printed) as it was
-            message = f"{message or status} (the run folder could not record it: {e.strerror or e})"
-        extra: dict[str, Any] = {"message": message} if message else {}
-        if tb:
-            extra["traceback"] = tb
-        with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
-            self._event(status, **extra)
-        rd.close()
-        if hasattr(self, "strategy"):
-            self.strategy.close()
-        if hasattr(self, "loader"):
-            self.loader.close()
-        if hasattr(self, "backend"):
-            self.backend.close()
-        result = RunResult(
-            status=status,
-            step=self.step,
-            run_dir=rd.path,
-            message=message,
-            traceback=tb,
-            last_train=self._last_train,
-            last_eval=self._last_eval,
-            elapsed_s=elapsed,
-        )
-        for cb in self.callbacks:
-            with contextlib.suppress(Exception):
-                cb.on_train_end(result)
-        return result
+        return finish_run(self, status, message, tb)
