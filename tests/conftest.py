@@ -32,18 +32,33 @@ def _torch_threads():
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
-    """The app's main window, offscreen, with its own settings file and runs folder, two CPU lanes."""
+def make_window(qtbot, tmp_path):
+    """Makes the app's main window, offscreen, with its own settings file and runs folder: on
+    ``devices``, training in a separate process or in the app's thread; runs still going at the end of
+    the test are stopped."""
     from multilane.gui.main_window import MainWindow
     from PySide6.QtCore import QSettings
 
-    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat)
-    w = MainWindow(settings)
-    qtbot.addWidget(w)
-    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
-    w.form.editors["telemetry.record_s"].widget.setText("0.2")
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    w.separate.setChecked(False)  # in the app's thread: quicker; tests/test_gui_child.py tests the child
-    yield w
-    if w.is_running():
-        w.run.stop_and_wait()
+    made = []
+
+    def make(devices: tuple[str, ...] = ("cpu:0", "cpu:1"), separate: bool = False):
+        w = MainWindow(QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
+        qtbot.addWidget(w)
+        w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
+        w.form.editors["telemetry.record_s"].widget.setText("0.2")
+        w.devices.set_checked(list(devices))
+        w.separate.setChecked(separate)
+        w.confirm_close = lambda: "stop"  # a test that fails mid-run: no modal question at teardown
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        if w.is_running():
+            w.run.stop_and_wait()
+
+
+@pytest.fixture
+def window(make_window):
+    """Two CPU lanes, in the app's thread: quicker; tests/test_gui_child.py tests the child process."""
+    return make_window()

@@ -48,6 +48,19 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
 
 CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
+BROKEN_TASK = (
+    "from multilane.engine.tasks.builtin import LinearTask\n"
+    "import torch\n"
+    "class Broken(LinearTask):\n"
+    "    name = 'broken'\n"
+    "    def build_model(self):\n"
+    "        class M(torch.nn.Linear):\n"
+    "            def forward(self, x):\n"
+    "                raise ValueError('my model is broken')\n"
+    "        return M(10, 1)\n"
+)
+"""A task file whose model raises in forward: the first step fails with "my model is broken"."""
+
 
 def start_long_cli_run(runs_dir: Path, *settings: str, **popen_kwargs) -> subprocess.Popen:
     """``multilane train`` of mlp on cpu:0,cpu:1 for far more steps than any test waits for, in a

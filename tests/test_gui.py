@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("PySide6")
 
+from helpers import BROKEN_TASK
 from multilane.engine.runlog import read_metrics
 from multilane.gui.main_window import MainWindow
 from multilane.gui.worker import TrainWorker
@@ -216,17 +217,7 @@ def test_closing_can_be_cancelled(qtbot, window):
 
 def test_a_task_that_raises_in_forward_shows_the_error_and_the_next_run_works(qtbot, window, tmp_path):
     task = tmp_path / "broken_task.py"
-    task.write_text(
-        "from multilane.engine.tasks.builtin import LinearTask\n"
-        "import torch\n"
-        "class Broken(LinearTask):\n"
-        "    name = 'broken'\n"
-        "    def build_model(self):\n"
-        "        class M(torch.nn.Linear):\n"
-        "            def forward(self, x):\n"
-        "                raise ValueError('my model is broken')\n"
-        "        return M(10, 1)\n"
-    )
+    task.write_text(BROKEN_TASK)
     configure(window, task=str(task), steps=5, log_every=1)
     result = start_and_wait(qtbot, window)
     assert result["status"] == "failed"
@@ -345,6 +336,9 @@ def test_switching_the_x_axis_to_wall_time(qtbot, window):
 
 
 def test_training_yields_to_the_window_while_it_repaints_and_not_when_told_not_to(qtbot, window):
+    from multilane.gui.redraw_pace import RedrawPace
+
+    window.redraw_pace = RedrawPace(cores=1000)  # redraws at 10 Hz, as on a big machine: a short run sees some
     configure(window, task="mlp", steps=150, log_every=1)
     window.show()
     qtbot.waitExposed(window)

@@ -10,23 +10,15 @@ import pytest
 
 pytest.importorskip("PySide6")
 
+from helpers import BROKEN_TASK
 from multilane.engine.control_file import write_control
 from multilane.engine.runlog import read_metrics
-from multilane.gui.main_window import MainWindow
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import Qt
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
-    w = MainWindow(QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
-    qtbot.addWidget(w)
-    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
-    w.form.editors["telemetry.record_s"].widget.setText("0.2")
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    w.confirm_close = lambda: "stop"  # a test that fails mid-run: no modal question at teardown
-    yield w
-    if w.is_running():
-        w.run.stop_and_wait()
+def window(make_window):
+    return make_window(separate=True)
 
 
 def configure(w, task="mlp", steps=100_000, log_every=5, eval_every=0):
@@ -149,17 +141,7 @@ def test_a_task_rejected_at_setup_is_one_line_and_leaves_no_folder(qtbot, window
 
 def test_a_task_that_fails_mid_run_shows_the_error_and_its_traceback(qtbot, window, tmp_path):
     task = tmp_path / "broken_task.py"
-    task.write_text(
-        "from multilane.engine.tasks.builtin import LinearTask\n"
-        "import torch\n"
-        "class Broken(LinearTask):\n"
-        "    name = 'broken'\n"
-        "    def build_model(self):\n"
-        "        class M(torch.nn.Linear):\n"
-        "            def forward(self, x):\n"
-        "                raise ValueError('my model is broken')\n"
-        "        return M(10, 1)\n"
-    )
+    task.write_text(BROKEN_TASK)
     configure(window, task=str(task), steps=5, log_every=1)
     window.start()
     result = wait_done(qtbot, window)

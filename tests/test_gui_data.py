@@ -6,20 +6,13 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from multilane.gui.main_window import MainWindow
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QLineEdit, QToolButton
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
-    w = MainWindow(QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
-    qtbot.addWidget(w)
-    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
-    w.devices.set_checked(["cpu:0"])
-    yield w
-    if w.is_running():
-        w.run.stop_and_wait()
+def window(make_window):
+    return make_window(devices=("cpu:0",), separate=True)
 
 
 def test_the_data_tasks_paths_have_pickers_and_workers_default_to_auto(qtbot, window, tmp_path, monkeypatch):

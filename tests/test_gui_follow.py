@@ -10,20 +10,11 @@ pytest.importorskip("PySide6")
 
 from helpers import CLI, start_long_cli_run
 from multilane.engine.runlog import read_metrics
-from multilane.gui.main_window import MainWindow
-from PySide6.QtCore import QSettings
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
-    w = MainWindow(QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
-    qtbot.addWidget(w)
-    w.form.editors["run.runs_dir"].widget.setText(str(tmp_path / "runs"))
-    w.form.editors["telemetry.record_s"].widget.setText("0.2")
-    w.devices.set_checked(["cpu:0", "cpu:1"])
-    yield w
-    if w.is_running():
-        w.run.stop_and_wait()
+def window(make_window):
+    return make_window(separate=True)
 
 
 def train_steps(w) -> list[int]:
