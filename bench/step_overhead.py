@@ -16,6 +16,7 @@ import time
 
 import torch
 from multilane.engine.config import build_config
+from multilane.engine.energy import EnergyMeter
 from multilane.engine.trainer import Trainer
 
 CASES = {
@@ -32,6 +33,7 @@ def engine(case: dict, devices: str) -> Trainer:
     cfg = build_config({**case, "devices": {"use": devices}, "train": {"steps": 10**9, "log_every": 10}})
     t = Trainer(cfg)
     t._setup()
+    t.energy = EnergyMeter(None)  # what Trainer._run sets up before the loop (no telemetry here)
     return t
 
 
