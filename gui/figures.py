@@ -234,10 +234,20 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
         for prefix, title in (("util", "Utilization"), ("mem", "Memory"), ("power", "Power"), ("temp", "Temperature")):
             keys = [d for d in devs if f"{prefix}/{d}" in te.columns]
             if keys:
-                curves = [(xt, te.get(f"{prefix}/{d}"), {"color": series_color(order[d]), "label": d}) for d in keys]
+                curves = [
+                    (*_recorded(xt, te.get(f"{prefix}/{d}")), {"color": series_color(order[d]), "label": d})
+                    for d in keys
+                ]
                 panels.append((title, LABELS[prefix], curves, False))
-        if "rss_mb" in te.columns and not te.names("mem/"):
-            panels.append(("Memory", LABELS["rss_mb"], [(xt, te.get("rss_mb"), {"color": NEUTRAL})], False))
+        if te.names("rss/") and not te.names("mem/"):  # ddp on CPU: each rank's process
+            rss = [k.split("/", 1)[1] for k in te.names("rss/")]
+            curves = [
+                (*_recorded(xt, te.get(f"rss/{d}")), {"color": series_color(order.get(d, i)), "label": d})
+                for i, d in enumerate(rss)
+            ]
+            panels.append(("Memory", LABELS["rss_mb"], curves, False))
+        elif "rss_mb" in te.columns and not te.names("mem/"):
+            panels.append(("Memory", LABELS["rss_mb"], [(*_recorded(xt, te.get("rss_mb")), {"color": NEUTRAL})], False))
     with matplotlib.rc_context(RC):
         ncols = 2
         nrows = max(1, (len(panels) + ncols - 1) // ncols)
@@ -273,6 +283,14 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
         head = f"{run.name}" + (f" · {caption}" if caption else "")
         fig.suptitle(head, x=0.01, ha="left", fontweight="bold", fontsize=11)
     return fig
+
+
+def _recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A telemetry column's recorded points only: under ddp each rank's record holds only its own
+    devices, so a device's column is NaN on the other ranks' rows, and drawn as is it would be dots
+    that never join."""
+    keep = np.isfinite(y)
+    return (x, y) if keep.all() else (x[keep], y[keep])
 
 
 def save_figure(

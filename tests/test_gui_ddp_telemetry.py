@@ -54,3 +54,16 @@ def test_the_csv_gives_every_row_each_ranks_latest_telemetry(ddp_run, tmp_path):
     for dev in devices:
         assert last[f"util/{dev}"] != "" and math.isfinite(float(last[f"util/{dev}"])), dev
         assert last[f"rss/{dev}"] != ""
+
+
+def test_the_exported_figure_draws_every_ranks_utilization_and_memory(ddp_run):
+    from multilane.gui.figures import overview_figure
+
+    data = RunData.from_run_dir(ddp_run)
+    fig = overview_figure(data)
+    axes = {ax.get_title(loc="left"): ax for ax in fig.axes if ax.get_visible()}
+    for title in ("Utilization", "Memory"):
+        lines = axes[title].get_lines()
+        assert len(lines) == 2, title  # one per rank
+        for line in lines:
+            assert np.isfinite(np.asarray(line.get_ydata(), float)).sum() >= 2, (title, line.get_label())
