@@ -61,6 +61,16 @@ BROKEN_TASK = (
 )
 """A task file whose model raises in forward: the first step fails with "my model is broken"."""
 
+NO_PARAMS_TASK = (
+    "from multilane.engine.tasks.builtin import LinearTask\n"
+    "import torch\n"
+    "class NoParams(LinearTask):\n"
+    "    name = 'np'\n"
+    "    def build_model(self):\n"
+    "        return torch.nn.Identity()\n"
+)
+"""A task file whose model has no parameters: refused at set-up ("empty parameter list")."""
+
 
 def start_long_cli_run(runs_dir: Path, *settings: str, **popen_kwargs) -> subprocess.Popen:
     """``multilane train`` of mlp on cpu:0,cpu:1 for far more steps than any test waits for, in a

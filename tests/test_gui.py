@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from helpers import BROKEN_TASK
+from helpers import BROKEN_TASK, NO_PARAMS_TASK
 from multilane.engine.runlog import read_metrics
 from multilane.gui.main_window import MainWindow
 from multilane.gui.worker import TrainWorker
@@ -231,14 +231,7 @@ def test_a_task_that_raises_in_forward_shows_the_error_and_the_next_run_works(qt
 
 def test_a_task_rejected_at_setup_says_why_without_blocking(qtbot, window, tmp_path):
     task = tmp_path / "no_params.py"
-    task.write_text(
-        "from multilane.engine.tasks.builtin import LinearTask\n"
-        "import torch\n"
-        "class NoParams(LinearTask):\n"
-        "    name = 'np'\n"
-        "    def build_model(self):\n"
-        "        return torch.nn.Identity()\n"
-    )
+    task.write_text(NO_PARAMS_TASK)
     configure(window, task=str(task), steps=3, log_every=1)
     result = start_and_wait(qtbot, window)
     assert result["status"] == "rejected" and "empty parameter list" in result["message"]

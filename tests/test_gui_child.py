@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from helpers import BROKEN_TASK
+from helpers import BROKEN_TASK, NO_PARAMS_TASK
 from multilane.engine.control_file import write_control
 from multilane.engine.runlog import read_metrics
 from PySide6.QtCore import Qt
@@ -121,14 +121,7 @@ def test_a_killed_child_shows_failed_and_the_folder_says_so(qtbot, window):
 
 def test_a_task_rejected_at_setup_is_one_line_and_leaves_no_folder(qtbot, window, tmp_path):
     task = tmp_path / "no_params.py"
-    task.write_text(
-        "from multilane.engine.tasks.builtin import LinearTask\n"
-        "import torch\n"
-        "class NoParams(LinearTask):\n"
-        "    name = 'np'\n"
-        "    def build_model(self):\n"
-        "        return torch.nn.Identity()\n"
-    )
+    task.write_text(NO_PARAMS_TASK)
     configure(window, task=str(task), steps=3, log_every=1)
     window.start()
     result = wait_done(qtbot, window)
