@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from multilane.engine.errors import UserError
 from multilane.gui.palette import COMBINED, NEUTRAL, VALIDATION, series_color
-from multilane.gui.run_data import RunData
+from multilane.gui.run_data import RunData, recorded
 from multilane.gui.run_view import LABELS, X_LABELS, pause_spans, x_values
 from multilane.gui.smoothing import ema
 
@@ -235,19 +235,19 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
             keys = [d for d in devs if f"{prefix}/{d}" in te.columns]
             if keys:
                 curves = [
-                    (*_recorded(xt, te.get(f"{prefix}/{d}")), {"color": series_color(order[d]), "label": d})
+                    (*recorded(xt, te.get(f"{prefix}/{d}")), {"color": series_color(order[d]), "label": d})
                     for d in keys
                 ]
                 panels.append((title, LABELS[prefix], curves, False))
         if te.names("rss/") and not te.names("mem/"):  # ddp on CPU: each rank's process
             rss = [k.split("/", 1)[1] for k in te.names("rss/")]
             curves = [
-                (*_recorded(xt, te.get(f"rss/{d}")), {"color": series_color(order.get(d, i)), "label": d})
+                (*recorded(xt, te.get(f"rss/{d}")), {"color": series_color(order.get(d, i)), "label": d})
                 for i, d in enumerate(rss)
             ]
             panels.append(("Memory", LABELS["rss_mb"], curves, False))
         elif "rss_mb" in te.columns and not te.names("mem/"):
-            panels.append(("Memory", LABELS["rss_mb"], [(*_recorded(xt, te.get("rss_mb")), {"color": NEUTRAL})], False))
+            panels.append(("Memory", LABELS["rss_mb"], [(*recorded(xt, te.get("rss_mb")), {"color": NEUTRAL})], False))
     with matplotlib.rc_context(RC):
         ncols = 2
         nrows = max(1, (len(panels) + ncols - 1) // ncols)
@@ -283,14 +283,6 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
         head = f"{run.name}" + (f" · {caption}" if caption else "")
         fig.suptitle(head, x=0.01, ha="left", fontweight="bold", fontsize=11)
     return fig
-
-
-def _recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A telemetry column's recorded points only: under ddp each rank's record holds only its own
-    devices, so a device's column is NaN on the other ranks' rows, and drawn as is it would be dots
-    that never join."""
-    keep = np.isfinite(y)
-    return (x, y) if keep.all() else (x[keep], y[keep])
 
 
 def save_figure(

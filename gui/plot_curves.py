@@ -9,7 +9,7 @@ import pyqtgraph as pg
 from multilane.gui.decimate import PeakPyramid
 from multilane.gui.plot_items import make_curve
 from multilane.gui.plot_style import PHASE_COLORS, PHASES
-from multilane.gui.run_data import Series
+from multilane.gui.run_data import Series, recorded
 from multilane.gui.smoothing import EmaCache
 
 
@@ -42,12 +42,9 @@ class CurveDrawing:
         item.setData(vx, vy)
 
     def _show_finite(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
-        """A telemetry curve from its recorded points only: under ddp each rank's record holds only its
-        own devices, so a device's column is NaN on every other rank's row and, drawn as is with
-        ``connect="finite"``, would show nothing. One point alone gets a marker."""
-        keep = np.isfinite(y)
-        if not keep.all():
-            x, y = x[keep], y[keep]
+        """A telemetry curve from its recorded points only (``run_data.recorded``); one point alone
+        gets a marker."""
+        x, y = recorded(x, y)
         if (len(y) == 1) != (item.opts["symbol"] is not None):
             item.setSymbol("o" if len(y) == 1 else None)
             item.setSymbolSize(6)

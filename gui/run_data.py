@@ -200,6 +200,14 @@ class RunData:
         return self.train.rows
 
 
+def recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A telemetry column's recorded points only. Under ddp each rank's record holds only its own
+    devices, so a device's column is NaN on the other ranks' rows; drawn as is (NaN breaks a line)
+    it would show nothing."""
+    keep = np.isfinite(y)
+    return (x, y) if keep.all() else (x[keep], y[keep])
+
+
 def _latest_at(wall: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Each time in ``at``: the column's latest finite value recorded at or before it (NaN before the
     first). Telemetry records come one per ddp rank, each holding only its own devices, and a rank's
