@@ -300,49 +300,34 @@ def test_two_nodes_meet_at_a_c10d_rendezvous_one_launched_by_multilane_one_by_to
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
 
 
+def refused_in_one_line(runs: Path, *args: str, task: str = HELPERS) -> str:
+    """Run ``multilane train --strategy ddp`` expecting it to refuse (exit 2) within a minute with a
+    single line on stderr; that line."""
+    t0 = time.monotonic()
+    r = subprocess.run(train_args(runs, "--steps", "2", *args, task=task), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert time.monotonic() - t0 < 60
+    return lines[0]
+
+
 def test_a_port_in_use_and_a_rendezvous_that_never_completes_are_one_line_each(tmp_path):
     runs = tmp_path / "runs"
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        r = subprocess.run(
-            train_args(runs, "--steps", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", task="mlp"),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert r.returncode == 2
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "not available" in lines[0], r.stderr
+        line = refused_in_one_line(runs, "--rdzv-endpoint", f"127.0.0.1:{port}", task="mlp")
+        assert f"127.0.0.1:{port}" in line and "not available" in line, line
         # Several nodes: the port is the rendezvous's, held by something that is no c10d store (torch's
         # client would wait on its handshake forever): one line once --rdzv-timeout has passed.
-        t0 = time.monotonic()
-        r = subprocess.run(
-            train_args(
-                runs, "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2"
-            ),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 2, r.stderr[-3000:]
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"rendezvous at 127.0.0.1:{port} did not complete" in lines[0], r.stderr
-        assert time.monotonic() - t0 < 60
-    t0 = time.monotonic()
-    r = subprocess.run(
-        train_args(
-            runs, "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "3"
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
+        line = refused_in_one_line(runs, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2")
+        assert f"rendezvous at 127.0.0.1:{port} did not complete" in line, line
+    line = refused_in_one_line(
+        runs, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "3"
     )
-    assert r.returncode == 2, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rendezvous" in lines[0], r.stderr
-    assert time.monotonic() - t0 < 60
+    assert "rendezvous" in line, line
 
 
 def test_ranks_whose_launcher_was_sigkilled_stop_with_a_checkpoint(tmp_path):
