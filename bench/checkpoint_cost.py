@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from multilane.engine.config import CHECKPOINT_MINUTES
-from multilane.engine.runlog import RunDir
+from multilane.engine.rundir.runlog import RunDir
 
 SIZES = [150e3, 1e6, 5e6, 25e6, 100e6]  # parameters (mlp width 256 has ~150k)
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from multilane.engine.runlog import read_metrics
+from multilane.engine.rundir.runlog import read_metrics
 
 MODES = {
     "1 lane": ["--devices", "cpu:0"],

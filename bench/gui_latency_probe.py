@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args()
     pg.mkQApp("probe")
-    from multilane.gui import plots as plots_module
-    from multilane.gui.main_window import MainWindow
+    from multilane.gui.plots import panel as plots_module
+    from multilane.gui.window.main_window import MainWindow
 
     events: list[tuple[float, str, float]] = []  # (start, what, duration)
     paints: list[tuple[bool, float]] = []  # (held, duration)
@@ -93,7 +93,7 @@ def main() -> None:
         inside = [f"{what} @{(t - a) * 1000:.0f}+{d * 1000:.0f}" for t, what, d in events if a <= t < b]
         print(f"    {late[i]:5.0f} ms: {', '.join(inside) or '(nothing of the GUI thread: it waited for the GIL)'}")
     print(f"  collector: enabled {gc.isenabled()}, frozen objects {gc.get_freeze_count():,}")
-    from multilane.gui.export import exit_without_qt_teardown
+    from multilane.gui.plots.export import exit_without_qt_teardown
 
     exit_without_qt_teardown(0)
 

@@ -26,9 +26,9 @@ def main() -> None:
     args = ap.parse_args()
     app = pg.mkQApp("bench")
     from multilane.engine.config import build_config
-    from multilane.engine.trainer import Trainer
-    from multilane.gui.main_window import MainWindow
-    from multilane.gui.plot_style import GRID_COLOR
+    from multilane.engine.run.trainer import Trainer
+    from multilane.gui.plots.style import GRID_COLOR
+    from multilane.gui.window.main_window import MainWindow
 
     tmp = tempfile.mkdtemp()
     raw = {"devices": {"use": "cpu:0,cpu:1"}, "train": {"steps": args.steps, "log_every": 5}, "run": {"runs_dir": tmp}}
@@ -72,7 +72,7 @@ def main() -> None:
     for name in dict.fromkeys(n for n, _ in rows):
         best = min(t for n, t in rows if n == name)
         print(f"  {name:50} {best:6.1f} ms")
-    from multilane.gui.export import exit_without_qt_teardown
+    from multilane.gui.plots.export import exit_without_qt_teardown
 
     exit_without_qt_teardown(0)
 

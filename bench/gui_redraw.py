@@ -37,8 +37,8 @@ def paint(widget) -> None:
 def redraw_times(points: int, redraws: int) -> list[float]:
     """One full redraw of the app's plot panel holding 8 device loss curves of ``points`` points:
     a new record appended to every curve, the panel refreshed, the widget painted."""
-    from multilane.gui.plots import PlotPanel
-    from multilane.gui.run_data import Column
+    from multilane.gui.plots.panel import PlotPanel
+    from multilane.gui.runs.run_data import Column
 
     panel = PlotPanel()
     panel.resize(1400, 900)
@@ -120,7 +120,7 @@ def main() -> None:
             f" {max(lat):8.1f} {sps:10,.1f} {held:6.0%}"
         )
     print("target: p99 <= 50 ms ('held': share of the time training waited for the window)")
-    from multilane.gui.export import exit_without_qt_teardown
+    from multilane.gui.plots.export import exit_without_qt_teardown
 
     exit_without_qt_teardown(0)
 

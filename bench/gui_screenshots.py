@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pyqtgraph as pg
-from multilane.gui.main_window import MainWindow
+from multilane.gui.window.main_window import MainWindow
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 

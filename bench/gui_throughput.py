@@ -40,7 +40,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pyqtgraph as pg
 from multilane.engine.config import build_config
-from multilane.engine.runlog import read_metrics
+from multilane.engine.rundir.runlog import read_metrics
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
 
 STEPS_PER_S = {"digits": 90, "mlp": 200}  # a rough headless rate on a quiet 2-core machine: sizes each run
@@ -58,7 +58,7 @@ def throughput(run_dir: Path, warmup_s: float) -> tuple[float, float]:
 
 
 def window(tmp: str):
-    from multilane.gui.main_window import MainWindow
+    from multilane.gui.window.main_window import MainWindow
 
     w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))
     w.form.editors["run.runs_dir"].widget.setText(os.path.join(tmp, "runs"))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 from multilane.engine.config import build_config
+from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks.imagefolder import ImageFolderTask, torchvision_or_hint
-from multilane.engine.trainer import Trainer
 from torch import nn
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from multilane.engine.config import build_config
 from multilane.engine.parallel.strategy import ReplicateEachStep
+from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import ArrayData, Task
-from multilane.engine.trainer import Trainer
 from torch import nn
 from torch.nn import functional as F
 
@@ -67,10 +67,10 @@ def trainer(case: dict, task: Task | None, before: bool) -> Trainer:
 
 
 def per_call(rounds: int = 20000) -> None:
-    from multilane.engine.devices import parse_devices
     from multilane.engine.parallel import make_backend
-    from multilane.engine.parallel.lane_context import lane_apply
-    from multilane.engine.parallel.lane_rng import LaneRandom
+    from multilane.engine.parallel.replicas.lane_context import lane_apply
+    from multilane.engine.parallel.replicas.lane_rng import LaneRandom
+    from multilane.engine.telemetry.devices import parse_devices
 
     backend = make_backend(parse_devices("cpu:0,cpu:1"))
     random = LaneRandom([torch.device("cpu")] * 2)

@@ -16,8 +16,8 @@ import time
 
 import torch
 from multilane.engine.config import build_config
-from multilane.engine.energy import EnergyMeter
-from multilane.engine.trainer import Trainer
+from multilane.engine.run.energy import EnergyMeter
+from multilane.engine.run.trainer import Trainer
 
 CASES = {
     "digits (CNN, batch 64)": {"task": {"name": "digits"}, "data": {"batch_size": 64}},

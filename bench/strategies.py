@@ -38,10 +38,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multilane.engine.devices import parse_devices
 from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.coalesced import copy_into
 from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.telemetry.devices import parse_devices
 from torch import nn
 from torch.nn import functional as F
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 from multilane.engine.config import build_config
-from multilane.engine.telemetry import TelemetrySampler
-from multilane.engine.trainer import Trainer
+from multilane.engine.run.trainer import Trainer
+from multilane.engine.telemetry.sampler import TelemetrySampler
 
 
 def trainer(devices: str) -> Trainer:

@@ -16,7 +16,7 @@ from PySide6.QtCore import QEventLoop, QSettings, Qt, QTimer
 
 def training_window(hold: bool):
     """A shown MainWindow set up for a long digits run on cpu:0,cpu:1 (smoothing on, log every 5)."""
-    from multilane.gui.main_window import MainWindow
+    from multilane.gui.window.main_window import MainWindow
 
     tmp = tempfile.mkdtemp()
     w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))

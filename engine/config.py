@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import tomli_w
 from multilane.engine.errors import UserError
-from multilane.engine.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type

@@ -1,1 +1,1 @@
-"""Multilane's desktop app (PySide6 + pyqtgraph): one client of ``multilane.engine``."""
+"""Multilane's desktop app (PySide6 + pyqtgraph): one client of ``multilane.engine``. ``app.py`` starts it; ``window/`` is the window and its panels, ``plots/`` what it draws, ``runs/`` where its runs come from."""

@@ -15,14 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     app.setOrganizationName("Multilane")
     icon = files("multilane.assets") / "multilane.svg"
     app.setWindowIcon(QIcon(str(icon)))
-    from multilane.gui.main_window import MainWindow
+    from multilane.gui.window.main_window import MainWindow
 
     window = MainWindow()
     window.setWindowIcon(QIcon(str(icon)))
     window.show()
     code = app.exec()
     # Everything is saved by now (a run is stopped in closeEvent): leave without Qt's teardown.
-    from multilane.gui.export import exit_without_qt_teardown
+    from multilane.gui.plots.export import exit_without_qt_teardown
 
     exit_without_qt_teardown(code)
     return code

@@ -1,3 +1,4 @@
+# Tests: where a new test goes is in tests/README.md (one folder per room of the code).
 import os
 
 # Before any Qt import: the app's tests run on Qt's offscreen platform, with no display.
@@ -36,7 +37,7 @@ def make_window(qtbot, tmp_path):
     """Makes the app's main window, offscreen, with its own settings file and runs folder: on
     ``devices``, training in a separate process or in the app's thread; runs still going at the end of
     the test are stopped."""
-    from multilane.gui.main_window import MainWindow
+    from multilane.gui.window.main_window import MainWindow
     from PySide6.QtCore import QSettings
 
     made = []

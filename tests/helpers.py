@@ -46,6 +46,8 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
     )
 
 
+TESTS = Path(__file__).resolve().parent  # tests/: helpers.py, exactness_kinds.py, task_files/
+TASK_FILES = TESTS / "task_files"
 CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
 BROKEN_TASK = (

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import filelock
-from multilane.engine.runlog import ERROR, STATUS, RunDir, iter_metrics
+from multilane.engine.rundir.runlog import ERROR, STATUS, RunDir, iter_metrics
 
 NOTES = "failures"
 LOST_PEERS = "RankLostPeers"

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
-from multilane.engine.devices import default_devices, parse_devices
+from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes_from_child_failure, primary
-from multilane.engine.distributed.worker import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.errors import UserError
-from multilane.engine.runlog import STATUS, RunDir
+from multilane.engine.rundir.runlog import STATUS, RunDir
+from multilane.engine.telemetry.devices import default_devices, parse_devices
 
 FOREIGN_CAUSE_WAIT_S = 5.0
 """With several nodes: how long a launcher whose ranks only lost their peers waits for the note of

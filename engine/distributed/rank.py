@@ -10,8 +10,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from multilane.engine.devices import Device, cuda_count, parse_devices
 from multilane.engine.errors import UserError
+from multilane.engine.telemetry.devices import Device, cuda_count, parse_devices
 
 
 @dataclass(frozen=True)

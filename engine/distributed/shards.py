@@ -1,6 +1,6 @@
 """A ddp rank's input: its shard of every global micro-batch the single-process engine takes.
 
-This is our DistributedSampler. The single-process loaders (``engine/loader.py``) define global
+This is our DistributedSampler. The single-process loaders (``engine/data/loader.py``) define global
 micro-batch ``m`` as a pure function of the run's seed and ``m``; rank ``r`` takes the ``r``-th chunk
 of it (``chunk_sizes``, as lanes get theirs), so every rank count trains on the same global batches
 and a resume at micro-batch ``m0`` continues exactly, on any number of processes.
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from multilane.engine.loader import ArrayLoader, DatasetLoader, Loader, StreamLoader, _eval_iter, _next
+from multilane.engine.data.loader import ArrayLoader, DatasetLoader, Loader, StreamLoader, _eval_iter, _next
+from multilane.engine.data.sampling import EvalBatchSampler, RunBatchSampler, SeededReader
 from multilane.engine.parallel.tree import scatter_tree
-from multilane.engine.sampling import EvalBatchSampler, RunBatchSampler, SeededReader
 from torch.utils.data import IterableDataset
 
 Shard = tuple[Any, Any, int, int]

@@ -17,7 +17,7 @@ from typing import Any
 
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank import RankInfo
-from multilane.engine.telemetry import TelemetrySampler
+from multilane.engine.telemetry.sampler import TelemetrySampler
 
 
 class RankTelemetry:

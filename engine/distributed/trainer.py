@@ -18,29 +18,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine import checkpointer
-from multilane.engine.control import RunControl
+from multilane.engine.data.loader import build_loader
+from multilane.engine.distributed import NODE_FILE_ENV
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
 from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
 from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
-from multilane.engine.distributed.worker import NODE_FILE_ENV
 from multilane.engine.errors import UserError
-from multilane.engine.evaluation import write_sample
-from multilane.engine.loader import build_loader
-from multilane.engine.metrics_window import check_finite
-from multilane.engine.optim import build_optimizer, lr_at
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
-from multilane.engine.run_spec import planned_steps
-from multilane.engine.runlog import RunDir
+from multilane.engine.run import checkpointer
+from multilane.engine.run.control import RunControl
+from multilane.engine.run.evaluation import write_sample
+from multilane.engine.run.metrics_window import check_finite
+from multilane.engine.run.optim import build_optimizer, lr_at
+from multilane.engine.run.run_spec import planned_steps
+from multilane.engine.run.trainer import Trainer
+from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
-from multilane.engine.telemetry import TelemetrySampler
-from multilane.engine.trainer import Trainer
+from multilane.engine.telemetry.sampler import TelemetrySampler
 from torch.nn.parallel import DistributedDataParallel
 
 PAUSE_POLL_S = 0.2

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from multilane.engine.metrics_window import ActiveClock
+from multilane.engine.run.metrics_window import ActiveClock
 
 
 class ShardWindow(ActiveClock):

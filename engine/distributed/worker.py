@@ -16,14 +16,12 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
-from multilane.engine.control import RunControl
+from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import consolidate, write_note
 from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
+from multilane.engine.run.control import RunControl
 from torch.distributed.elastic.multiprocessing.errors import record
-
-RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
-NODE_FILE_ENV = "MULTILANE_NODE_FILE"  # where a node's ranks tell their launcher the run folder
 
 # Errors that mean "another rank went away", not "this rank went wrong".
 _LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I)
@@ -39,12 +37,12 @@ class RankLostPeers(RankFailed):
 
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
+    from multilane.engine.cli.progress import ProgressDisplay, summary
     from multilane.engine.distributed.trainer import DdpTrainer
-    from multilane.engine.progress import ProgressDisplay, summary
 
     if config is None:  # resuming: the devices come from the checkpoint's config
         from multilane.engine.config import build_config, merge
-        from multilane.engine.runlog import RunDir
+        from multilane.engine.rundir.runlog import RunDir
 
         ck = RunDir.open_existing(resume_from, lock=False).load_checkpoint()  # rank 0 locks it later
         config = build_config(merge(ck["config"], overrides), "resume config")

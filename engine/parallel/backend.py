@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from multilane.engine.devices import Device, lane_names
-from multilane.engine.parallel.replica import ReplicaSet
+from multilane.engine.parallel.replicas.replica import ReplicaSet
 from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.telemetry.devices import Device, lane_names
 from torch import nn
 
 
@@ -50,7 +50,7 @@ class Backend(ABC):
 
     @abstractmethod
     def replicate(self, model: nn.Module, lanes: Sequence[int], detach: bool, share: bool = False) -> ReplicaSet:
-        """One true replica of ``model`` per lane (engine/parallel/replica.py: ``replicate_module``): each
+        """One true replica of ``model`` per lane (engine/parallel/replicas/replica.py: ``replicate_module``): each
         its own tensor for every parameter, listed in ``.params``; gradients of every replica flow back
         to ``model``. ``share``: views instead of copies where a lane sits on the parameters' device."""
 

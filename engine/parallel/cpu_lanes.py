@@ -4,10 +4,10 @@ torch 2.13's scatter/replicate/gather refuse CPU tensors and parallel_apply need
 these are the same four primitives for the CPU, with the same semantics:
 
 - scatter splits along dim 0 (views, no copy: every lane shares the one CPU memory);
-- replicate gives every lane a true replica (engine/parallel/replica.py): its own differentiable copy
+- replicate gives every lane a true replica (engine/parallel/replicas/replica.py): its own differentiable copy
   of each parameter, whose gradients are summed back into the original parameters (as Broadcast's
   backward does) and its own copy of each buffer, which the step merges back into the model
-  (engine/parallel/buffers.py: the sample-weighted mean of the lanes'), as on GPUs;
+  (engine/parallel/replicas/buffers.py: the sample-weighted mean of the lanes'), as on GPUs;
 - parallel_apply runs replica i in lane i's own thread and re-raises a failure as
   "Caught X in replica i on device cpu:i", exactly like torch;
 - gather concatenates along dim 0.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
-from multilane.engine.parallel.replica import ReplicaSet, replicate_module
+from multilane.engine.parallel.replicas.replica import ReplicaSet, replicate_module
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, scatter_tree
 from torch import nn

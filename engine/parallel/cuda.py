@@ -1,6 +1,6 @@
 """The GPU backend: torch.nn.parallel's own scatter, parallel_apply and gather; the engine's true replicas.
 
-Replication is the one primitive not taken from torch: ``replicate_module`` (engine/parallel/replica.py)
+Replication is the one primitive not taken from torch: ``replicate_module`` (engine/parallel/replicas/replica.py)
 is the same code the CPU lanes run, so both backends give every lane a private copy of each parameter,
 visible through ``.parameters()``, with the same gradient semantics. Gather is ``gather_tree`` over
 torch's differentiable ``Gather``: the same structures (dataclasses, 0-dim tensors) as on CPU lanes.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
-from multilane.engine.parallel.replica import ReplicaSet, replicate_module
+from multilane.engine.parallel.replicas.replica import ReplicaSet, replicate_module
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, move_tree, scatter_tree
 from torch import nn

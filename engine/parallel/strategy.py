@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from multilane.engine.parallel import inplace
 from multilane.engine.parallel.backend import Backend
-from multilane.engine.parallel.buffers import merge_buffers
-from multilane.engine.parallel.lane_context import lane_apply
-from multilane.engine.parallel.lane_rng import LaneRandom, LaneRandomnessError
+from multilane.engine.parallel.replicas import inplace
+from multilane.engine.parallel.replicas.buffers import merge_buffers
+from multilane.engine.parallel.replicas.lane_context import lane_apply
+from multilane.engine.parallel.replicas.lane_rng import LaneRandom, LaneRandomnessError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import first_tensor
 from torch import nn

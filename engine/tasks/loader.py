@@ -12,7 +12,7 @@ from typing import Any
 
 from multilane.engine.config import describe_error
 from multilane.engine.errors import UserError
-from multilane.engine.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
 from multilane.engine.tasks.base import Task
 from multilane.engine.tasks.builtin import BUILTIN_TASKS
 from pydantic import BaseModel, ValidationError

@@ -1,0 +1,82 @@
+"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``; with no arguments,
+the desktop app. This module dispatches; each command lives in its own module (train, monitor),
+except ``export`` and the app, the two that reach into ``multilane.gui`` (lazily, inside the function)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
+from multilane.engine.cli.parser import build_parser
+from multilane.engine.cli.train import cmd_train
+from multilane.engine.errors import UserError
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multilane.engine.rundir.runlog import load_metrics
+    from multilane.gui.plots.export import FORMATS, export_headless
+
+    formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
+    if not 0 <= args.smoothing < 1:
+        raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
+    run, out = Path(args.run_dir), Path(args.out)
+    try:
+        if not (run / "metrics.jsonl").exists():
+            raise UserError(f"export: {run} is not a run folder (no metrics.jsonl)")
+        if out.exists() and out.resolve() == run.resolve():
+            raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"export: not a usable path ({e})") from None
+    note = load_metrics(run).skipped_note()  # a folder or unreadable file is one line here
+    if note:
+        print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
+    options = {"compare": args.compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
+    for path in export_headless(args.run_dir, args.out, formats, args.width, **options):
+        print(path)
+    return 0
+
+
+def cmd_app() -> int:
+    from multilane.gui.window.platform_check import window_problem
+
+    problem = window_problem()  # before Qt, which would abort with a message naming one library
+    if problem:
+        raise UserError(problem)
+    try:
+        from multilane.gui.app import main as app_main
+    except ImportError as e:
+        raise UserError(
+            f"the desktop app needs PySide6 and pyqtgraph ({e.name or e} missing): pip install 'multilane[gui]'; "
+            "or train headless with: multilane train"
+        ) from None
+    return app_main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, argv[argv.index("train") + 1 :])
+        if args.command == "watch":
+            return cmd_watch(args)
+        if args.command == "control":
+            return cmd_control(args)
+        if args.command == "devices":
+            return cmd_devices(args)
+        if args.command == "export":
+            return cmd_export(args)
+        return cmd_app()
+    except UserError as e:
+        print(f"multilane: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before a run began (its set-up, the task's import): nothing to record
+        print("multilane: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,60 @@
+"""``multilane watch``, ``control`` and ``devices``: follow a run, steer it, and read the devices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from multilane.engine.cli.watch import watch
+
+    return watch(args.run_dir, args.interval)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from multilane.engine.rundir.control_file import write_control
+
+    path = write_control(args.run_dir, args.action)
+    print(f"{args.action} requested: {path}")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from multilane.engine.telemetry.sampler import live_readings
+
+    if args.json:
+        print(json.dumps(live_readings(), indent=2))
+        return 0
+    if not args.watch:
+        from rich.console import Console
+
+        Console().print(devices_table(live_readings()))
+        return 0
+    from rich.live import Live
+
+    with Live(devices_table(live_readings()), auto_refresh=False) as live:
+        try:
+            while True:
+                live.update(devices_table(live_readings(1.0)), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def devices_table(rows: list[dict]) -> Any:
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("device", "model", "util", "memory used / total", "temp", "power"):
+        table.add_column(col)
+    for r in rows:
+        util = f"{r['util_pct']:.0f}%" if r.get("util_pct") is not None else "-"
+        used, total = r.get("mem_used_mb"), r.get("memory_total_mb")
+        memory = f"{used / 1024:,.1f} / {total / 1024:,.1f} GiB" if used is not None and total else "-"
+        temp = f"{r['temp_c']:.0f} °C" if "temp_c" in r else "-"
+        power = f"{r['power_w']:.0f} W" if "power_w" in r else "-"
+        name = r["name"] if r["kind"] == "cuda" else f"cpu ×{r['cores']}"
+        table.add_row(name, str(r.get("model", "")), util, memory, temp, power)
+    return table

@@ -1,0 +1,181 @@
+"""The CLI's live progress display and its final summary (rich)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psutil
+from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+class ProgressDisplay(TrainerCallback):
+    """A live bar on a terminal; off one (a log file, a pipe, CI), plain full lines every few seconds."""
+
+    PLAIN_EVERY_S = 5.0
+
+    def __init__(self, console: Console | None = None, waiting: Any = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._waiting = waiting  # a rich Status shown until training starts
+        self.live = self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task_id: Any = None
+        self._val = ""
+        self._tele = ""
+        self._last: dict[str, Any] | None = None
+        self._total = 0
+        self._printed_at = 0.0
+        self._t_train_start: float | None = None
+        self._t_end: float | None = None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.stop_waiting()
+        self._t_train_start = time.time()
+        self._total = trainer.total_steps
+        lanes = ",".join(trainer.lane_names)
+        description = f"{trainer.task.name} on {lanes}"
+        if not self.live:
+            self._plain(f"{description}: {trainer.total_steps} steps from step {trainer.step}")
+            return
+        self.progress.start()
+        self._task_id = self.progress.add_task(description, total=trainer.total_steps, completed=trainer.step, info="")
+
+    def _info(self) -> str:
+        r = self._last
+        if r is None:
+            return ""
+        sps = r.get("samples_per_s") or 0.0
+        return f"loss {r['loss']:.4f} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
+
+    def _show(self, force: bool = False) -> None:
+        if self._last is None:
+            return
+        if self.live:
+            self.progress.update(self._task_id, completed=self._last["step"], info=self._info())
+            return
+        now = time.monotonic()
+        if force or now - self._printed_at >= self.PLAIN_EVERY_S:
+            self._plain(f"step {self._last['step']}/{self._total} · {self._info()}")
+
+    def _plain(self, line: str) -> None:
+        self._printed_at = time.monotonic()
+        print(line, file=self.console.file, flush=True)
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        self._last = record
+        self._show()
+
+    def on_telemetry(self, record: dict[str, Any]) -> None:
+        self._tele = format_telemetry(record)
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        metrics = "".join(f" {k} {v:.3f}" for k, v in record["metrics"].items())
+        self._val = f"val {record['val_loss']:.4f}{metrics} · "
+        # An evaluation comes after its step's log line: show it now, or the line keeps an old one.
+        self._show()
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        if record["event"] == "warning":
+            self.console.print(f"[yellow]warning:[/] {record['message']}")
+        if record["event"] in ("paused", "resumed"):
+            if self._task_id is not None:
+                self.progress.update(self._task_id, info=record["event"])
+            elif not self.live:
+                self._plain(f"{record['event']} at step {record['step']}")
+
+    def stop_waiting(self) -> None:
+        """End the "loading…" spinner (idempotent)."""
+        if self._waiting is not None:
+            self._waiting.stop()
+            self._waiting = None
+
+    def on_train_end(self, result: RunResult) -> None:
+        self.stop_waiting()
+        self._t_end = time.time()
+        if self.live:
+            self.progress.stop()
+        else:
+            self._show(force=True)  # the last line, with the last validation
+
+    def timing(self) -> dict[str, float]:
+        """Seconds: ``total`` since the process started, ``to_first_step`` of it before training began
+        (imports, data, model), ``training`` from the first step to the end."""
+        start = psutil.Process().create_time()
+        end = self._t_end or time.time()
+        out = {"total": end - start}
+        if self._t_train_start is not None:
+            out["to_first_step"] = self._t_train_start - start
+            out["training"] = end - self._t_train_start
+        return out
+
+
+DATA_WAIT_SHOWN = 0.05
+"""Waiting on data is shown once it takes this share of the step time."""
+
+
+def data_wait(record: dict[str, Any]) -> str:
+    """ " · waiting on data 42%" when a train record's steps spent a noticeable share waiting for the next
+    batch (``phase_ms["data"]`` over ``step_ms``), else ""."""
+    wait = (record.get("phase_ms") or {}).get("data")
+    step = record.get("step_ms")
+    if not wait or not step or wait / step < DATA_WAIT_SHOWN:
+        return ""
+    return f" · waiting on data {min(1.0, wait / step):.0%}"
+
+
+def format_telemetry(record: dict[str, Any]) -> str:
+    """A short line of what each device is doing: "· cuda:0 97% 41.2 GiB · cuda:1 95% 38.0 GiB"."""
+    parts = []
+    for name, d in record.get("devices", {}).items():
+        rate = d.get("util_pct") or d.get("busy_pct")
+        text = name + (f" {rate['mean']:.0f}%" if rate else "")
+        if "mem_used_mb" in d:
+            text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
+        parts.append(text)
+    rss = record.get("process", {}).get("rss_mb")
+    if rss is not None:
+        parts.append(f"rss {rss / 1024:.1f} GiB")
+    return "· " + " · ".join(parts) if parts else ""
+
+
+def summary(result: RunResult, total_steps: int | None = None, timing: dict[str, float] | None = None) -> str:
+    """The final lines the CLI prints: outcome, time, losses, metric, run directory."""
+    head = f"{result.status}: step {result.step}" + (f"/{total_steps}" if total_steps else "")
+    if timing and "training" in timing:
+        head += (
+            f" · training {timing['training']:.1f} s · {timing['total']:.1f} s in all"
+            f" ({timing['to_first_step']:.1f} s to the first step: imports, data, model)"
+        )
+    else:
+        head += f" · training {result.elapsed_s:.1f} s"
+    lines = [head]
+    if result.message:
+        lines.append(f"  {result.message}")
+    t = result.last_train
+    if t:
+        per = ", ".join(f"{k} {v:.4f}" for k, v in t.get("device_loss", {}).items())
+        lines.append(f"  final train loss {t['loss']:.4f} ({per})")
+    e = result.last_eval
+    if e:
+        metrics = "".join(f", {k} {v:.4f}" for k, v in e.get("metrics", {}).items())
+        lines.append(f"  validation loss {e['val_loss']:.4f}{metrics}")
+    lines.append(f"  run directory: {result.run_dir}")
+    return "\n".join(lines)

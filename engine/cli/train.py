@@ -1,0 +1,179 @@
+"""``multilane train``: the config from file, flags and ``--set``; a headless run with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from multilane.engine.cli.parser import short_text
+from multilane.engine.errors import UserError
+from multilane.engine.run.callbacks import TrainerCallback
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {}
+    flags = {
+        "task": "task.name",
+        "devices": "devices.use",
+        "strategy": "devices.strategy",
+        "batch_size": "data.batch_size",
+        "lr": "optim.lr",
+        "optimizer": "optim.name",
+        "epochs": "train.epochs",
+        "steps": "train.steps",
+        "seed": "train.seed",
+        "precision": "train.precision",
+        "runs_dir": "run.runs_dir",
+        "name": "run.name",
+    }
+    for attr, key in flags.items():
+        value = getattr(args, attr)
+        if value is not None:
+            o[key] = value
+    if args.epochs is not None:
+        o["train.steps"] = None  # --epochs wins over a config file's steps
+    if args.task is not None and args.task:
+        o.setdefault("task.params", {})
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--set {short_text(item)}: expected KEY=VALUE, e.g. train.log_every=5")
+        if not all(part.strip() for part in key.split(".")):
+            raise UserError(f"--set {short_text(item)}: {key!r} is not a key; keys are names joined by dots")
+        o[key] = _parse_value(raw.strip(), key)
+    return o
+
+
+def _parse_value(raw: str, key: str) -> Any:
+    """JSON where it parses (numbers, lists, true/false), else the text itself."""
+    if len(raw) > 100_000:
+        raise UserError(f"--set {key}: the value is {len(raw):,} characters long; give it in a --config file")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+    except RecursionError:
+        raise UserError(f"--set {key}: the value is nested too deeply") from None
+    except ValueError as e:  # a number of thousands of digits
+        raise UserError(f"--set {key}: {str(e).split(';')[0]}") from None
+
+
+def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    """The run's config: the file and flags, or (resuming) the checkpoint's config and the flags."""
+    from multilane.engine.config import build_config, merge, read_config_file
+
+    if args.resume:
+        from multilane.engine.rundir.runlog import RunDir
+
+        base = RunDir.open_existing(args.resume, lock=False).load_checkpoint().get("config")
+        if not isinstance(base, dict):
+            raise UserError(f"resume: {args.resume}: the checkpoint holds no config")
+        return build_config(merge(base, overrides), "resume config")
+    base = read_config_file(args.config) if args.config else {}
+    section = base.get("task")
+    if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
+        # Another task's params would not fit this task's schema.
+        section["params"] = {}
+    return build_config(merge(base, overrides), args.config or "config")
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from multilane.engine.distributed import in_worker
+
+    overrides = _overrides(args)
+    if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
+        del overrides["task.params"]
+    config = _run_config(args, overrides)  # checked before torch is imported, where it can be
+    if config.devices.strategy == "ddp":
+        if in_worker():
+            from multilane.engine.distributed.worker import run_rank
+
+            return run_rank(None if args.resume else config, args.resume, overrides)
+        from multilane.engine.distributed.launcher import launch
+        from multilane.engine.tasks import make_task
+
+        make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        return launch(argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id)
+    if in_worker():
+        raise UserError("started by torchrun: add --strategy ddp (each process is one rank of a ddp run)")
+    from rich.console import Console
+
+    # On a terminal, a spinner until the first step (imports, data and model take seconds); it goes
+    # away when the progress bar starts or an error is printed, so an error stays one line.
+    console = Console(stderr=True)
+    waiting = console.status("loading torch, data and model…") if console.is_terminal else None
+    if waiting is not None:
+        waiting.start()
+    try:
+        from multilane.engine.cli.progress import ProgressDisplay, summary
+        from multilane.engine.distributed import RUN_DIR_ENV
+        from multilane.engine.run.control import RunControl
+        from multilane.engine.run.trainer import Trainer
+
+        control = RunControl()
+        progress = ProgressDisplay(console, waiting=waiting)
+        _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
+        callbacks = [progress, _NameTaskFile()]
+        if args.resume:
+            trainer = Trainer(callbacks=callbacks, control=control, resume_from=args.resume, overrides=overrides)
+        else:  # the app that started this process may have made the run folder, to follow it
+            trainer = Trainer(config, callbacks=callbacks, control=control, run_dir=os.environ.get(RUN_DIR_ENV))
+    except BaseException:
+        if waiting is not None:
+            waiting.stop()
+        raise
+    try:
+        result = trainer.run()
+    finally:
+        progress.stop_waiting()
+    _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
+    print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
+    if result.status == "failed":
+        if result.traceback:
+            print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
+        return 1
+    if result.status == "aborted":
+        return 130
+    if result.status == "stopped" and not control.stop_requested:
+        return 1  # stopped by the engine itself (a non-finite loss)
+    return 0
+
+
+class _NameTaskFile(TrainerCallback):
+    """Says which file is about to run, before it is imported."""
+
+    def on_task_file(self, path: str) -> None:
+        print(f"running task file {path}", flush=True)
+
+
+def _exit_on_signals() -> None:
+    def on_signal(signum: int, frame: Any) -> None:
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def _stop_on_signals(control: Any, console: Any) -> None:
+    """Ctrl+C or SIGTERM: the first finishes the step (or the set-up) and stops with a checkpoint; the
+    second aborts (KeyboardInterrupt, recorded as "aborted"); a third exits at once."""
+    count = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal count
+        count += 1
+        if count == 1:
+            console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
+            control.request_stop()
+        elif count == 2:
+            raise KeyboardInterrupt
+        else:
+            os._exit(130)  # the abort itself is stuck: leave now, as a kill would
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

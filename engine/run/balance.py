@@ -1,0 +1,53 @@
+"""Warnings before a run about devices that will hold each other back."""
+
+from __future__ import annotations
+
+import os
+
+from multilane.engine.telemetry.devices import Device
+
+# torch's DataParallel warns when a device has under 75% of the best one's memory or cores.
+IMBALANCE_RATIO = 0.75
+
+
+def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None) -> list[str]:
+    """Plain-language warnings for the chosen devices (empty when they are well matched).
+
+    ``props`` maps a CUDA index to ``{"memory_total_mb", "multiprocessors", "model"}``; by default it is
+    read from torch.
+    """
+    out: list[str] = []
+    cuda = sorted({d.index for d in devices if d.is_cuda})
+    if len(cuda) > 1:
+        props = props or _torch_props(cuda)
+        for key, what in (("memory_total_mb", "memory"), ("multiprocessors", "multiprocessors")):
+            values = {i: props[i][key] for i in cuda}
+            best = max(values.values())
+            for i, v in values.items():
+                if v < IMBALANCE_RATIO * best:
+                    out.append(
+                        f"cuda:{i} ({props[i]['model']}) has {v:,} {what} against {best:,} on the best chosen GPU: "
+                        "an even split waits for it every step; give it a smaller share (the app's share column; devices.weights in a config)"
+                    )
+    cpu_lanes = [d for d in devices if not d.is_cuda]
+    cores = os.cpu_count() or 1
+    if len(cpu_lanes) > cores:
+        out.append(
+            f"{len(cpu_lanes)} CPU lanes on {cores} cores: lanes will wait for each other; "
+            "CPU lanes exercise the data-parallel path, they do not speed up CPU training"
+        )
+    return out
+
+
+def _torch_props(indices: list[int]) -> dict[int, dict]:
+    import torch
+
+    out = {}
+    for i in indices:
+        p = torch.cuda.get_device_properties(i)
+        out[i] = {
+            "memory_total_mb": p.total_memory // 2**20,
+            "multiprocessors": p.multi_processor_count,
+            "model": p.name,
+        }
+    return out

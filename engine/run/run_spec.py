@@ -1,0 +1,91 @@
+"""What a run trains: its config and task, from a config (and overrides) or a run folder's checkpoint
+(checked before anything is written: bad input raises ``UserError``, one line), and its record in the
+run folder."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.config import RunConfig, build_config, merge
+from multilane.engine.errors import UserError
+from multilane.engine.run.callbacks import TrainerCallback
+from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
+from multilane.engine.tasks import Task, make_task
+from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
+from multilane.engine.telemetry.devices import Device, parse_devices
+from multilane.engine.telemetry.envinfo import environment
+
+
+@dataclass
+class RunSpec:
+    config: RunConfig
+    task: Task
+    task_file: dict[str, str] | None
+    """``{"path", "sha256"}`` of a task file, else None."""
+    devices: list[Device]
+    checkpoint: dict[str, Any] | None
+    """The checkpoint a resumed run continues from."""
+
+
+def resolve_run(
+    config: RunConfig | None,
+    overrides: dict[str, Any],
+    task: Task | None,
+    resume_dir: RunDir | None,
+    callbacks: Sequence[TrainerCallback] = (),
+) -> RunSpec:
+    """The run's config (``config`` with ``overrides``, or the checkpoint's in ``resume_dir``) and task."""
+    expect_sha256 = None
+    checkpoint = None
+    if resume_dir is not None:
+        checkpoint = resume_dir.load_checkpoint()
+        config = build_config(merge(checkpoint["config"], overrides), "resume config")
+        if task is None and is_task_file(config.task.name) and "task.name" not in overrides:
+            # A run folder is data: its task file runs only as the run recorded it (or --task).
+            recorded = resume_dir.read_json(TASK_FILE)
+            expect_sha256 = check_resume_task_file(config.task.name, recorded)
+    elif config is None:
+        config = build_config(merge({}, overrides))
+    elif overrides:
+        config = build_config(merge(config.to_dict(), overrides))
+    if task is None and is_task_file(config.task.name):
+        # The full path, in the saved config too: a resume from another folder runs the same file.
+        config = config.model_copy(deep=True)
+        config.task.name = str(Path(config.task.name).expanduser().resolve())
+        for cb in callbacks:
+            cb.on_task_file(config.task.name)
+    task = task or make_task(config.task.name, config.task.params, expect_sha256)
+    devices = parse_devices(config.devices.use)
+    if config.devices.output >= len(devices):
+        raise UserError(
+            f"devices.output = {config.devices.output}: only {len(devices)} device(s) listed ({config.devices.use})"
+        )
+    if config.devices.weights and len(config.devices.weights) != len(devices):
+        raise UserError(f"devices.weights: {len(config.devices.weights)} weights for {len(devices)} devices")
+    if config.train.precision == "fp16" and not devices[0].is_cuda:
+        raise UserError("train.precision = fp16: fp16 needs a GPU; on CPU lanes use bf16 or fp32")
+    return RunSpec(config, task, task_file_record(type(task)), devices, checkpoint)
+
+
+def record_run(rd: RunDir, config: RunConfig, task_file: dict[str, str] | None) -> None:
+    """Write what the run trains into its folder: config.json, task_file.json (a task file's path and
+    hash, else none), environment.json."""
+    rd.write_json(CONFIG, config.to_dict())
+    if task_file is not None:
+        rd.write_json(TASK_FILE, task_file)
+    else:
+        rd.remove(TASK_FILE)
+    rd.write_json(ENVIRONMENT, environment())
+
+
+def planned_steps(task: Task, config: RunConfig, per_epoch: int | None) -> int:
+    """The run's optimizer steps: ``train.steps``, else ``train.epochs`` of ``per_epoch`` micro-batches."""
+    if config.train.steps is None and per_epoch is None:
+        raise UserError(
+            f"task {task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
+        )
+    return config.train.steps or math.ceil(config.train.epochs * (per_epoch or 0) / config.train.grad_accum)

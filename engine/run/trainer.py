@@ -1,0 +1,367 @@
+"""The training loop: a short loop over parts with one job each.
+
+The run's config and task (``run_spec.py``), the step strategy (``parallel/``), the loader
+(``loader.py``), the log window (``metrics_window.py``), evaluation (``evaluation.py``), checkpoints
+(``checkpointer.py``), the run folder (``runlog.py``) and the run's end (``run_end.py``) each live in
+their own module; the trainer composes them and reports only through plain callbacks (``callbacks.py``,
+no Qt).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from multilane.engine.config import RunConfig
+from multilane.engine.data.loader import build_loader
+from multilane.engine.errors import UserError
+from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
+from multilane.engine.run import checkpointer
+from multilane.engine.run.balance import balance_warnings
+from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
+from multilane.engine.run.control import RunControl
+from multilane.engine.run.energy import EnergyMeter
+from multilane.engine.run.evaluation import evaluate, write_sample
+from multilane.engine.run.failures import one_line, outcome, release_cuda_memory, where
+from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
+from multilane.engine.run.optim import build_optimizer, lr_at
+from multilane.engine.run.run_end import finish_run
+from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
+from multilane.engine.rundir.control_file import ControlFile
+from multilane.engine.rundir.runlog import RunDir
+from multilane.engine.tasks import Task, loss_weight_fn
+from multilane.engine.telemetry.devices import Device
+from multilane.engine.telemetry.sampler import TelemetrySampler
+
+__all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
+
+
+class Trainer:
+    """Train ``config`` (or resume the run in ``resume_from``), reporting to ``callbacks``.
+
+    Bad input raises ``UserError`` from the constructor, before any folder is written. A failure
+    during the run does not raise: ``run()`` returns a result with status "failed" and the message,
+    and the run directory keeps the traceback and every metric logged so far.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | None = None,
+        callbacks: Sequence[TrainerCallback] = (),
+        control: RunControl | None = None,
+        resume_from: str | Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        task: Task | None = None,
+        run_dir: str | Path | None = None,
+    ) -> None:
+        self.control = control or RunControl()
+        self._made_run_dir = Path(run_dir) if run_dir else None  # made for this run by whoever started it
+        self.callbacks = list(callbacks)
+        self._checkpoint: dict[str, Any] | None = None
+        self._resume_dir: RunDir | None = None
+        self.checkpoint_step: int | None = None  # the step of the checkpoint on disk, if any
+        self.run_dir: RunDir | None = None
+        self.sampler: TelemetrySampler | None = None
+        self.step = 0
+        if resume_from is not None:
+            self._resume_dir = self._open_resume_dir(resume_from)
+        try:
+            self._configure(config, overrides or {}, task)
+        except BaseException:
+            if self._resume_dir is not None:
+                self._resume_dir.close()
+            raise
+
+    def _open_resume_dir(self, path: str | Path) -> RunDir:
+        return RunDir.open_existing(path)  # locked: this process is its one writer
+
+    def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
+        spec = resolve_run(config, overrides, task, self._resume_dir, self.callbacks)
+        self._checkpoint, self.config, self.task = spec.checkpoint, spec.config, spec.task
+        self.checkpoint_step = spec.checkpoint["step"] if spec.checkpoint is not None else None
+        self.task_file = spec.task_file  # {"path", "sha256"} of a task file, else None
+        self.devices: list[Device] = spec.devices
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.train.seed)
+        self.backend = make_backend(self.devices, cfg.devices.output)
+        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
+        self._loss_weight = loss_weight_fn(self.task)
+        dev = self.backend.model_device
+        self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
+        self.model = self.task.build_model().to(dev)
+        if cfg.devices.sync_batchnorm:
+            convert_sync_batchnorm(self.model)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        accum = cfg.train.grad_accum
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
+        self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
+        weights = cfg.devices.weights or None
+        self._sizes_cache: dict[int, list[int]] = {}
+        self._weights = weights
+        self.timer = self.backend.make_timer()
+        self.window = MetricsWindow(self.backend.lane_names)
+        if self._checkpoint is not None:
+            checkpointer.restore(self, self._checkpoint)
+        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
+        self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def _sizes(self, batch: int) -> list[int]:
+        s = self._sizes_cache.get(batch)
+        if s is None:
+            s = chunk_sizes(batch, len(self.devices), self._weights)
+            self._sizes_cache[batch] = s
+        return s
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Set up, train, and record how the run ended — whatever ended it (an error, the task's own
+        ``sys.exit``, a second Ctrl+C, a full disk): status.json and the last event say so."""
+        try:
+            return self._run()
+        finally:
+            for rd in (self.run_dir, self._resume_dir):
+                if rd is not None:
+                    rd.close()  # the lock goes on every way out (a no-op after _finish)
+
+    def _run(self) -> RunResult:
+        cfg = self.config
+        try:
+            self._setup()
+        except (UserError, KeyboardInterrupt):
+            raise
+        except (Exception, SystemExit) as e:
+            raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
+        self.run_dir = rd = self._open_run_dir()
+        self._control_file = ControlFile(rd.path)
+        self.t_start = time.time()
+        self.checkpoint_time = time.monotonic()
+        self.energy = EnergyMeter(None)
+        self._at_step = self.step  # the step a failure is reported at
+        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
+        self._last_train: dict[str, Any] = {}
+        self._last_eval: dict[str, Any] = {}
+        resumed = self._checkpoint is not None
+        status, message, tb = "finished", None, None
+        try:
+            rd.reserve_space()  # freed to record a failure if the disk fills up
+            record_run(rd, cfg, self.task_file)
+            self.callbacks.insert(0, MetricsWriter(rd))
+            self.sampler = self._make_sampler()
+            self.energy = EnergyMeter(self.sampler)
+            rd.set_status("running", step=self.step, total_steps=self.total_steps)
+            for cb in self.callbacks:
+                cb.on_train_start(self)
+            extra = {"resumed_from_step": self.step} if resumed else {}
+            self._event("started", total_steps=self.total_steps, **extra)
+            for message in balance_warnings(self.devices):
+                self._event("warning", message=message)
+            if self.sampler is not None:
+                self.sampler.start()
+            status, message = self._loop()
+        except BaseException as e:  # KeyboardInterrupt and SystemExit too: never recorded as "finished"
+            status, message = outcome(e, self.task.name, self._at_step, rd.path, self.checkpoint_step)
+            tb = None if isinstance(e, KeyboardInterrupt) else traceback.format_exc()
+            if isinstance(e, torch.OutOfMemoryError):
+                release_cuda_memory()
+        return self._finish(status, message, tb)
+
+    def _open_run_dir(self) -> RunDir:
+        if self._resume_dir is not None:
+            return self._resume_dir
+        if self._made_run_dir is not None:  # the app made it (to follow it) before starting this process
+            rd = RunDir(self._made_run_dir)
+            if not rd.path.is_dir():
+                raise UserError(f"run folder {rd.path} does not exist (it is made by whoever starts the run)")
+            (rd.path / "checkpoints").mkdir(exist_ok=True)
+            rd.acquire()
+            return rd
+        return RunDir.create(self.config.run.runs_dir, self.config.run.name)
+
+    @property
+    def lane_names(self) -> list[str]:
+        """The names the run's per-device series go by (``device_loss`` keys)."""
+        return list(self.backend.lane_names)
+
+    def _sync_control(self) -> None:
+        """Between steps: pick up a command from the run folder's control file (cheap: see control_file.py)."""
+        self._control_file.apply(self.control)
+
+    def _wait_paused(self) -> None:
+        """Block while paused; a pause, resume or stop can also come through the control file."""
+        while not self.control.wait_while_paused(0.2):
+            self._control_file.apply(self.control)
+
+    def _loop(self) -> tuple[str, str | None]:
+        cfg = self.config
+        log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
+        ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
+        self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
+        while self.step < self.total_steps:
+            self._sync_control()
+            self.control.wait_while_held()
+            if self.control.pause_requested and not self.control.stop_requested:
+                self._pause()
+            if self.control.stop_requested:
+                self._stop()
+                return "stopped", f"stopped at step {self.step}"
+            self._at_step = self.step + 1
+            self._train_step(accum)
+            self.step += 1
+            self._at_step = self.step
+            epoch = self.loader.epoch_at(self.step * accum)
+            if epoch > self._epoch:
+                self._epoch_end(epoch)
+            last = self.step == self.total_steps
+            if self.step % log_every == 0 or last:
+                try:
+                    self._log()
+                except NonFiniteLoss as e:
+                    # Keep the last good checkpoint: nothing is saved from here on.
+                    if cfg.train.on_nonfinite == "pause":
+                        self._pause(str(e))
+                    return "stopped", str(e)
+            if (eval_every and self.step % eval_every == 0) or last:
+                self._evaluate()
+            if (ckpt_every and self.step % ckpt_every == 0) or last or checkpointer.due(self):
+                checkpointer.save(self)
+        return "finished", None
+
+    def _train_step(self, accum: int) -> None:
+        cfg = self.config
+        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
+        for group in opt.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        for k in range(accum):
+            timer.mark(None)
+            t0 = time.perf_counter()
+            inputs, target, size = self.loader.next()
+            timer.add("data", time.perf_counter() - t0)
+            out = strategy.forward_loss(
+                self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
+            )
+            timer.mark("backward")
+            if k == 0:
+                # Free the last step's gradients just before backward (the order of PyTorch's own
+                # examples): backward then reuses those blocks; freeing them before the forward
+                # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
+                opt.zero_grad(set_to_none=True)
+            loss = out.loss / accum if accum > 1 else out.loss
+            strategy.backward(out, self.scaler.scale(loss))
+            window.add(out, size, self.step + 1)
+        strategy.reduce_gradients(timer)
+        timer.mark("optimizer")
+        if cfg.train.grad_clip > 0:
+            self.scaler.unscale_(opt)
+            window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+        self.scaler.step(opt)
+        self.scaler.update()
+        strategy.sync_replicas(self.model, timer)
+        timer.end_step()
+        window.end_step()
+
+    def _log(self, **extra: Any) -> None:
+        """Report the open log window as a train record (nothing if it is empty)."""
+        first, samples = self.window.first_step or self.step, self.window.samples
+        rec = self.window.record(
+            step=self.step,
+            epoch=self.loader.epoch_fraction(self.step * self.config.train.grad_accum),
+            wall_time=time.time(),
+            lr=self.optimizer.param_groups[0]["lr"],
+            **extra,
+        )
+        if rec is None:
+            return
+        rec["phase_ms"] = self.timer.read()
+        busy = self.backend.lane_busy_seconds()
+        if busy is not None:
+            rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
+        rec.update(self.energy.at_log(samples))
+        self._last_train = rec
+        for cb in self.callbacks:
+            cb.on_log(rec)
+        check_finite(rec, first, self.step)
+
+    def _epoch_end(self, epoch: int) -> None:
+        """Mark an epoch's end; where the GPUs report power, with the energy it took."""
+        energy = self.energy.at_epoch((epoch - self._epoch) * (self.loader.n or 0))
+        self._epoch = epoch
+        self._event("epoch_end", epoch=epoch, **energy)
+
+    def _evaluate(self) -> None:
+        if not self.loader.has_val:
+            return
+        rec = evaluate(
+            self.strategy,
+            self.model,
+            self.task,
+            self.loader.eval_batches(),
+            self._sizes,
+            self.backend.output_device,
+            self.step,
+        )
+        assert self.run_dir is not None
+        write_sample(self.task, self.model, self.backend.model_device, rec, self.run_dir)
+        self._last_eval = rec
+        for cb in self.callbacks:
+            cb.on_eval(rec)
+
+    def _stop(self) -> None:
+        """A stop between log points: save the checkpoint (which carries the open log window, so a
+        resume logs exactly what an uninterrupted run would), then report that window as a partial
+        record, superseded by the resumed run's own record if the run is resumed."""
+        checkpointer.save(self)
+        self._log(partial=True)
+
+    def _pause(self, reason: str | None = None) -> None:
+        if reason:
+            self.control.pause()
+        assert self.run_dir is not None
+        self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
+        self._event("paused", **({"message": reason} if reason else {}))
+        self.window.pause()  # paused time is not training time
+        self._wait_paused()
+        self.window.resume()
+        if not self.control.stop_requested:
+            self.run_dir.set_status("running", step=self.step, total_steps=self.total_steps)
+            self._event("resumed")
+
+    def _event(self, name: str, **extra: Any) -> None:
+        rec = {"kind": "event", "event": name, "step": self.step, "wall_time": time.time(), **extra}
+        for cb in self.callbacks:
+            cb.on_event(rec)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds; loadable with ``torch.load(path, weights_only=True)``."""
+        return checkpointer.checkpoint_state(self)
+
+    def _make_sampler(self) -> TelemetrySampler | None:
+        t = self.config.telemetry
+        if not t.enabled:
+            return None
+        return TelemetrySampler(
+            self.devices,
+            self.backend.lane_names,
+            self._telemetry,
+            rate_hz=t.rate_hz,
+            record_s=t.record_s,
+            busy_seconds=self.backend.lane_busy_seconds,
+            output_index=self.config.devices.output,
+        )
+
+    def _telemetry(self, record: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            if record["kind"] == "telemetry":
+                cb.on_telemetry({**record, "step": self.step})
+            else:
+                cb.on_event({**record, "step": self.step})
+
+    def _finish(self, status: str, message: str | None, tb: str | None) -> RunResult:
+        return finish_run(self, status, message, tb)

@@ -1,0 +1,80 @@
+"""A control file in the run directory: pause, resume or stop a run from another process or machine.
+
+``multilane control RUN_DIR stop`` (or the app following a run) writes ``control.json``; the trainer
+(every rank of a ddp run) polls it between steps. Polling is cheap: a clock read per step and one
+``os.stat`` every ``every_s`` seconds; the file is read only when its stamp (inode, mtime, size)
+changes. Writes are atomic (a rename), so every change gives a new stamp. A command written before
+the run started (say, the ``stop`` that ended the run now being resumed) is not for this run: the
+stamp seen at start is the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from multilane.engine.errors import UserError
+from multilane.engine.run.control import RunControl
+
+CONTROL = "control.json"
+COMMANDS = ("pause", "resume", "stop")
+
+
+def write_control(run_dir: str | Path, command: str) -> Path:
+    """Ask the run in ``run_dir`` to pause, resume or stop (atomically; the newest command wins)."""
+    if command not in COMMANDS:
+        raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
+    folder = Path(run_dir).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"control: {folder} is not a run folder")
+    path = folder / CONTROL
+    tmp = path.with_name(f".{CONTROL}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"command": command, "time": time.time(), "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class ControlFile:
+    """Polls ``RUN_DIR/control.json`` for new commands."""
+
+    def __init__(self, run_dir: str | Path, every_s: float = 0.25) -> None:
+        self.path = Path(run_dir) / CONTROL
+        self.every_s = every_s
+        self._seen = self._stamp()  # commands from before this run are not for it
+        self._next = 0.0
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def poll(self) -> str | None:
+        """A command written since the last poll, or None (also between two stats)."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + self.every_s
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            command = json.loads(self.path.read_text(encoding="utf-8")).get("command")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return command if command in COMMANDS else None
+
+    def apply(self, control: RunControl) -> str | None:
+        """Poll and apply a new command to ``control``; returns it."""
+        command = self.poll()
+        if command == "stop":
+            control.request_stop()
+        elif command == "pause":
+            control.pause()
+        elif command == "resume":
+            control.resume()
+        return command

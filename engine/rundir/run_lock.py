@@ -1,0 +1,72 @@
+"""A run folder's one-writer lock: an advisory ``filelock`` on ``.lock``, released by the kernel when
+the process dies (a SIGKILL leaves none stale), with the holder's pid and host written in it for the
+message another process gets, and for a follower to tell a writer that is gone (``writer_gone``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+import filelock
+import psutil
+from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.writefile import write_all
+
+LOCK = ".lock"
+
+
+class RunInUse(UserError):
+    """Another process (or another run in this one) holds the run folder's lock."""
+
+
+def lock_run_folder(folder: Path, wait_s: float = 0.0) -> filelock.FileLock:
+    """Take ``folder``'s one-writer lock (``RunInUse`` if another process still holds it after
+    ``wait_s`` seconds); the caller releases it."""
+    lock_path = folder / LOCK
+    lock = filelock.FileLock(lock_path, timeout=wait_s, thread_local=False)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        holder = ""
+        with contextlib.suppress(OSError, ValueError):
+            holder = read_regular_file(lock_path, 64).decode().strip()
+        pid, host = holder_of(holder)
+        who = (
+            f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+            if pid
+            else "another process"
+        )
+        raise RunInUse(f"run {folder} is in use by {who}; one run writes to a folder at a time") from None
+    except OSError as e:
+        raise UserError(f"run {folder}: cannot lock it ({describe_os_error(e)})") from None
+    with contextlib.suppress(OSError):  # who holds it, for the message above (not the lock itself)
+        fd = os.open(lock_path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            write_all(fd, f"{os.getpid()}\n{socket.gethostname()}\n".encode())
+        finally:
+            os.close(fd)
+    return lock
+
+
+def holder_of(text: str) -> tuple[int | None, str | None]:
+    """(pid, host) from a lock file's text ("PID\nHOST\n"; older runs wrote the pid alone)."""
+    parts = text.split()
+    pid = int(parts[0]) if parts and parts[0].isdigit() and len(parts[0]) < 10 else None
+    return pid, (parts[1] if len(parts) > 1 else None)
+
+
+def writer_gone(folder: Path) -> str | None:
+    """Why the process that last took ``folder``'s lock is known to be gone, or None when it may live:
+    only a writer on this machine can be checked (a cluster job's folder on a shared filesystem
+    cannot, and is never called gone)."""
+    try:
+        text = read_regular_file(folder / LOCK, 256).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    pid, host = holder_of(text)
+    if pid is None or host != socket.gethostname() or psutil.pid_exists(pid):
+        return None
+    return f"its process (pid {pid}) is gone and wrote no final status: it was killed, or its machine lost power"

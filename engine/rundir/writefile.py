@@ -1,0 +1,104 @@
+"""Writing files that a kill or a full disk must not leave half-written: whole writes, atomic
+replaces (temporary file, fsync, rename), and an early check that a folder takes new files."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import describe_os_error
+
+TEMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")  # what temp_name makes: .<name>.<pid>.tmp
+
+
+def temp_name(path: Path) -> Path:
+    """The temporary file an atomic write of ``path`` goes through (this process's own)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove ``path`` if it is there; a failure is not an error (cleaning up after one)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def name_it(e: OSError, path: Path) -> None:
+    """A failed write names the file it was for (``os.write`` and ``file.write`` name none)."""
+    if e.filename is None:
+        e.filename = str(path)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: a reader sees the old file or the new one, never half of one."""
+    tmp = temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        remove_quietly(tmp)  # a full disk must not stay full of our temporary files
+        if isinstance(e, OSError):
+            name_it(e, path)
+        raise
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written: a write may take fewer bytes than it was given."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and inf become null: strict JSON readers (browsers, jq) must parse every line."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def check_writable(folder: Path, what: str = "runs folder") -> None:
+    """Refuse early, with a clear line, a folder that cannot be created or written (4 KiB probe).
+
+    The probe is a fresh temporary file (O_EXCL | O_NOFOLLOW, by ``tempfile``): a symlink planted in
+    the folder is never followed, and the probe never writes into an existing file.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{what} {folder}: not writable (cannot create it: {describe_os_error(e)})") from None
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"{what} {folder!r}: not a usable path ({e})") from None
+    if not folder.is_dir():
+        raise UserError(f"{what} {folder}: not a folder")
+    probe = None
+    try:
+        fd, name = tempfile.mkstemp(prefix=".multilane-write-test-", dir=folder)
+        probe = Path(name)
+        try:
+            write_all(fd, b"x" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        reason = describe_os_error(e)
+        if isinstance(e, FileNotFoundError):  # /proc and the like: the folder is there, files cannot be
+            reason = "this file system does not take new files"
+        raise UserError(f"{what} {folder}: not writable ({reason})") from None
+    finally:
+        if probe is not None:
+            remove_quietly(probe)

@@ -1,0 +1,225 @@
+"""A run's metrics as growable numpy columns, for plotting and CSV export. No Qt here.
+
+Records arrive one at a time (live, from the worker's signals) or all at once (a past run's
+metrics.jsonl); either way they land in the same columns, so the plots and the CSV see one shape.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from multilane.engine.rundir.runlog import load_metrics
+
+
+class Column:
+    """A float64 array that grows by doubling; ``.data`` is a view of the filled part."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._buf = np.empty(capacity, dtype=np.float64)
+        self.n = 0
+
+    def append(self, value: float) -> None:
+        if self.n == len(self._buf):
+            grown = np.empty(2 * len(self._buf), dtype=np.float64)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n] = value
+        self.n += 1
+
+    def pad_to(self, n: int) -> None:
+        while self.n < n:
+            self.append(math.nan)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._buf[: self.n]
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, dict):
+        v = v.get("mean")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    try:
+        return float(v)
+    except OverflowError:  # an integer past float's range, from a hand-edited file
+        return math.nan
+
+
+class Series:
+    """Named columns sharing one row index (``step`` and ``wall_time`` are columns like the others)."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, Column] = {}
+        self.rows = 0
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            col = self.columns.get(k)
+            if col is None:
+                col = self.columns[k] = Column()
+                col.pad_to(self.rows)
+            col.append(v)
+        self.rows += 1
+        for col in self.columns.values():
+            col.pad_to(self.rows)
+
+    def get(self, name: str) -> np.ndarray:
+        col = self.columns.get(name)
+        return col.data if col is not None else np.full(self.rows, np.nan)
+
+    def names(self, prefix: str) -> list[str]:
+        return [k for k in self.columns if k.startswith(prefix)]
+
+    def truncate_after_step(self, step: float) -> None:
+        """Drop rows whose step is above ``step`` (superseded by a resume from an earlier checkpoint)."""
+        if "step" not in self.columns:
+            return
+        keep = int(np.searchsorted(self.get("step"), step, side="right"))
+        for col in self.columns.values():
+            col.n = min(col.n, keep)
+        self.rows = min(self.rows, keep)
+
+
+class RunData:
+    """Everything the app plots for one run."""
+
+    def __init__(self, name: str = "run") -> None:
+        self.name = name
+        self.train = Series()  # step, wall_time, loss, loss/<device>, lr, samples_per_s, phase/<name>
+        self.eval = Series()  # step, wall_time, val_loss, metric/<name>
+        self.telemetry = Series()  # wall_time, step, util/<device>, mem/<device>, alloc/<device>, ...
+        self.events: list[dict[str, Any]] = []
+        self.devices: list[str] = []
+        self.t0: float | None = None
+        self.last_step = 0
+        self.skipped = 0  # unreadable lines of the run's metrics.jsonl, left out
+
+    def add(self, rec: dict[str, Any]) -> None:
+        kind = rec.get("kind")
+        wall = float(rec.get("wall_time") or 0.0)
+        if self.t0 is None and wall:
+            self.t0 = wall
+        if kind == "train":
+            self.last_step = int(rec["step"])
+            row = {"step": rec["step"], "wall_time": wall, "loss": _num(rec.get("loss"))}
+            for dev, v in (rec.get("device_loss") or {}).items():
+                if dev not in self.devices:
+                    self.devices.append(dev)
+                row[f"loss/{dev}"] = _num(v)
+            for key in ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j"):
+                if key in rec:
+                    row[key] = _num(rec[key])
+            for phase, ms in (rec.get("phase_ms") or {}).items():
+                row[f"phase/{phase}"] = _num(ms)
+            self.train.add(row)
+        elif kind == "eval":
+            row = {"step": rec["step"], "wall_time": wall, "val_loss": _num(rec.get("val_loss"))}
+            for k, v in (rec.get("metrics") or {}).items():
+                row[f"metric/{k}"] = _num(v)
+            self.eval.add(row)
+        elif kind == "telemetry":
+            step = _num(rec.get("step"))  # a ddp rank's record can arrive after a later train record
+            row = {"wall_time": wall, "step": step if math.isfinite(step) else float(self.last_step)}
+            for dev, d in (rec.get("devices") or {}).items():
+                for src, dst in (
+                    ("util_pct", "util"),
+                    ("busy_pct", "util"),
+                    ("mem_used_mb", "mem"),
+                    ("torch_allocated_mb", "alloc"),
+                    ("power_w", "power"),
+                    ("temp_c", "temp"),
+                    ("rss_mb", "rss"),  # a ddp rank's process
+                ):
+                    if src in d:
+                        row[f"{dst}/{dev}"] = _num(d[src])
+            proc = rec.get("process") or {}
+            if "rss_mb" in proc:
+                row["rss_mb"] = _num(proc["rss_mb"])
+            if "cpu_pct" in proc:
+                row["cpu_pct"] = _num(proc["cpu_pct"])
+            self.telemetry.add(row)
+        elif kind == "event":
+            if rec.get("resumed_from_step") is not None:
+                s = float(rec["resumed_from_step"])
+                self.train.truncate_after_step(s)
+                self.eval.truncate_after_step(s)
+            self.events.append(rec)
+
+    def extend(self, records: Iterable[dict[str, Any]]) -> None:
+        for r in records:
+            self.add(r)
+
+    @classmethod
+    def from_run_dir(cls, path: str | Path) -> RunData:
+        p = Path(path)
+        data = cls(p.name)
+        metrics = load_metrics(p)  # bad lines are skipped and counted, never fatal
+        for rec in metrics.records:
+            data.add(rec)
+        data.skipped = metrics.skipped
+        return data
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [k.split("/", 1)[1] for k in self.eval.names("metric/")]
+
+    def write_csv(self, path: str | Path) -> int:
+        """Every logged train step with its columns, validation values joined on step, and the latest
+        telemetry sample at that step's time (utilization, memory, power, temperature); returns rows."""
+        train_cols = [k for k in self.train.columns if k not in ("step", "wall_time")]
+        eval_cols = [k for k in self.eval.columns if k not in ("step", "wall_time")]
+        tele_cols = [k for k in self.telemetry.columns if k not in ("step", "wall_time")]
+        eval_by_step = {}
+        steps = self.eval.get("step")
+        for i, s in enumerate(steps):
+            eval_by_step[int(s)] = {k: self.eval.get(k)[i] for k in eval_cols}
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "wall_time", "elapsed_s", *train_cols, *eval_cols, *tele_cols])
+            t0 = self.t0 or 0.0
+            tsteps, twall = self.train.get("step"), self.train.get("wall_time")
+            tele = {k: _latest_at(self.telemetry.get("wall_time"), self.telemetry.get(k), twall) for k in tele_cols}
+            for i in range(self.train.rows):
+                ev = eval_by_step.get(int(tsteps[i]), {})
+                w.writerow(
+                    [
+                        int(tsteps[i]),
+                        f"{twall[i]:.3f}",
+                        f"{twall[i] - t0:.3f}",
+                        *(_fmt(self.train.get(k)[i]) for k in train_cols),
+                        *(_fmt(ev.get(k, math.nan)) for k in eval_cols),
+                        *(_fmt(tele[k][i]) for k in tele_cols),
+                    ]
+                )
+        return self.train.rows
+
+
+def recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A telemetry column's recorded points only. Under ddp each rank's record holds only its own
+    devices, so a device's column is NaN on the other ranks' rows; drawn as is (NaN breaks a line)
+    it would show nothing."""
+    keep = np.isfinite(y)
+    return (x, y) if keep.all() else (x[keep], y[keep])
+
+
+def _latest_at(wall: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Each time in ``at``: the column's latest finite value recorded at or before it (NaN before the
+    first). Telemetry records come one per ddp rank, each holding only its own devices, and a rank's
+    record can reach the file after a later one of another rank, so rows are sorted and each column
+    is forward-filled on its own."""
+    order = np.argsort(wall, kind="stable")
+    w, v = wall[order], values[order]
+    keep = np.isfinite(v)
+    w, v = w[keep], v[keep]
+    j = np.searchsorted(w, at, side="right") - 1
+    return np.where(j >= 0, v[np.maximum(j, 0)] if len(v) else math.nan, math.nan)
+
+
+def _fmt(v: float) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else repr(float(v))

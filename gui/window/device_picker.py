@@ -1,0 +1,178 @@
+"""Choosing the devices: every GPU (or CPU lanes), its memory and live utilization, the output device,
+and an optional share of each batch per device (uneven split)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+from multilane.engine.run.balance import balance_warnings
+from multilane.engine.telemetry.devices import Device, describe_devices
+from multilane.engine.telemetry.nvml import open_nvml
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QHeaderView,
+    QLabel,
+    QTreeWidget,
+    QTreeWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+COLS = ["device", "model", "memory", "util", "share"]
+
+
+class DevicePicker(QWidget):
+    changed = Signal()
+
+    def __init__(self, parent=None, max_cpu_lanes: int = 8) -> None:
+        super().__init__(parent)
+        self.cpu_pct = 0.0  # the whole CPU's load, between runs (update_idle)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.tree = QTreeWidget()
+        self.tree.setObjectName("devices")
+        self.tree.setHeaderLabels(COLS)
+        self.tree.setRootIsDecorated(False)
+        self.tree.setToolTip("Check the devices to train on; one replica of the model runs on each")
+        layout.addWidget(self.tree)
+        form = QFormLayout()
+        self.output = QComboBox()
+        self.output.setObjectName("devices.output")
+        self.output.setToolTip(
+            "The device that gathers the losses (and holds the original model: it needs the most memory)"
+        )
+        form.addRow("output device", self.output)
+        layout.addLayout(form)
+        self.warning = QLabel()
+        self.warning.setWordWrap(True)
+        self.warning.setStyleSheet("color: #a05a00;")
+        layout.addWidget(self.warning)
+
+        info = describe_devices()
+        self.gpus = [d for d in info if d["kind"] == "cuda"]
+        self.items: list[tuple[QTreeWidgetItem, QDoubleSpinBox, Device]] = []
+        if self.gpus:
+            for d in self.gpus:
+                dev = Device("cuda", int(d["name"].split(":")[1]))
+                self._add(dev, d["model"], f"{d['memory_total_mb'] / 1024:.0f} GiB", True)
+        else:
+            cores = os.cpu_count() or 1
+            cpu = info[-1]
+            for i in range(max(2, min(max_cpu_lanes, cores * 2))):
+                memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
+                self._add(Device("cpu", i), "CPU lane", memory, i < 2)
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(QHeaderView.ResizeToContents)
+        header.setSectionResizeMode(1, QHeaderView.Stretch)  # the model name gives way first
+        self.tree.setMinimumHeight(min(8, len(self.items)) * 22 + 30)
+        self.tree.itemChanged.connect(self._changed)
+        self.output.currentIndexChanged.connect(lambda _: self.changed.emit())
+        self._nvml = open_nvml([d.index for _, _, d in self.items if d.is_cuda])
+        self._refresh_outputs()
+
+    def _add(self, dev: Device, model: str, memory: str, checked: bool) -> None:
+        item = QTreeWidgetItem([dev.name, model, memory, "-", ""])
+        item.setFlags(item.flags() | Qt.ItemIsUserCheckable)
+        item.setCheckState(0, Qt.Checked if checked else Qt.Unchecked)
+        self.tree.addTopLevelItem(item)
+        share = QDoubleSpinBox()
+        share.setRange(0.0, 100.0)
+        share.setSingleStep(0.5)
+        share.setValue(1.0)
+        share.setToolTip("This device's share of each batch, relative to the others (uneven split)")
+        share.valueChanged.connect(self._changed)
+        self.tree.setItemWidget(item, 4, share)
+        self.items.append((item, share, dev))
+
+    def _changed(self, *_: Any) -> None:
+        self._refresh_outputs()
+        self.changed.emit()
+
+    def _refresh_outputs(self) -> None:
+        chosen = self.selected()
+        current = self.output.currentText()
+        self.output.blockSignals(True)
+        self.output.clear()
+        self.output.addItems([d.name for d in chosen])
+        if current in [d.name for d in chosen]:
+            self.output.setCurrentText(current)
+        self.output.blockSignals(False)
+        warnings = balance_warnings(chosen) if chosen else []
+        self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
+        self.warning.setVisible(bool(warnings))
+
+    # -- values ----------------------------------------------------------------------------------
+    def selected(self) -> list[Device]:
+        return [d for item, _, d in self.items if item.checkState(0) == Qt.Checked]
+
+    def values(self) -> dict[str, Any]:
+        """The ``devices`` section of the config."""
+        chosen = [(d, s.value()) for item, s, d in self.items if item.checkState(0) == Qt.Checked]
+        weights = [w for _, w in chosen]
+        uneven = len(set(weights)) > 1 or any(w == 0 for w in weights)
+        return {
+            "use": ",".join(d.name for d, _ in chosen),
+            "output": max(0, self.output.currentIndex()),
+            "weights": weights if uneven else [],
+        }
+
+    def set_values(self, devices: dict[str, Any]) -> None:
+        names = [s.strip() for s in str(devices.get("use", "")).split(",") if s.strip()]
+        if names == ["auto"]:
+            names = [d.name for _, _, d in self.items][: len(self.gpus) or 2]
+        weights = list(devices.get("weights") or [])
+        self.tree.blockSignals(True)
+        for item, share, d in self.items:
+            on = d.name in names
+            item.setCheckState(0, Qt.Checked if on else Qt.Unchecked)
+            share.blockSignals(True)
+            share.setValue(weights[names.index(d.name)] if on and len(weights) == len(names) else 1.0)
+            share.blockSignals(False)
+        self.tree.blockSignals(False)
+        self._refresh_outputs()
+        out = int(devices.get("output", 0))
+        if 0 <= out < self.output.count():
+            self.output.setCurrentIndex(out)
+        self.changed.emit()
+
+    def set_checked(self, names: list[str]) -> None:
+        self.set_values({"use": ",".join(names)})
+
+    # -- live utilization ------------------------------------------------------------------------
+    def update_idle(self) -> None:
+        """Refresh the util column from the machine (between runs).
+
+        A CPU lane is busy only during a run, so between runs its cell is empty; the whole CPU's load
+        (``cpu_pct``) is shown once, by the window, not repeated on every lane."""
+        per_cpu = psutil.cpu_percent(None)
+        self.cpu_pct = per_cpu
+        for item, _, d in self.items:
+            if d.is_cuda and self._nvml is not None:
+                r = self._nvml.read(d.index)
+                if "util_pct" in r:
+                    used = f"{r.get('mem_used_mb', 0) / 1024:.1f}/{r.get('mem_total_mb', 0) / 1024:.0f} GiB"
+                    item.setText(3, f"{r['util_pct']:.0f}%")
+                    item.setText(2, used)
+            elif not d.is_cuda:
+                item.setText(3, "–")
+                item.setToolTip(3, "a CPU lane's busy %, during a run")
+
+    def update_from_telemetry(self, rec: dict[str, Any]) -> None:
+        """During a run: each device's utilization, or a CPU lane's busy %; "–" on devices not in the run."""
+        devs = rec.get("devices", {})
+        for item, _, d in self.items:
+            r = devs.get(d.name)
+            if not r:
+                item.setText(3, "–")
+                continue
+            rate = r.get("util_pct") or r.get("busy_pct")
+            if rate:
+                item.setText(3, f"{rate['mean']:.0f}%")
+            if "mem_used_mb" in r:
+                item.setText(2, f"{r['mem_used_mb'] / 1024:.1f}/{r.get('mem_total_mb', 0) / 1024:.0f} GiB")

@@ -1,0 +1,186 @@
+"""The main window's files: open, compare and resume runs, the runs table, presets, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from multilane.engine.config import build_config, load_config, save_config
+from multilane.engine.errors import UserError
+from multilane.gui.runs.run_data import RunData
+from multilane.gui.window.export_dialog import ExportDialog
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFileDialog, QMessageBox
+
+
+class RunFilesMixin:
+    """Part of ``MainWindow`` (its attributes: plots, form, runs_table, settings, status_label, ...)."""
+
+    def open_run(self, path: str, compare: bool = False) -> bool:
+        """Show a past run (its curves, its name, its settings in the form), or overlay it to compare."""
+        p = Path(path)
+        if not (p / "metrics.jsonl").exists():
+            QMessageBox.warning(self, "Not a run folder", f"{p} has no metrics.jsonl")
+            return False
+        if self.is_running():
+            QMessageBox.information(self, "A run is in progress", "Stop the run before opening another one.")
+            return False
+        try:
+            data = RunData.from_run_dir(p)
+        except UserError as e:  # metrics.jsonl is a folder, or unreadable
+            QMessageBox.warning(self, "Cannot open run", str(e))
+            return False
+        if compare:
+            self.plots.add_overlay(data)
+            names = [self.plots.data.name] + [r.name for r, _ in self.plots.overlays]
+            self.plots.set_title("Comparing " + ", ".join(names))
+        else:
+            self.plots.reset(data)
+            self.shown_run_dir = str(p)
+            self._show_run_settings(p)
+        self.plots.refresh()
+        self.plots.fit_x()
+        skipped = f" ({data.skipped} unreadable line{'s' if data.skipped != 1 else ''} skipped)" if data.skipped else ""
+        self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}{skipped}")
+        return True
+
+    def compare_runs(self, paths: list[str]) -> bool:
+        """Show the first run and compare the others with it (the runs table's "Compare selected")."""
+        if not paths or not self.open_run(paths[0]):
+            return False
+        return all(self.open_run(p, compare=True) for p in paths[1:])
+
+    def _tab_changed(self, index: int) -> None:
+        """The runs table wants room for its columns: the left side widens while it is shown."""
+        if self.tabs.widget(index) is self.runs_table:
+            self.refresh_runs()
+            self._setup_sizes = self.splitter.sizes()
+            total = sum(self._setup_sizes)
+            left = max(self._setup_sizes[0], min(760, total // 2))
+            self.splitter.setSizes([left, total - left])
+        elif self._setup_sizes is not None:
+            self.splitter.setSizes(self._setup_sizes)
+            self._setup_sizes = None
+
+    def refresh_runs(self) -> None:
+        """Re-read the runs folder into the runs table."""
+        self.runs_table.load(self._runs_dir())
+
+    def _show_run_settings(self, run_dir: Path) -> None:
+        """The header names the run; the form shows the settings it ran with (not the last live run's)."""
+        title = run_dir.name
+        try:
+            cfg = build_config(json.loads((run_dir / "config.json").read_text(encoding="utf-8")), "run config")
+        except (OSError, ValueError, UserError):
+            cfg = None
+        if cfg is not None:
+            self.set_config(cfg)
+            title += f" · {cfg.task.name} · {cfg.devices.use}"
+        self.plots.set_title(title)
+
+    def open_run_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open run folder", self._runs_dir())
+        if path:
+            self.open_run(path)
+
+    def compare_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Compare with run folder", self._runs_dir())
+        if path:
+            self.open_run(path, compare=True)
+
+    def resume_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Resume run folder", self._runs_dir())
+        if path:
+            self.resume(path)
+
+    def resume(self, path: str) -> bool:
+        """Continue a run from its last checkpoint, its earlier curves and settings shown."""
+        if not self.start(resume_from=path):
+            return False
+        p = Path(path)
+        if (p / "metrics.jsonl").exists():
+            # The curves so far; the 'started' record cuts what came after the checkpoint.
+            self.plots.reset(RunData.from_run_dir(p))
+        self._show_run_settings(p)
+        self.form.setEnabled(False)
+        self.devices.setEnabled(False)
+        return True
+
+    def _runs_dir(self) -> str:
+        return str(Path(self.form.values()["run"]["runs_dir"]).expanduser().resolve())
+
+    def save_preset(self, path: str) -> None:
+        save_config(build_config(self.config_dict(), "settings"), path)
+
+    def load_preset(self, path: str) -> None:
+        self.set_config(load_config(path))
+
+    def save_preset_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save preset", "preset.toml", "TOML (*.toml);;JSON (*.json)")
+        if path:
+            try:
+                self.save_preset(path)
+            except (UserError, OSError) as e:
+                QMessageBox.warning(self, "Cannot save preset", str(e))
+
+    def load_preset_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load preset", "", "Config (*.toml *.json)")
+        if path:
+            try:
+                self.load_preset(path)
+            except UserError as e:
+                QMessageBox.warning(self, "Cannot load preset", str(e))
+
+    def export(
+        self, out_dir: str, formats: list[str] | None = None, width: int = 1600, bundle: bool = False
+    ) -> list[Path]:
+        """Write the shown run's figures (as shown: smoothing, x axis, log y, compared runs) and CSV."""
+        from multilane.gui.plots.export import DEFAULT_FORMATS, export_run
+        from multilane.gui.plots.figures import FigureOptions
+
+        p = self.plots
+        options = FigureOptions(smoothing=p.smoothing, x_mode=p.x_mode, log_y=self.log_y.isChecked())
+        return export_run(
+            p.data,
+            out_dir,
+            formats or DEFAULT_FORMATS,
+            width,
+            run_dir=self.shown_run_dir,
+            compare=[run for run, _ in p.overlays],
+            options=options,
+            bundle=bundle,
+        )
+
+    def export_dialog(self, bundle: bool = False) -> ExportDialog:
+        """One dialog: folder (in the run's folder to begin with), PNG width, formats."""
+        start = Path(self.shown_run_dir) / "export" if self.shown_run_dir else Path(self._runs_dir()) / "export"
+        width = self.settings.value("export_width", 1600, type=int)
+        dialog = ExportDialog(str(start), width, bundle=bundle, parent=self)
+
+        def accepted() -> None:
+            self.settings.setValue("export_width", dialog.width.value())
+            formats = dialog.chosen_formats()
+            self._export_report(lambda: self.export(dialog.out_dir(), formats, dialog.width.value(), bundle=bundle))
+
+        dialog.accepted.connect(accepted)
+        dialog.open()  # not exec(): the plots keep redrawing while it is open
+        self.export_box = dialog
+        return dialog
+
+    def export_bundle_dialog(self) -> ExportDialog:
+        return self.export_dialog(bundle=True)
+
+    def _export_report(self, fn) -> None:
+        try:
+            files = fn()
+        except UserError as e:
+            QMessageBox.warning(self, "Export failed", f"{e}\n\nThe run itself is untouched.")
+            return
+        self.note(f"Exported {len(files)} files to {files[0].parent}" if files else "Nothing exported", 15_000)
+
+    def note(self, text: str, ms: int = 15_000) -> None:
+        """A passing note at the status bar's right; the run's state on the left stays visible."""
+        width = max(200, self.width() // 2)
+        self.note_label.setText(self.note_label.fontMetrics().elidedText(text, Qt.ElideRight, width))
+        self.note_label.setToolTip(text)
+        self._note_timer.start(ms)

@@ -1,0 +1,282 @@
+"""The Multilane window: devices and hyperparameters on the left, live plots on the right."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from multilane.engine.config import RunConfig, build_config
+from multilane.engine.errors import UserError
+from multilane.gui.plots.panel import PlotPanel
+from multilane.gui.runs.redraw_pace import REDRAW_MS, RedrawPace
+from multilane.gui.runs.run_mode import SeparateProcessOption
+from multilane.gui.runs.worker import RunHandle
+from multilane.gui.window.config_form import ConfigForm
+from multilane.gui.window.device_picker import DevicePicker
+from multilane.gui.window.files import RunFilesMixin
+from multilane.gui.window.run_control import RunControlMixin
+from multilane.gui.window.runs_table import RunsTable
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPushButton,
+    QScrollArea,
+    QSlider,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+
+class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
+    def __init__(self, settings: QSettings | None = None) -> None:
+        super().__init__()
+        self.settings = settings or QSettings("Multilane", "Multilane")
+        self.setWindowTitle("Multilane")
+        self.run: RunHandle | None = None
+        self.run_info: dict[str, Any] = {}
+        self.last_result: dict[str, Any] | None = None
+        self.paused = False
+        self._active = False
+        self._resume_from: str | None = None  # the run folder the current run resumes, if any
+        self._t_start = 0.0
+        self._last_train: dict[str, Any] = {}
+        self._hold_pending = False
+
+        # -- left: devices, hyperparameters, controls --------------------------------------------
+        self.devices = DevicePicker()
+        self.form = ConfigForm()
+        self.separate = SeparateProcessOption(self.settings, self.form.editors["devices.strategy"].widget)
+        self.form.add_row("devices", "process", self.separate)
+        left_inner = QWidget()
+        lv = QVBoxLayout(left_inner)
+        self.devices_label = QLabel("<b>Devices</b>")
+        lv.addWidget(self.devices_label)
+        lv.addWidget(self.devices)
+        lv.addWidget(self.form)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(left_inner)
+        scroll.setMinimumWidth(340)
+
+        self.start_btn = QPushButton("Start")
+        self.start_btn.setObjectName("start")
+        self.pause_btn = QPushButton("Pause")
+        self.pause_btn.setObjectName("pause")
+        self.stop_btn = QPushButton("Stop")
+        self.stop_btn.setObjectName("stop")
+        self.start_btn.setStyleSheet("font-weight: bold;")
+        self.why = QLabel()
+        self.why.setObjectName("why")
+        self.why.setWordWrap(True)
+        self.why.setStyleSheet("color: #d62728;")
+        buttons = QHBoxLayout()
+        for b in (self.start_btn, self.pause_btn, self.stop_btn):
+            buttons.addWidget(b)
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(6, 6, 6, 6)
+        self.runs_table = RunsTable()
+        self.runs_table.openRequested.connect(self.open_run)
+        self.runs_table.compareRequested.connect(self.compare_runs)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(scroll, "Setup")
+        self.tabs.addTab(self.runs_table, "Runs")
+        self.tabs.currentChanged.connect(self._tab_changed)
+        self._setup_sizes: list[int] | None = None
+        left_layout.addWidget(self.tabs, 1)
+        left_layout.addWidget(self.why)
+        left_layout.addLayout(buttons)
+
+        # -- right: plot controls and plots --------------------------------------------------------
+        self.plots = PlotPanel()
+        self.plots.after_paint = self._release_hold
+        self.x_mode = QComboBox()
+        self.x_mode.addItems(["step", "time"])
+        self.x_mode.setToolTip("X axis of every plot: optimizer step or elapsed wall time")
+        self.smooth = QSlider(Qt.Horizontal)
+        self.smooth.setRange(0, 99)
+        self.smooth.setFixedWidth(120)
+        self.smooth.setToolTip("Smoothing (EMA) of the loss curves; the raw curve stays faint behind")
+        self.log_y = QCheckBox("log y")
+        self.auto_range = QCheckBox("auto range")
+        self.auto_range.setChecked(True)
+        export_btn = QPushButton("Export…")
+        bar = QHBoxLayout()
+        bar.addWidget(QLabel("x axis"))
+        bar.addWidget(self.x_mode)
+        bar.addSpacing(12)
+        bar.addWidget(QLabel("smoothing"))
+        bar.addWidget(self.smooth)
+        bar.addWidget(self.log_y)
+        bar.addWidget(self.auto_range)
+        bar.addStretch(1)
+        bar.addWidget(export_btn)
+        right = QWidget()
+        rv = QVBoxLayout(right)
+        rv.setContentsMargins(4, 6, 6, 6)
+        rv.addLayout(bar)
+        rv.addWidget(self.plots, 1)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setStretchFactor(1, 1)
+        split.setSizes([380, 1000])
+        self.splitter = split
+        self.setCentralWidget(split)
+
+        # The run's state (left) and passing notes (right, warnings and exports) in two labels: a
+        # temporary status-bar message would hide the final "Finished at step N".
+        self.status_label = QLabel("Ready")
+        self.note_label = QLabel()
+        self.note_label.setObjectName("note")
+        self.statusBar().addWidget(self.status_label, 1)
+        self.statusBar().addPermanentWidget(self.note_label)
+        self._note_timer = QTimer(self)
+        self._note_timer.setSingleShot(True)
+        self._note_timer.timeout.connect(self.note_label.clear)
+        self.shown_run_dir: str | None = None
+
+        self._make_menus()
+        self.start_btn.clicked.connect(lambda: self.start())
+        self.pause_btn.clicked.connect(lambda: self.toggle_pause())
+        self.stop_btn.clicked.connect(lambda: self.stop())
+        export_btn.clicked.connect(lambda: self.export_dialog())
+        self.x_mode.currentTextChanged.connect(self.plots.set_x_mode)
+        self.smooth.valueChanged.connect(lambda v: self.plots.set_smoothing(v / 100.0))
+        self.log_y.toggled.connect(self.plots.set_log_y)
+        self.auto_range.toggled.connect(self.plots.set_auto_range)
+        self.plots.sigAutoXLost.connect(self._auto_range_lost)
+        self.plots.sigExportRequested.connect(
+            lambda what: self.export_bundle_dialog() if what == "bundle" else self.export_dialog()
+        )
+        self.form.changed.connect(self.validate)
+        self.devices.changed.connect(self.validate)
+
+        self.redraw_pace = RedrawPace()
+        self.timer = QTimer(self)
+        self.timer.timeout.connect(self._tick)
+        self.timer.start(REDRAW_MS)
+        self.idle_timer = QTimer(self)
+        self.idle_timer.timeout.connect(self._idle_tick)
+        self.idle_timer.start(1000)
+
+        self._restore()
+        self._set_running(False)
+        self.validate()
+        self.plots.set_title("Choose devices and hyperparameters, then press Start (Ctrl+Enter).")
+
+    # -- menus -------------------------------------------------------------------------------------
+    def _make_menus(self) -> None:
+        def act(menu, text, slot, shortcut=None, name=None):
+            a = QAction(text, self)
+            if shortcut:
+                a.setShortcut(QKeySequence(shortcut))
+            a.triggered.connect(lambda _checked=False: slot())
+            if name:
+                a.setObjectName(name)
+            menu.addAction(a)
+            return a
+
+        f = self.menuBar().addMenu("&File")
+        act(f, "Open run…", self.open_run_dialog, "Ctrl+O")
+        act(f, "Compare with run…", self.compare_dialog, "Ctrl+Shift+O")
+        act(f, "Follow run…", self.follow_run_dialog, "Ctrl+Shift+F")
+        f.addSeparator()
+        act(f, "Load preset…", self.load_preset_dialog, "Ctrl+L")
+        act(f, "Save preset…", self.save_preset_dialog, "Ctrl+S")
+        f.addSeparator()
+        act(f, "Export figures and CSV…", self.export_dialog, "Ctrl+E")
+        act(f, "Export bundle…", self.export_bundle_dialog, "Ctrl+Shift+E")
+        f.addSeparator()
+        act(f, "Quit", self.close, "Ctrl+Q")
+        r = self.menuBar().addMenu("&Run")
+        self.start_action = act(r, "Start", self.start, "Ctrl+Return", "action.start")
+        self.pause_action = act(r, "Pause / Resume", self.toggle_pause, "Ctrl+P", "action.pause")
+        self.stop_action = act(r, "Stop", self.stop, "Ctrl+.", "action.stop")
+        act(r, "Resume from run folder…", self.resume_dialog, "Ctrl+Shift+R")
+        r.addSeparator()
+        self.hold_action = QAction("Smooth window (training yields while plots redraw)", self)
+        self.hold_action.setObjectName("action.hold")
+        self.hold_action.setCheckable(True)
+        self.hold_action.setChecked(True)
+        self.hold_action.setToolTip(
+            "A run in the app's own thread waits between steps while the plots repaint, so the two do not fight "
+            "over Python's GIL (on a busy CPU, training in the window is faster for it); untick to give training "
+            "every cycle. A run in a separate process shares no GIL with the window: this does not apply"
+        )
+        self.hold_action.toggled.connect(self._set_hold)
+        r.addAction(self.hold_action)
+
+    # -- config --------------------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        d = self.form.values()
+        d["devices"] = {**d.get("devices", {}), **self.devices.values()}
+        return d
+
+    def validate(self) -> list[str]:
+        """Mark invalid fields; keep Start disabled, saying why, while any is invalid."""
+        problems = self.form.errors(self.config_dict())
+        if not self.devices.selected():
+            problems.insert(0, "choose at least one device")
+        self.why.setText(problems[0] if problems else "")
+        self.why.setVisible(bool(problems))
+        can = not problems and not self.is_running()
+        self.start_btn.setEnabled(can)
+        self.start_action.setEnabled(can)
+        self.start_btn.setToolTip(problems[0] if problems else "Start training (Ctrl+Enter)")
+        return problems
+
+    def set_config(self, cfg: RunConfig) -> None:
+        self.form.set_config(cfg)
+        self.devices.set_values(cfg.devices.model_dump())
+        self.validate()
+
+    def _auto_range_lost(self) -> None:
+        self.auto_range.blockSignals(True)
+        self.auto_range.setChecked(False)
+        self.auto_range.blockSignals(False)
+        self.plots.set_auto_range(False)
+
+    def _idle_tick(self) -> None:
+        if not self.is_running():
+            self.devices.update_idle()
+            self.devices_label.setText(f"<b>Devices</b> &nbsp; CPU {self.devices.cpu_pct:.0f}% busy")
+
+    # -- settings and closing ------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        geometry = self.settings.value("geometry")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        else:  # first launch: 1400 x 900, or what fits on a smaller screen (a 1024 x 700 laptop)
+            screen = self.screen().availableGeometry()
+            self.resize(min(1400, screen.width()), min(900, screen.height()))
+        self.hold_action.setChecked(self.settings.value("hold_for_redraw", True, type=bool))
+        state = self.settings.value("splitter")
+        if isinstance(state, QByteArray):
+            self.splitter.restoreState(state)
+        last = self.settings.value("last_config")
+        if last:
+            try:
+                self.set_config(build_config(json.loads(last), "last config"))
+            except (UserError, ValueError, TypeError):
+                pass  # an old or broken saved config: start from the defaults
+
+    def closeEvent(self, event) -> None:
+        if not self.close_run():
+            event.ignore()
+            return
+        if self.run is not None:
+            self.run.thread.wait(10_000)
+        self.settings.setValue("geometry", self.saveGeometry())
+        self.settings.setValue("splitter", self.splitter.saveState())
+        self.timer.stop()
+        self.idle_timer.stop()
+        event.accept()
