@@ -65,6 +65,11 @@ class DevicesSection(Section):
         "many modules on GPUs); ddp: one process per device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), "
         "also across machines. Same results.",
     )
+    ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="ddp: the process group's library. auto: NCCL on GPUs, Gloo on CPU lanes and where two "
+        "processes share one GPU (cuda:0,cuda:0), which NCCL refuses; gloo also works on GPUs, more slowly",
+    )
     collective_timeout_s: float = Field(
         120.0, ge=5.0, le=86_400.0, description="ddp: seconds a rank waits on the others before the run fails"
     )
@@ -79,6 +84,8 @@ class DevicesSection(Section):
     def _weights_sane(self) -> DevicesSection:
         if self.weights and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
             raise ValueError("weights must be >= 0 and not all 0")
+        if self.ddp_backend == "nccl" and "cpu" in self.use.lower():
+            raise ValueError(f"ddp_backend nccl needs GPUs, and use = {self.use!r} lists CPU lanes; use gloo or auto")
         return self
 
 

@@ -54,12 +54,28 @@ def rank_device(spec: str, local_rank: int) -> Device:
     return devices[local_rank]
 
 
-def init_process_group(info: RankInfo, timeout_s: float) -> None:
+def process_group_backend(choice: str, devices_spec: str, device: Device) -> str:
+    """The library of the process group for ``devices.ddp_backend = choice``: auto is NCCL on GPUs, except
+    where the node's device list names one GPU twice (two ranks on one GPU, which NCCL refuses with
+    "Duplicate GPU detected"), and Gloo on CPU lanes."""
+    if choice != "auto":
+        return choice
+    if not device.is_cuda:
+        return "gloo"
+    if devices_spec.strip().lower() != "auto":
+        gpus = [d for d in parse_devices(devices_spec) if d.is_cuda]
+        if len({d.index for d in gpus}) < len(gpus):
+            return "gloo"
+    return "nccl"
+
+
+def init_process_group(info: RankInfo, timeout_s: float, backend: str = "auto", devices_spec: str = "auto") -> None:
     """Join the run's process group (env:// from the launcher), on this rank's device."""
     if info.device.is_cuda:
         torch.cuda.set_device(info.device.index)
-    backend = "nccl" if info.device.is_cuda else "gloo"
-    kwargs = {"device_id": info.device.torch_device()} if info.device.is_cuda else {}
+    backend = process_group_backend(backend, devices_spec, info.device)
+    # NCCL binds its communicator to the device at once; Gloo takes CUDA tensors without it.
+    kwargs = {"device_id": info.device.torch_device()} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 

@@ -47,7 +47,7 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         ck = RunDir.open_existing(resume_from, lock=False).load_checkpoint()  # rank 0 locks it later
         config = build_config(merge(ck["config"], overrides), "resume config")
     info = RankInfo.from_env(config.devices.use)
-    init_process_group(info, config.devices.collective_timeout_s)
+    init_process_group(info, config.devices.collective_timeout_s, config.devices.ddp_backend, config.devices.use)
     requests = RunControl()
 
     def on_signal(signum: int, frame: Any) -> None:
