@@ -60,7 +60,9 @@ def run_child(name: str, dry_run: bool, workdir: Path, result: Path) -> None:
         mod.run(ctx, arg) if arg is not None else mod.run(ctx)
     except BaseException as e:  # a check's own bug is its failed row, with where it happened
         tb = traceback.format_exc().strip().splitlines()
-        ctx.add(Row(name, "(the check itself)", f"{type(e).__name__}: {e}"[:200], "no error", FAIL, {"traceback": tb[-12:]}))
+        ctx.add(
+            Row(name, "(the check itself)", f"{type(e).__name__}: {e}"[:200], "no error", FAIL, {"traceback": tb[-12:]})
+        )
 
 
 def run_check(name: str, dry_run: bool, workdir: Path, timeout: float) -> dict:
@@ -148,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             workdir.mkdir()
             res = run_check(name, args.dry_run, workdir, min(t_dry if args.dry_run else t_gpu, left))
             results.append(res)
-            print(f"{name}: {res['seconds']:.1f} s, " + ", ".join(sorted({r['status'] for r in res['rows']})), flush=True)
+            print(
+                f"{name}: {res['seconds']:.1f} s, " + ", ".join(sorted({r["status"] for r in res["rows"]})), flush=True
+            )
     total = time.monotonic() - start
     statuses = [r["status"] for res in results for r in res["rows"]]
     counts = {s: statuses.count(s) for s in ("pass", "fail", "known", "skip", "info")}

@@ -83,8 +83,15 @@ def run(ctx: Context, strategy: str) -> None:
             )
             bound, what = RECOMPUTE_TOLERANCE, "vs same run without checkpointing"
         else:
-            got_status, msg, got = train(ctx, strategy, run_config(task_params(model), devices, strategy, precision, runs))
-            ref, msg_ref, bound, what = hand_loop(task_params(model), precision, ctx.device), "", TOLERANCE[precision], "vs one device by hand"
+            got_status, msg, got = train(
+                ctx, strategy, run_config(task_params(model), devices, strategy, precision, runs)
+            )
+            ref, msg_ref, bound, what = (
+                hand_loop(task_params(model), precision, ctx.device),
+                "",
+                TOLERANCE[precision],
+                "vs one device by hand",
+            )
         seconds = time.monotonic() - t0
         if got is None or ref is None:
             ctx.add(Row(name, case, f"run {got_status}: {msg or msg_ref}"[:160], what, FAIL))
@@ -94,8 +101,16 @@ def run(ctx: Context, strategy: str) -> None:
         known = KNOWN_FAILURES.get((strategy, model, several))
         if status == FAIL and known:
             status, what = KNOWN, f"{what}; {known}"
-        ctx.add(Row(name, case, f"rel diff {fmt(diff)}", f"<= {fmt(bound)} ({what})", status,
-                        {"rel_diff": diff, "bound": bound, "seconds": round(seconds, 2)}))
+        ctx.add(
+            Row(
+                name,
+                case,
+                f"rel diff {fmt(diff)}",
+                f"<= {fmt(bound)} ({what})",
+                status,
+                {"rel_diff": diff, "bound": bound, "seconds": round(seconds, 2)},
+            )
+        )
     if strategy == "ddp":
         ctx.add(nccl_on_one_gpu(ctx))
 
@@ -106,9 +121,11 @@ def nccl_on_one_gpu(ctx: Context) -> Row:
     if ctx.dry_run:
         return Row(name, "NCCL, two processes on one GPU", "-", "GPU only", SKIP)
     cfg = run_config(task_params("mlp"), ctx.two, "ddp", "fp32", ctx.workdir / "runs", devices__ddp_backend="nccl")
-    status, msg, got = engine_ddp(cfg, ctx.workdir)
+    _, msg, got = engine_ddp(cfg, ctx.workdir)
     if got is None:
-        return Row(name, "NCCL, two processes on one GPU", f"refused: {msg}"[:160], "Gloo then (engine's default)", INFO)
+        return Row(
+            name, "NCCL, two processes on one GPU", f"refused: {msg}"[:160], "Gloo then (engine's default)", INFO
+        )
     diff = rel_diff(got, hand_loop(task_params("mlp"), "fp32", ctx.device))
     ok = PASS if diff <= TOLERANCE["fp32"] else FAIL
     return Row(name, "NCCL, two processes on one GPU", f"ran: rel diff {fmt(diff)}", f"<= {fmt(TOLERANCE['fp32'])}", ok)

@@ -42,7 +42,9 @@ class Block(nn.Module):
 
 def resnet(blocks: int, ch: int, classes: int = 16) -> nn.Module:
     head = [nn.Conv2d(3, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch), nn.ReLU()]
-    return nn.Sequential(*head, *(Block(ch) for _ in range(blocks)), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(ch, classes))
+    return nn.Sequential(
+        *head, *(Block(ch) for _ in range(blocks)), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(ch, classes)
+    )
 
 
 def linear_flops(model: nn.Module, batch: int) -> float:
@@ -193,7 +195,9 @@ def ddp_time(ctx: Context, model: str, backend: str, steps: int) -> float | str:
     mpc = mp.get_context("spawn")
     q = mpc.Queue()
     port = free_port()
-    procs = [mpc.Process(target=_ddp_rank, args=(r, devices[r], backend, port, model, mode, steps, q)) for r in range(2)]
+    procs = [
+        mpc.Process(target=_ddp_rank, args=(r, devices[r], backend, port, model, mode, steps, q)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 120
@@ -247,7 +251,11 @@ def run(ctx: Context) -> None:
                     continue
                 measured = f"{t * 1e3:.2f} ms, {batch / t:,.0f} samples/s, {ref / t:.2f}x DataParallel"
                 data = {"step_s": t, "samples_per_s": batch / t, "vs_data_parallel": ref / t}
-                expected = "nn.DataParallel can't split on CPU: plain module" if ctx.dry_run and name == "nn.DataParallel" else ""
+                expected = (
+                    "nn.DataParallel can't split on CPU: plain module"
+                    if ctx.dry_run and name == "nn.DataParallel"
+                    else ""
+                )
                 if flops is not None:
                     tflops = flops / t / 1e12
                     measured += f", {tflops:.3g} TFLOP/s"

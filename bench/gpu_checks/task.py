@@ -3,7 +3,8 @@
 ``model`` picks what is trained (each a small regression whose full-batch gradient the check can
 compute by hand): ``mlp`` (Linear/Tanh), ``batchnorm`` (Linear, BatchNorm1d, Linear; trained with
 ``devices.sync_batchnorm`` on several devices), ``dropout`` (dropout inside a block run under
-``torch.utils.checkpoint`` when ``checkpoint`` is true). Data: ``samples`` rows, float32.
+``torch.utils.checkpoint`` when ``checkpoint`` is true), ``wide`` (one hidden layer of ``width`` units:
+the out-of-memory check's model, whose activations grow with the batch). Data: ``samples`` rows, float32.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ WIDTH = 64
 
 
 class Params(BaseModel):
-    model: str = Field("mlp", pattern="^(mlp|batchnorm|dropout)$")
+    model: str = Field("mlp", pattern="^(mlp|batchnorm|dropout|wide)$")
+    width: int = Field(1 << 20, ge=1, description="wide: the hidden width (its activations: batch x width floats)")
     checkpoint: bool = True
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
     samples: int = Field(96, ge=2)
@@ -53,6 +55,8 @@ def build(params: Params) -> nn.Module:
             )
         if params.model == "batchnorm":
             return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+        if params.model == "wide":
+            return nn.Sequential(nn.Linear(FEATURES, params.width), nn.Tanh(), nn.Linear(params.width, 1))
         return DropoutNet(params.dropout, params.checkpoint)
 
 

@@ -62,11 +62,13 @@ def process_group_backend(choice: str, devices_spec: str, device: Device) -> str
         return choice
     if not device.is_cuda:
         return "gloo"
-    if devices_spec.strip().lower() != "auto":
-        gpus = [d for d in parse_devices(devices_spec) if d.is_cuda]
-        if len({d.index for d in gpus}) < len(gpus):
-            return "gloo"
-    return "nccl"
+    # The spec as written (every rank has it; ``rank_device`` has checked it): "cuda" is "cuda:0".
+    gpus = [
+        s if ":" in s else f"{s}:0"
+        for s in (p.strip().lower() for p in devices_spec.split(","))
+        if s.startswith("cuda")
+    ]
+    return "gloo" if len(set(gpus)) < len(gpus) else "nccl"
 
 
 def init_process_group(info: RankInfo, timeout_s: float, backend: str = "auto", devices_spec: str = "auto") -> None:
