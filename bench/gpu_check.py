@@ -39,7 +39,7 @@ CHECKS: dict[str, tuple[str, str | None, bool, tuple[int, int]]] = {
     "correctness persistent": ("correctness", "persistent", False, (120, 60)),
     "out of memory": ("oom", None, True, (60, 30)),
     "telemetry": ("telemetry", None, True, (60, 30)),
-    "speed": ("speed", None, False, (150, 90)),
+    "speed": ("speed", None, False, (180, 90)),
     "correctness ddp": ("correctness", "ddp", False, (180, 90)),
 }
 """In the order they run: the slowest (ddp starts processes for every run) last, so that a check that

@@ -114,7 +114,8 @@ def task_params(model: str, **extra: Any) -> dict[str, Any]:
 
 def hand_loop(params: dict[str, Any], precision: str, device: torch.device, steps: int = STEPS) -> dict:
     """One device, the whole batch, the loop a user writes: the reference of every correctness row."""
-    sys.path.insert(0, str(HERE))
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import task as check_task  # the same file the engine loads
 
     p = check_task.Params(**params)

@@ -56,6 +56,14 @@ def parse_smi_line(line: str) -> list[str]:
     return [v.strip() for v in line.split(",")]
 
 
+def nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def describe(ctx: Context) -> dict:
     """The facts the report's header and the docs' results section need."""
     import multilane.engine
@@ -76,7 +84,7 @@ def describe(ctx: Context) -> dict:
             multiprocessors=props.multi_processor_count,
             cuda=torch.version.cuda,
             cudnn=torch.backends.cudnn.version(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+            nccl=nccl_version(),
             bf16_peak_tflops=bf16_peak(props.name),
         )
         smi = nvidia_smi("driver_version", "name")

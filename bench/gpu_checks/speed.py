@@ -186,7 +186,7 @@ def _ddp_rank(rank: int, device: str, backend: str, port: int, model: str, mode:
         dist.destroy_process_group()
 
 
-def ddp_time(ctx: Context, model: str, backend: str, steps: int) -> float | str:
+def ddp_time(ctx: Context, model: str, backend: str, steps: int, deadline_s: float = 120) -> float | str:
     """Median step of torch's DDP in two processes on ``ctx.two``'s devices, or why it did not run."""
     from multilane.engine.distributed.launcher import free_port
 
@@ -200,7 +200,7 @@ def ddp_time(ctx: Context, model: str, backend: str, steps: int) -> float | str:
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + deadline_s
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     for p in procs:
@@ -210,76 +210,104 @@ def ddp_time(ctx: Context, model: str, backend: str, steps: int) -> float | str:
     if not q.empty():
         return q.get()
     codes = [p.exitcode for p in procs]
-    return f"failed (exit codes {codes})"
+    return f"failed (exit codes {codes}; killed after {deadline_s:.0f} s where None)"
 
 
 def run(ctx: Context) -> None:
     mode = "dry" if ctx.dry_run else "gpu"
-    steps, warmup = (3, 1) if ctx.dry_run else (20, 3)
     peak = None if ctx.dry_run else bf16_peak(torch.cuda.get_device_name(0))
     ceiling = None if ctx.dry_run else matmul_tflops()
     if ceiling is not None:
         ctx.add(Row("speed", "bf16 matmul 8192^3 (ceiling)", f"{ceiling:.0f} TFLOP/s", f"datasheet {peak}", INFO))
     if ctx.dry_run:
         torch.set_num_threads(1)  # one core's worth per lane: lanes x threads beyond the cores fight
-    for model, (build, shape, batch) in MODELS[mode].items():
-        autocast = model.startswith("mlp") and not ctx.dry_run  # bf16 on a CPU without AMX is 20x slower
+    for model, (build, _, batch) in MODELS[mode].items():
         flops = linear_flops(build(), batch) if model.startswith("mlp") else None
-        x, y = data_for(shape, batch, ctx.device)
         for devices in ctx.device_lists():
-            lanes = devices.count(",") + 1
-            loops: dict[str, Callable[[], None]] = {"nn.DataParallel": data_parallel(build, x, y, autocast, lanes)}
-            closers = []
-            if lanes == 1:
-                loops["plain loop"] = plain_loop(build, x, y, autocast)
-            for name in ("replicate", "persistent"):
-                loops[name], close = engine(name, devices, build, x, y, autocast)
-                closers.append(close)
-            for fn in loops.values():
-                for _ in range(warmup):
-                    fn()
-            timed: dict[str, float | str] = dict(interleaved(loops, steps))
-            for close in closers:
-                close()
-            if lanes == 2 and not (ctx.dry_run and model != next(iter(MODELS[mode]))):  # dry run: one DDP, for time
-                timed.update(ddp_rows(ctx, model, steps))
-            ref = timed["nn.DataParallel"]
+            timed = time_loops(ctx, model, devices)
+            if devices == ctx.two and not (ctx.dry_run and model != next(iter(MODELS[mode]))):  # dry run: one DDP
+                timed.update(ddp_rows(ctx, model))
+            ref = next(
+                (timed[k] for k in ("nn.DataParallel", "plain loop", "replicate") if isinstance(timed.get(k), float)),
+                None,
+            )
             for name, t in timed.items():
-                case = f"{model} [{devices}] {name}"
-                if isinstance(t, str):
-                    ctx.add(Row("speed", case, t, "", INFO if "NCCL" in name else "fail"))
-                    continue
-                measured = f"{t * 1e3:.2f} ms, {batch / t:,.0f} samples/s, {ref / t:.2f}x DataParallel"
-                data = {"step_s": t, "samples_per_s": batch / t, "vs_data_parallel": ref / t}
-                expected = (
-                    "nn.DataParallel can't split on CPU: plain module"
-                    if ctx.dry_run and name == "nn.DataParallel"
-                    else ""
-                )
-                if flops is not None:
-                    tflops = flops / t / 1e12
-                    measured += f", {tflops:.3g} TFLOP/s"
-                    data["tflops"] = tflops
-                    if peak:
-                        data["of_peak"] = tflops / peak
-                        expected = f"{100 * tflops / peak:.0f}% of {peak:.0f} (datasheet bf16)"
-                        if ceiling:
-                            expected += f", {100 * tflops / ceiling:.0f}% of matmul"
-                    elif ctx.dry_run:
-                        expected = "TFLOP/s vs peak: GPU only"
-                ctx.add(Row("speed", case, measured, expected, PASS, data))
+                add_row(ctx, f"{model} [{devices}] {name}", t, ref, batch, flops, peak, ceiling)
     if ctx.dry_run:
         ctx.add(Row("speed", "TFLOP/s against the card's bf16 peak", "-", "GPU only", SKIP))
 
 
-def ddp_rows(ctx: Context, model: str, steps: int) -> dict[str, float | str]:
+def time_loops(ctx: Context, model: str, devices: str) -> dict[str, float | str]:
+    """Median step time of each in-process loop, or why a loop could not run (the others still run)."""
+    build, shape, batch = MODELS["dry" if ctx.dry_run else "gpu"][model]
+    autocast = model.startswith("mlp") and not ctx.dry_run  # bf16 on a CPU without AMX is 20x slower
+    steps, warmup = (3, 1) if ctx.dry_run else (20, 3)
+    x, y = data_for(shape, batch, ctx.device)
+    lanes = devices.count(",") + 1
+    makers: dict[str, Callable[[], tuple[Callable[[], None], Callable[[], object]]]] = {
+        "nn.DataParallel": lambda: (data_parallel(build, x, y, autocast, lanes), lambda: None),
+        "replicate": lambda: engine("replicate", devices, build, x, y, autocast),
+        "persistent": lambda: engine("persistent", devices, build, x, y, autocast),
+    }
+    if lanes == 1:
+        makers["plain loop"] = lambda: (plain_loop(build, x, y, autocast), lambda: None)
+    loops, closers, failed = {}, [], {}
+    for name, make in makers.items():
+        try:
+            step, close = make()
+            closers.append(close)
+            for _ in range(warmup):
+                step()
+            loops[name] = step
+        except Exception as e:
+            failed[name] = (
+                f"could not run: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+            )
+    timed: dict[str, float | str] = dict(interleaved(loops, steps))
+    for close in closers:
+        close()
+    if not ctx.dry_run:
+        torch.cuda.empty_cache()
+    return {name: timed.get(name, failed.get(name, "")) for name in makers}
+
+
+def add_row(ctx: Context, case: str, t: float | str, ref: float | None, batch: int, flops, peak, ceiling) -> None:
+    if isinstance(t, str):
+        ctx.add(Row("speed", case, t, "", INFO if "NCCL" in case else "fail"))
+        return
+    measured = f"{t * 1e3:.2f} ms, {batch / t:,.0f} samples/s"
+    data: dict[str, float] = {"step_s": t, "samples_per_s": batch / t}
+    if ref is not None:
+        measured += f", {ref / t:.2f}x DataParallel"
+        data["vs_data_parallel"] = ref / t
+    expected = "nn.DataParallel can't split on CPU: plain module" if ctx.dry_run and "DataParallel" in case else ""
+    if flops is not None:
+        tflops = flops / t / 1e12
+        measured += f", {tflops:.3g} TFLOP/s"
+        data["tflops"] = tflops
+        if peak:
+            data["of_peak"] = tflops / peak
+            expected = f"{100 * tflops / peak:.0f}% of {peak:.0f} (datasheet bf16)"
+            if ceiling:
+                expected += f", {100 * tflops / ceiling:.0f}% of matmul"
+        elif ctx.dry_run:
+            expected = "TFLOP/s vs peak: GPU only"
+    ctx.add(Row("speed", case, measured, expected, PASS, data))
+
+
+NCCL_REFUSED: list[str] = []  # once NCCL has refused two ranks on one GPU, it is not asked again
+
+
+def ddp_rows(ctx: Context, model: str) -> dict[str, float | str]:
+    steps = 3 if ctx.dry_run else 10  # Gloo moves the MLP's 1 GB of gradients through the host every step
     if ctx.dry_run:
         return {"DDP (Gloo, 2 processes)": ddp_time(ctx, model, "gloo", steps)}
-    nccl = ddp_time(ctx, model, "nccl", steps)
+    nccl = NCCL_REFUSED[0] if NCCL_REFUSED else ddp_time(ctx, model, "nccl", steps, deadline_s=45)
     if isinstance(nccl, float):
         return {"DDP (NCCL, 2 processes on one GPU)": nccl}
+    NCCL_REFUSED.append(nccl)
     return {
-        "DDP (NCCL, 2 processes on one GPU)": f"NCCL refused two ranks on one GPU: {nccl}",
+        "DDP (NCCL, 2 processes on one GPU)": f"NCCL did not run two ranks on one GPU: {nccl}",
         "DDP (Gloo, 2 processes on one GPU)": ddp_time(ctx, model, "gloo", steps),
     }
 

@@ -164,7 +164,9 @@ def run(ctx: Context) -> None:
 
 def torch_memory_rows(ctx: Context, records: list[dict[str, Any]]) -> None:
     last = records[-1]["devices"]["cuda:0"]
-    alloc, reserved, used = last.get("torch_allocated_mb"), last.get("torch_max_reserved_mb"), last.get("mem_used_mb")
+    alloc, reserved = last.get("torch_allocated_mb"), last.get("torch_max_reserved_mb")
+    # The most NVML saw used: the last record may come after the run gave its cached memory back.
+    used = max((r["devices"]["cuda:0"].get("mem_used_mb") or 0.0 for r in records), default=None) or None
     ok = alloc is not None and reserved is not None and 0 < alloc <= reserved and (used is None or reserved <= used + 1)
     ctx.add(
         Row(
