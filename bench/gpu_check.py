@@ -34,18 +34,18 @@ sys.path.insert(0, str(HERE / "gpu_checks"))
 
 # name -> (module, argument, needs a GPU, timeout in seconds on a GPU / in the dry run)
 CHECKS: dict[str, tuple[str, str | None, bool, tuple[int, int]]] = {
-    "environment": ("environment", None, False, (60, 30)),
-    "correctness replicate": ("correctness", "replicate", False, (120, 60)),
-    "correctness persistent": ("correctness", "persistent", False, (120, 60)),
-    "out of memory": ("oom", None, True, (60, 30)),
-    "telemetry": ("telemetry", None, True, (60, 30)),
-    "speed": ("speed", None, False, (180, 90)),
-    "correctness ddp": ("correctness", "ddp", False, (180, 90)),
+    "environment": ("environment", None, False, (60, 120)),
+    "correctness replicate": ("correctness", "replicate", False, (120, 240)),
+    "correctness persistent": ("correctness", "persistent", False, (120, 240)),
+    "out of memory": ("oom", None, True, (60, 60)),
+    "telemetry": ("telemetry", None, True, (60, 60)),
+    "speed": ("speed", None, False, (180, 240)),
+    "correctness ddp": ("correctness", "ddp", False, (180, 240)),
 }
 """In the order they run: the slowest (ddp starts processes for every run) last, so that a check that
 outruns the budget costs the least."""
 GPU_BUDGET_S = 290  # the whole check, under 5 minutes on one GPU
-DRY_BUDGET_S = 240  # the dry run's safety net on a loaded CI machine (it takes well under 60 s on a quiet one)
+DRY_BUDGET_S = 900  # the dry run's safety net: generous, for a loaded CI machine (a quiet one takes about a minute)
 
 
 def run_child(name: str, dry_run: bool, workdir: Path, result: Path) -> None:

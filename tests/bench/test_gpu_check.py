@@ -28,7 +28,7 @@ def load_driver():
     return module
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(960)
 def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -36,7 +36,7 @@ def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tm
         [sys.executable, str(SCRIPT), "--dry-run"],
         capture_output=True,
         text=True,
-        timeout=560,
+        timeout=940,
         env={**os.environ, "OUT": str(out)},
         cwd=tmp_path,
     )
@@ -91,3 +91,34 @@ def test_the_tolerances_tell_a_wrong_result_from_rounding(tmp_path):
     assert rel_diff(got_right, ref) <= TOLERANCE["fp32"]
     # BatchNorm over each half of the batch instead of the whole: caught even at bf16's bound.
     assert rel_diff(got_wrong, ref) > TOLERANCE["bf16"] > TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),  # how nvidia-smi names the SXM part
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA GeForce GTX 1080", None),  # not in the table: TFLOP/s without a share of peak
+    ],
+)
+def test_the_cards_bf16_rate_is_read_from_its_name(name, peak):
+    load_driver()
+    from environment import bf16_peak
+
+    assert bf16_peak(name) == peak
+
+
+def test_nvidia_smi_readings_that_are_not_numbers_are_left_out_not_zero():
+    load_driver()
+    from environment import parse_smi_line
+    from telemetry import SMI_FIELDS, compare, number
+
+    line = "97, 40321, 143771, 51, [N/A], 700.00, 1980"
+    values = dict(zip(SMI_FIELDS, parse_smi_line(line), strict=True))
+    assert number(values["power_w"]) is None
+    assert number(values["mem_total_mb"]) == 143771.0
+    assert compare("mem_total_mb", 143771.0, 143771.0) and not compare("mem_total_mb", 143771.0, 143000.0)
+    assert compare("power_w", 500.0, 450.0) and not compare("power_w", 500.0, 300.0)
