@@ -19,6 +19,7 @@ row failed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -77,18 +78,34 @@ def run_check(name: str, dry_run: bool, workdir: Path, timeout: float) -> dict:
         out, err = p.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        kill_tree(p.pid)
         out, err = p.communicate()
         timed_out = True
     seconds = time.monotonic() - t0
     tail = [ln for ln in (err or "").strip().splitlines() if ln.strip()][-8:]
-    rows = json.loads(result.read_text())["rows"] if result.exists() else []
+    rows = json.loads(result.read_text())["rows"] if result.exists() else []  # written whole (os.replace)
     if timed_out or p.returncode != 0:
         why = f"timed out after {timeout:.0f} s" if timed_out else f"the check's process died (exit {p.returncode})"
         row = {"check": name, "case": "(the check itself)", "measured": why, "expected": "a result", "status": "fail"}
         row["data"] = {"stderr_tail": tail, "stdout_tail": (out or "").strip().splitlines()[-4:]}
         rows.append(row)
     return {"name": name, "seconds": round(seconds, 1), "rows": rows, "stderr_tail": tail}
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a check's process, its group, and every descendant: torch's elastic agent starts the ddp
+    ranks in sessions of their own, which a process-group kill does not reach."""
+    try:
+        import psutil
+
+        descendants = psutil.Process(pid).children(recursive=True)
+    except Exception:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(Exception):
+            child.kill()
 
 
 def print_table(results: list[dict], header: str) -> None:

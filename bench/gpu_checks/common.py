@@ -8,6 +8,7 @@ and the others still run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -65,8 +66,10 @@ class Context:
     def add(self, row: Row) -> None:
         row.data.setdefault("at_s", round(time.monotonic() - self.started, 1))  # when, in the check's time
         self.rows.append(row)
-        if self.result is not None:
-            self.result.write_text(json.dumps({"rows": rows_json(self.rows)}))
+        if self.result is not None:  # whole or not at all: a kill mid-write leaves the previous file
+            tmp = self.result.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rows": rows_json(self.rows)}))
+            os.replace(tmp, self.result)
 
     @property
     def one(self) -> str:

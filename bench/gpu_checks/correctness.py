@@ -60,6 +60,15 @@ def cases(ctx: Context, strategy: str) -> list[tuple[str, str, str]]:
     ]
 
 
+def ddp_library(devices: str) -> str:
+    """Which library the engine's ddp picks here (devices.ddp_backend = auto), for the row to say."""
+    from multilane.engine.distributed.rank import process_group_backend
+    from multilane.engine.telemetry.devices import Device
+
+    kind = "cuda" if devices.startswith("cuda") else "cpu"
+    return {"nccl": "NCCL", "gloo": "Gloo"}[process_group_backend("auto", devices, Device(kind, 0))]
+
+
 def train(ctx: Context, strategy: str, cfg: dict[str, Any]) -> tuple[str, str, dict | None]:
     if strategy == "ddp":
         return engine_ddp(cfg, ctx.workdir)
@@ -72,7 +81,7 @@ def run(ctx: Context, strategy: str) -> None:
     runs = ctx.workdir / "runs"
     for devices, precision, model in cases(ctx, strategy):
         several = "," in devices
-        case = f"{model} {precision} [{devices}]"
+        case = f"{model} {precision} [{devices}]" + (f" {ddp_library(devices)}" if strategy == "ddp" else "")
         t0 = time.monotonic()
         if model == "dropout":
             got_status, msg, got = train(
