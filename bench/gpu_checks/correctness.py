@@ -78,50 +78,54 @@ def train(ctx: Context, strategy: str, cfg: dict[str, Any]) -> tuple[str, str, d
 def run(ctx: Context, strategy: str) -> None:
     precise_math()
     name = f"correctness {strategy}"
-    runs = ctx.workdir / "runs"
     for devices, precision, model in cases(ctx, strategy):
-        several = "," in devices
         case = f"{model} {precision} [{devices}]" + (f" {ddp_library(devices)}" if strategy == "ddp" else "")
-        t0 = time.monotonic()
-        if model == "dropout":
-            got_status, msg, got = train(
-                ctx, strategy, run_config(task_params(model, checkpoint=True), devices, strategy, precision, runs)
-            )
-            _, msg_ref, ref = train(
-                ctx, strategy, run_config(task_params(model, checkpoint=False), devices, strategy, precision, runs)
-            )
-            bound, what = RECOMPUTE_TOLERANCE, "vs same run without checkpointing"
-        else:
-            got_status, msg, got = train(
-                ctx, strategy, run_config(task_params(model), devices, strategy, precision, runs)
-            )
-            ref, msg_ref, bound, what = (
-                hand_loop(task_params(model), precision, ctx.device),
-                "",
-                TOLERANCE[precision],
-                "vs one device by hand",
-            )
-        seconds = time.monotonic() - t0
-        if got is None or ref is None:
-            ctx.add(Row(name, case, f"run {got_status}: {msg or msg_ref}"[:160], what, FAIL))
-            continue
-        diff = rel_diff(got, ref)
-        status = PASS if diff <= bound else FAIL
-        known = KNOWN_FAILURES.get((strategy, model, several))
-        if status == FAIL and known:
-            status, what = KNOWN, f"{what}; {known}"
-        ctx.add(
-            Row(
-                name,
-                case,
-                f"rel diff {fmt(diff)}",
-                f"<= {fmt(bound)} ({what})",
-                status,
-                {"rel_diff": diff, "bound": bound, "seconds": round(seconds, 2)},
-            )
-        )
+        try:
+            one_case(ctx, strategy, devices, precision, model, case)
+        except Exception as e:  # this case's error is its row; the next case still runs
+            ctx.add(Row(name, case, f"{type(e).__name__}: {e}"[:200], "no error", FAIL))
     if strategy == "ddp":
         ctx.add(nccl_on_one_gpu(ctx))
+
+
+def one_case(ctx: Context, strategy: str, devices: str, precision: str, model: str, case: str) -> None:
+    name, runs, several = f"correctness {strategy}", ctx.workdir / "runs", "," in devices
+    t0 = time.monotonic()
+    if model == "dropout":
+        got_status, msg, got = train(
+            ctx, strategy, run_config(task_params(model, checkpoint=True), devices, strategy, precision, runs)
+        )
+        _, msg_ref, ref = train(
+            ctx, strategy, run_config(task_params(model, checkpoint=False), devices, strategy, precision, runs)
+        )
+        bound, what = RECOMPUTE_TOLERANCE, "vs same run without checkpointing"
+    else:
+        got_status, msg, got = train(ctx, strategy, run_config(task_params(model), devices, strategy, precision, runs))
+        ref, msg_ref, bound, what = (
+            hand_loop(task_params(model), precision, ctx.device),
+            "",
+            TOLERANCE[precision],
+            "vs one device by hand",
+        )
+    seconds = time.monotonic() - t0
+    if got is None or ref is None:
+        ctx.add(Row(name, case, f"run {got_status}: {msg or msg_ref}"[:160], what, FAIL))
+        return
+    diff = rel_diff(got, ref)
+    status = PASS if diff <= bound else FAIL
+    known = KNOWN_FAILURES.get((strategy, model, several))
+    if status == FAIL and known:
+        status, what = KNOWN, f"{what}; {known}"
+    ctx.add(
+        Row(
+            name,
+            case,
+            f"rel diff {fmt(diff)}",
+            f"<= {fmt(bound)} ({what})",
+            status,
+            {"rel_diff": diff, "bound": bound, "seconds": round(seconds, 2)},
+        )
+    )
 
 
 def nccl_on_one_gpu(ctx: Context) -> Row:

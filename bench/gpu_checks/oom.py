@@ -19,40 +19,48 @@ def run(ctx: Context) -> None:
     from multilane.engine.run.failures import OOM_HINT
 
     for devices in ctx.device_lists():
-        runs = ctx.workdir / "runs"
-        big = run_config(task_params("wide", samples=BIG), devices, "replicate", "fp32", runs, train__steps=2)
-        status, message, _ = engine_in_process(big)
-        gc.collect()
-        allocated_gib = torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0
-        reported = status == "failed" and "out of memory" in message.lower() and OOM_HINT.strip() in message
-        ctx.add(
-            Row(
-                "out of memory",
-                f"batch {BIG} on [{devices}]",
-                f"{status}: {message}"[:200],
-                "failed, 'out of memory' and the hint",
-                PASS if reported else FAIL,
-                {"message": message},
-            )
+        try:
+            oversized_then_small(ctx, devices, OOM_HINT)
+        except Exception as e:  # this device list's error is its row; the next one still runs
+            ctx.add(Row("out of memory", f"[{devices}]", f"{type(e).__name__}: {e}"[:200], "no error", FAIL))
+
+
+def oversized_then_small(ctx: Context, devices: str, hint: str) -> None:
+    """The oversized batch, then a small one, on ``devices``: three rows."""
+    runs = ctx.workdir / "runs"
+    big = run_config(task_params("wide", samples=BIG), devices, "replicate", "fp32", runs, train__steps=2)
+    status, message, _ = engine_in_process(big)
+    gc.collect()
+    allocated_gib = torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0
+    reported = status == "failed" and "out of memory" in message.lower() and hint.strip() in message
+    ctx.add(
+        Row(
+            "out of memory",
+            f"batch {BIG} on [{devices}]",
+            f"{status}: {message}"[:200],
+            "failed, 'out of memory' and the hint",
+            PASS if reported else FAIL,
+            {"message": message},
         )
-        ctx.add(
-            Row(
-                "out of memory",
-                f"memory after it [{devices}]",
-                f"{allocated_gib:.2f} GiB allocated",
-                "< 1 GiB (released)",
-                PASS if allocated_gib < 1 else FAIL,
-            )
+    )
+    ctx.add(
+        Row(
+            "out of memory",
+            f"memory after it [{devices}]",
+            f"{allocated_gib:.2f} GiB allocated",
+            "< 1 GiB (released)",
+            PASS if allocated_gib < 1 else FAIL,
         )
-        small = run_config(task_params("wide", samples=SMALL), devices, "replicate", "fp32", runs, train__steps=2)
-        status, message, state = engine_in_process(small)
-        ok = status == "finished" and state is not None
-        ctx.add(
-            Row(
-                "out of memory",
-                f"then batch {SMALL} on [{devices}]",
-                f"{status} {message}"[:200],
-                "finished, same process",
-                PASS if ok else FAIL,
-            )
+    )
+    small = run_config(task_params("wide", samples=SMALL), devices, "replicate", "fp32", runs, train__steps=2)
+    status, message, state = engine_in_process(small)
+    ok = status == "finished" and state is not None
+    ctx.add(
+        Row(
+            "out of memory",
+            f"then batch {SMALL} on [{devices}]",
+            f"{status} {message}"[:200],
+            "finished, same process",
+            PASS if ok else FAIL,
         )
+    )
