@@ -13,10 +13,10 @@ from pathlib import Path
 # Multilane's integration (which works around it) is imported before it (docs/integrations.md).
 from multilane.integrations.lightning import MultilaneCallback  # isort: skip
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regression(pl.LightningModule):
