@@ -13,17 +13,20 @@ class MissingExtra(ImportError):
     """An integration's library is not installed; the message is one line naming the extra."""
 
 
-def require(module: str, extra: str, what: str) -> ModuleType:
-    """``import module``, or ``MissingExtra``: "<what> needs <module>: pip install 'multilane[<extra>]'"."""
-    if module.split(".")[0] in ("lightning", "pytorch_lightning", "transformers"):
+def require(module: str, extra: str, what: str, library: str | None = None) -> ModuleType:
+    """``import module``, or ``MissingExtra``: "<what> needs <library>, which is not installed: pip
+    install 'multilane[<extra>]'". ``library``: the package that is missing when ``module`` fails
+    (``tensorboard`` for ``torch.utils.tensorboard``); by default ``module``'s top-level name."""
+    library = library or module.split(".")[0]
+    if library in ("lightning", "pytorch_lightning", "transformers"):
         _torchvision_importable()
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        if e.name is None or module.split(".")[0] != e.name.split(".")[0]:
+        if e.name is None or e.name.split(".")[0] != library:
             raise  # the library is there but something it needs is broken: its own error says what
         raise MissingExtra(
-            f"{what} needs {module.split('.')[0]}, which is not installed: pip install 'multilane[{extra}]'"
+            f"{what} needs {library}, which is not installed: pip install 'multilane[{extra}]'"
         ) from None
 
 
