@@ -43,13 +43,21 @@ def test_lightning_run_folder_holds_every_step_the_trainer_logged_and_exports(tm
     assert len((out / "metrics.csv").read_text().splitlines()) == 1 + 8
 
 
+def rank1_telemetry(run) -> bool:
+    try:
+        return any("/rank1/cpu:1" in k for r in records(run, "telemetry") for k in r["devices"])
+    except AssertionError:  # a record being written
+        return False
+
+
 def test_lightning_ddp_on_two_cpu_processes_records_each_rank_and_stops_both_at_one_step(tmp_path):
     proc = start_script(SCRIPT, tmp_path, "--devices", "2", "--steps", "400", "--sleep", "0.15")
     try:
         run = run_folder(tmp_path)
         end = time.monotonic() + 120
-        while last_train_step(run) < 5 and time.monotonic() < end:
+        while not (last_train_step(run) >= 5 and rank1_telemetry(run)) and time.monotonic() < end:
             time.sleep(0.1)
+        assert rank1_telemetry(run), "rank 1 samples its own device; rank 0 writes its records"
         seen = last_train_step(run)
         write_control(run, "stop")
         assert proc.wait(timeout=120) == 0, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
