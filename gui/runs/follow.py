@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
-from multilane.engine.rundir.control_file import write_control
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.control_file import write_control
 from multilane.engine.rundir.follow import RunFollower
 from multilane.engine.rundir.runlog import CONFIG, ERROR, RunDir
 from multilane.gui.runs.child_run import ChildRun, last_logged_step

@@ -10,10 +10,10 @@ import gc
 from typing import Any
 
 from multilane.engine.config import RunConfig
-from multilane.engine.run.control import RunControl
 from multilane.engine.errors import UserError
-from multilane.engine.tasks.loader import TaskFileChanged
+from multilane.engine.run.control import RunControl
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
+from multilane.engine.tasks.loader import TaskFileChanged
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 
