@@ -188,3 +188,20 @@ sys.exit(main(['train', '--task', 'linear', '--steps', '3', '--devices', 'cpu:0'
         "needs tensorboard, which is not installed: pip install 'multilane[tensorboard]'"
     ]
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
+
+
+def test_a_ddp_run_writes_one_set_of_event_files_with_every_ranks_loss(tmp_path):
+    runs = tmp_path / "runs"
+    args = [*CLI, "train", "--task", "linear", "--steps", "6", "--devices", "cpu:0,cpu:1", "--strategy", "ddp"]
+    args += ["--runs-dir", str(runs), "--set", "train.tensorboard=true", "--set", "train.log_every=2"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (run,) = runs.iterdir()
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1, "rank 0 writes; the other rank writes nothing"
+    tb = scalars(run)
+    train = [x for x in read_metrics(run) if x["kind"] == "train"]
+    assert [x["step"] for x in train] == [2, 4, 6]
+    for rec in train:
+        assert len(rec["device_loss"]) == 2
+        for dev, v in rec["device_loss"].items():
+            assert "/rank" in dev and tb[f"train/device_loss/{dev}"][rec["step"]] == [f32(v)]
