@@ -27,6 +27,15 @@ def test_the_app_follows_a_lightning_run_live_and_its_stop_ends_it(qtbot, make_w
         proc.kill()
     assert window.last_result["status"] == "stopped" == status(run)["state"]
     assert window.plots.data.train.rows == len(records(run, "train"))
+    window.runs_table.load(str(tmp_path / "runs"))  # the runs table finds it, whole
+    (row,) = window.runs_table.rows
+    assert (row.task, row.devices, row.status, row.optimizer, row.notes) == (
+        "lightning:Regression",
+        "cpu:0",
+        "stopped",
+        "sgd",
+        [],
+    )
 
 
 def snapshot(folder) -> dict:
