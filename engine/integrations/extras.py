@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from types import ModuleType
 
 from multilane.engine.errors import UserError
@@ -18,6 +19,13 @@ def require(module: str, extra: str, what: str, library: str | None = None) -> M
     install 'multilane[<extra>]'". ``library``: the package that is missing when ``module`` fails
     (``tensorboard`` for ``torch.utils.tensorboard``); by default ``module``'s top-level name."""
     library = library or module.split(".")[0]
+    missing = MissingExtra(f"{what} needs {library}, which is not installed: pip install 'multilane[{extra}]'")
+    try:
+        found = importlib.util.find_spec(library) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:  # said before anything heavy (torchvision below) is imported
+        raise missing
     if library in ("lightning", "pytorch_lightning", "transformers"):
         _torchvision_importable()
     try:
@@ -25,9 +33,7 @@ def require(module: str, extra: str, what: str, library: str | None = None) -> M
     except ImportError as e:
         if e.name is None or e.name.split(".")[0] != library:
             raise  # the library is there but something it needs is broken: its own error says what
-        raise MissingExtra(
-            f"{what} needs {library}, which is not installed: pip install 'multilane[{extra}]'"
-        ) from None
+        raise missing from None
 
 
 def _torchvision_importable() -> None:

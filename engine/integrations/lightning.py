@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from multilane.integrations.extras import MissingExtra, require
-from multilane.integrations.recorder import RunRecorder
 
 try:
     pl = require("lightning.pytorch", "lightning", "multilane.integrations.lightning")
@@ -25,6 +24,9 @@ except MissingExtra:
         pl = require("pytorch_lightning", "lightning", "multilane.integrations.lightning")
     except MissingExtra as e:
         raise MissingExtra(str(e).replace("pytorch_lightning", "lightning")) from None
+
+# After the library: without it, the one line comes before torch is imported.
+from multilane.integrations.recorder import RunRecorder
 
 __all__ = ["MultilaneCallback"]
 
@@ -47,6 +49,18 @@ def split_validation(metrics: dict[str, Any]) -> tuple[float | None, dict[str, f
     return val_loss, vals
 
 
+def batch_size(batch: Any) -> int:
+    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        n = batch_size(item)
+        if n:
+            return n
+    return 0
+
+
 class MultilaneCallback(pl.Callback):
     """Writes the Lightning run into ``<runs_dir>/<timestamp>-<name>/`` (as ``--runs-dir`` and
     ``--name``); the app follows it live (File → Follow run, the runs table) and its Stop and Pause act
@@ -59,6 +73,7 @@ class MultilaneCallback(pl.Callback):
         self._losses: list[float] = []
         self._lr: float | None = None
         self._done_step = 0
+        self._samples = 0  # this rank's samples in the step so far
 
     @property
     def run_dir(self) -> Path | None:
@@ -101,6 +116,7 @@ class MultilaneCallback(pl.Callback):
             value = _scalar(trainer.callback_metrics.get("train_loss", trainer.callback_metrics.get("loss")))
         if value is not None:
             self._losses.append(value)
+        self._samples += batch_size(batch)
         step = trainer.global_step
         if step == self._done_step:
             return  # a micro-batch of gradient accumulation: the step is not over yet
@@ -108,18 +124,20 @@ class MultilaneCallback(pl.Callback):
         step_s = time.perf_counter() - (self._t0 or time.perf_counter())
         mine = sum(self._losses) / len(self._losses) if self._losses else None
         self._t0, self._losses = None, []
+        samples, self._samples = self._samples, 0
         rec = self.recorder
-        losses, stop = rec.step_end(step, mine, step_s)
-        if losses:
+        end = rec.step_end(step, mine, step_s, samples if samples > 0 else None)
+        if end.losses:
             rec.train(
                 step,
-                sum(losses.values()) / len(losses),
-                losses,
+                sum(end.losses.values()) / len(end.losses),
+                end.losses,
                 lr=self._lr,
                 step_ms=1000.0 * step_s,
+                samples_per_s=end.samples / step_s if end.samples and step_s > 0 else None,
                 epoch=trainer.current_epoch,
             )
-        if stop:
+        if end.stop:
             self._stop(trainer)
 
     def _stop(self, trainer: Any) -> None:

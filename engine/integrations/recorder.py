@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,15 @@ from multilane.engine.telemetry.sampler import TelemetrySampler
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,80}$")  # as the engine's run.name
 PAUSE_POLL_S = 0.2
+
+
+@dataclass
+class StepEnd:
+    """What every rank learns at the end of a step."""
+
+    losses: dict[str, float]  # each rank's own loss, by device key (all of them on rank 0)
+    stop: bool  # a Stop came: end training now
+    samples: int | None  # the step's samples over every rank, where each rank counted its own
 
 
 def _dist() -> Any:
@@ -99,8 +110,6 @@ class RunRecorder:
         dist = _dist()
         local_rank = 0
         if dist is not None:
-            import os
-
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         dev = device_of(device, local_rank)
@@ -155,12 +164,14 @@ class RunRecorder:
     # -- records --------------------------------------------------------------------------------
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (rank 0; other ranks write nothing). A record the readers would skip is
-        a bug here, not the user's: it raises."""
+        left out with a warning event naming why: watching a run must never end it."""
         if self.rd is None:
             return
         problem = record_problem(record)
         if problem is not None:
-            raise ValueError(f"multilane: a {record.get('kind')} record the readers would skip: {problem}")
+            kind = record.get("kind")
+            record = {"kind": "event", "event": "warning", "step": self.step, "wall_time": time.time()}
+            record["message"] = f"a {kind} record was left out of the run folder: {problem}"
         self.rd.append_metric(record)
 
     def event(self, name: str, **extra: Any) -> None:
@@ -186,42 +197,47 @@ class RunRecorder:
         self.write(rec)
 
     # -- between steps --------------------------------------------------------------------------
-    def step_end(self, step: int, loss: float | None = None, step_s: float = 0.0) -> tuple[dict[str, float], bool]:
-        """Called by every rank after each optimizer step: each rank's ``loss`` (by device key; rank 0
-        learns them all), then Stop and Pause from the control file. Pause waits here, between steps.
-        Returns the losses and whether the run must stop now."""
+    def step_end(
+        self, step: int, loss: float | None = None, step_s: float = 0.0, samples: int | None = None
+    ) -> StepEnd:
+        """Called by every rank after each optimizer step, with its own ``loss`` and ``samples``: rank 0
+        learns every rank's loss (by device key) and the step's samples over all ranks; then Stop and
+        Pause from the control file (Pause waits here, between steps)."""
         self.step = step
         self.busy_s += step_s
         losses: dict[str, float] = {} if loss is None else {self.key: loss}
         dist = _dist()
         stop, pause = self._read_control()
         if dist is not None:
-            losses, stop, pause = self._gather(dist, loss, stop, pause)
+            losses, stop, pause, samples = self._gather(dist, loss, stop, pause, samples)
         if pause and not stop:
             stop = self._paused(dist)
         if stop:
             self.stop_asked = True
-        return losses, stop
+        return StepEnd(losses, stop, samples)
 
     def _read_control(self) -> tuple[bool, bool]:
         if self._file is not None:
             self._file.apply(self.control)
         return self.control.stop_requested, self.control.pause_requested
 
-    def _gather(self, dist: Any, loss: float | None, stop: bool, pause: bool) -> tuple[dict[str, float], bool, bool]:
+    def _gather(
+        self, dist: Any, loss: float | None, stop: bool, pause: bool, samples: int | None
+    ) -> tuple[dict[str, float], bool, bool, int | None]:
         rt = self._rank_telemetry
         has_telemetry = rt is not None and not self.is_main and rt.overdue(0.0)
         mine = [math.nan if loss is None else float(loss), float(has_telemetry), float(stop), float(pause)]
-        rows = _all_gather_rows(dist, mine)
+        rows = _all_gather_rows(dist, [*mine, math.nan if samples is None else float(samples)])
         if any(r[1] for r in rows):  # some rank holds telemetry: one object gather brings it to rank 0
             held: list[Any] = [None] * self.world
             dist.all_gather_object(held, rt.take() if rt is not None else [])
             for records in held[1:] if self.is_main else ():
                 for rec in records or ():
                     self.write(rec)
-        keys = self._all_keys
-        losses = {k: r[0] for k, r in zip(keys, rows, strict=True) if not math.isnan(r[0])}
-        return losses, bool(rows[0][2]), bool(rows[0][3])
+        losses = {k: r[0] for k, r in zip(self._all_keys, rows, strict=True) if not math.isnan(r[0])}
+        counts = [r[4] for r in rows]
+        total = None if any(math.isnan(c) for c in counts) else int(sum(counts))
+        return losses, bool(rows[0][2]), bool(rows[0][3]), total
 
     def _paused(self, dist: Any) -> bool:
         """Wait while paused (every rank, together); True when a Stop came meanwhile."""

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from multilane.integrations.extras import require
-from multilane.integrations.recorder import RunRecorder
 
 hf = require("transformers", "transformers", "multilane.integrations.transformers")
+
+# After the library: without it, the one line comes before torch is imported.
+from multilane.integrations.recorder import RunRecorder  # noqa: E402
 
 __all__ = ["MultilaneCallback"]
 
@@ -39,6 +41,7 @@ class MultilaneCallback(hf.TrainerCallback):
         self.recorder = RunRecorder(runs_dir, name, telemetry)
         self._t0: float | None = None
         self._step_s: list[float] = []
+        self._samples_per_step = 0
 
     @property
     def run_dir(self) -> Path | None:
@@ -47,6 +50,8 @@ class MultilaneCallback(hf.TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         world = max(1, int(getattr(args, "world_size", 1) or 1))
+        # nominal: the Trainer hands no batch to the step hooks (an epoch's last batch may be smaller)
+        self._samples_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         self.recorder.open(
             "transformers",
             type(model).__name__ if model is not None else "model",
@@ -67,7 +72,7 @@ class MultilaneCallback(hf.TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step_s = time.perf_counter() - (self._t0 or time.perf_counter())
         self._step_s.append(step_s)
-        _, stop = self.recorder.step_end(state.global_step, None, step_s)  # a collective under ddp
+        stop = self.recorder.step_end(state.global_step, None, step_s).stop  # a collective under ddp
         if stop:
             control.should_training_stop = True
             if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
@@ -88,6 +93,7 @@ class MultilaneCallback(hf.TrainerCallback):
                 grad_norm=_finite(_num(logs.get("grad_norm"))),
                 epoch=_num(logs.get("epoch")),
                 step_ms=1000.0 * sum(times) / len(times) if times else None,
+                samples_per_s=self._samples_per_step * len(times) / sum(times) if times and sum(times) > 0 else None,
             )
         evals = {k[5:]: v for k, v in logs.items() if k.startswith("eval_") and _num(v) is not None}
         if evals:

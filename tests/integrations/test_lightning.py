@@ -22,6 +22,7 @@ def test_lightning_run_folder_holds_every_step_the_trainer_logged_and_exports(tm
     # StepLR(step_size=2, gamma=0.5) stepping every step: the lr each step trained with
     assert [r["lr"] for r in train] == [0.05, 0.05, 0.025, 0.025, 0.0125, 0.0125, 0.00625, 0.00625]
     assert all(r["epoch"] == 0 and r["step_ms"] > 0 for r in train)
+    assert all(r["samples_per_s"] == pytest.approx(16 / (r["step_ms"] / 1000)) for r in train)  # batch 16
     evals = records(run, "eval")
     assert [e["step"] for e in evals] == [4, 8]
     assert all(e["val_loss"] > 0 and set(e["metrics"]) == {"val_mae"} for e in evals)
@@ -74,6 +75,7 @@ def test_lightning_ddp_on_two_cpu_processes_records_each_rank_and_stops_both_at_
         assert rec["step"] == a["step"] == b["step"]
         assert rec["device_loss"] == {keys[0]: a["loss"], keys[1]: b["loss"]}
         assert rec["loss"] == pytest.approx((a["loss"] + b["loss"]) / 2, rel=1e-12)
+        assert rec["samples_per_s"] == pytest.approx(32 / (rec["step_ms"] / 1000))  # 16 on each rank
     assert status(run)["state"] == "stopped" and status(run)["step"] == last
     assert read_json(run / "config.json")["devices"]["strategy"] == "ddp"
 

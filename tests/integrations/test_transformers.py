@@ -3,6 +3,7 @@
 import json
 import time
 
+import pytest
 from integration_runs import last_train_step, records, run_folder, run_script, start_script, status
 from multilane.engine.rundir.control_file import write_control
 from multilane.engine.rundir.runlog import read_json
@@ -19,7 +20,7 @@ def test_trainer_logs_become_the_run_folders_records_step_for_step(tmp_path):
     for rec, h in zip(train, logged, strict=True):
         assert rec["loss"] == h["loss"] and rec["device_loss"] == {"cpu:0": h["loss"]}
         assert rec["lr"] == h["learning_rate"] and rec["grad_norm"] == h["grad_norm"] and rec["epoch"] == h["epoch"]
-        assert rec["step_ms"] > 0
+        assert rec["step_ms"] > 0 and rec["samples_per_s"] == pytest.approx(4 / (rec["step_ms"] / 1000))
     evals = [h for h in history if "eval_loss" in h]
     assert [(e["step"], e["val_loss"]) for e in records(run, "eval")] == [(h["step"], h["eval_loss"]) for h in evals]
     assert status(run)["state"] == "finished" and status(run)["total_steps"] == 8
