@@ -112,6 +112,10 @@ class MultilaneCallback(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         value = _scalar(loss) if loss is not None else None
+        if value is not None and pl_module.automatic_optimization:
+            # Lightning hands on the loss divided by accumulate_grad_batches (what backward used);
+            # the step's loss is the mean of what training_step returned
+            value *= trainer.accumulate_grad_batches
         if value is None:  # manual optimization without a returned loss: what the module logged
             value = _scalar(trainer.callback_metrics.get("train_loss", trainer.callback_metrics.get("loss")))
         if value is not None:

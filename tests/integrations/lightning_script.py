@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--checkpoint", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -70,6 +71,7 @@ def main() -> None:
         devices=a.devices,
         strategy="ddp" if a.devices > 1 else "auto",
         max_steps=a.steps,
+        accumulate_grad_batches=a.accumulate,
         val_check_interval=4,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,

@@ -81,7 +81,7 @@ def test_lightning_ddp_on_two_cpu_processes_records_each_rank_and_stops_both_at_
 
 
 def test_stop_in_the_control_file_saves_a_lightning_checkpoint_and_ends_within_a_step_pause_waits(tmp_path):
-    proc = start_script(SCRIPT, tmp_path, "--steps", "400", "--sleep", "0.3", "--checkpoint")
+    proc = start_script(SCRIPT, tmp_path, "--steps", "400", "--sleep", "0.15", "--checkpoint", "--accumulate", "2")
     try:
         run = run_folder(tmp_path)
         end = time.monotonic() + 120
@@ -95,15 +95,20 @@ def test_stop_in_the_control_file_saves_a_lightning_checkpoint_and_ends_within_a
         time.sleep(1.5)
         assert len(logged(tmp_path)) == held, "a paused run starts no step"
         write_control(run, "resume")
-        while last_train_step(run) < held + 2 and time.monotonic() < end:
+        while last_train_step(run) < held // 2 + 2 and time.monotonic() < end:
             time.sleep(0.1)
         seen = last_train_step(run)
         write_control(run, "stop")
         assert proc.wait(timeout=120) == 0, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
     finally:
         proc.kill()
-    last = records(run, "train")[-1]["step"]
-    assert seen <= last <= seen + 2 and len(logged(tmp_path)) == last
+    train = records(run, "train")
+    last = train[-1]["step"]
+    micro = logged(tmp_path)
+    assert seen <= last <= seen + 2 and len(micro) == 2 * last  # two micro-batches a step
+    for rec in train:  # one record per optimizer step: the mean of its micro-batches' losses
+        mine = [m["loss"] for m in micro if m["step"] == rec["step"]]
+        assert len(mine) == 2 and rec["loss"] == pytest.approx(sum(mine) / 2, rel=1e-12)
     assert status(run)["state"] == "stopped"
     events = [r["event"] for r in records(run, "event")]
     assert events == ["started", "paused", "resumed", "checkpoint", "stopped"]
