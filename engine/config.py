@@ -155,6 +155,11 @@ class TrainSection(Section):
         "crash loses at most that much work; 0 turns it off",
     )
     on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
+    tensorboard: bool = Field(
+        False,
+        description="Also write TensorBoard event files into the run folder (losses per device, validation, lr, "
+        "utilization): tensorboard --logdir runs/ shows the run. Needs the tensorboard extra",
+    )
 
 
 class TelemetrySection(Section):

@@ -133,6 +133,13 @@ class Trainer:
 
     def _run(self) -> RunResult:
         cfg = self.config
+        if cfg.train.tensorboard:  # before anything is written: a missing extra is one line
+            from multilane.integrations.extras import MissingExtra
+
+            try:
+                from multilane.integrations.tensorboard import TensorBoardWriter
+            except MissingExtra as e:
+                raise UserError(str(e)) from None
         try:
             self._setup()
         except (UserError, KeyboardInterrupt):
@@ -154,6 +161,8 @@ class Trainer:
             rd.reserve_space()  # freed to record a failure if the disk fills up
             record_run(rd, cfg, self.task_file)
             self.callbacks.insert(0, MetricsWriter(rd))
+            if cfg.train.tensorboard and rd.writes:
+                self.callbacks.insert(1, TensorBoardWriter(rd.path))
             self.sampler = self._make_sampler()
             self.energy = EnergyMeter(self.sampler)
             rd.set_status("running", step=self.step, total_steps=self.total_steps)

@@ -84,6 +84,8 @@ class RunDir:
     """Writes one run's folder; also used to reopen it for ``--resume``. Holds the folder's lock
     from ``create`` / ``open_existing`` until ``close``."""
 
+    writes = True  # False for a ddp rank's view of the folder that rank 0 writes
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._metrics_fd: int | None = None

@@ -78,6 +78,34 @@ class RunFilesMixin:
             title += f" · {cfg.task.name} · {cfg.devices.use}"
         self.plots.set_title(title)
 
+    def open_tensorboard(self, path: str) -> bool:
+        """Show a TensorBoard logdir's scalars (read-only), following it while it grows."""
+        from multilane.gui.runs.tensorboard_view import TensorBoardView
+        from multilane.integrations.tensorboard import TensorBoardLogdir
+
+        if self.is_running():
+            QMessageBox.information(self, "A run is in progress", "Stop the run before opening another one.")
+            return False
+        try:
+            view = TensorBoardView(TensorBoardLogdir(path), self.plots, self)
+        except (UserError, ImportError) as e:
+            QMessageBox.warning(self, "Cannot open TensorBoard logdir", str(e))
+            return False
+        if getattr(self, "tensorboard_view", None) is not None:
+            self.tensorboard_view.stop()
+        self.tensorboard_view = view
+        view.show()
+        self.shown_run_dir = None  # exports go to the runs folder: nothing is written into the logdir
+        self.plots.set_title(f"TensorBoard · {Path(path).name}")
+        self.plots.fit_x()
+        self.status_label.setText(f"Viewing TensorBoard logdir {path} (updates while it is written)")
+        return True
+
+    def open_tensorboard_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open TensorBoard logdir (one run's folder)", self._runs_dir())
+        if path:
+            self.open_tensorboard(path)
+
     def open_run_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Open run folder", self._runs_dir())
         if path:

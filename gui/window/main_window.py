@@ -189,6 +189,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         act(f, "Open run…", self.open_run_dialog, "Ctrl+O")
         act(f, "Compare with run…", self.compare_dialog, "Ctrl+Shift+O")
         act(f, "Follow run…", self.follow_run_dialog, "Ctrl+Shift+F")
+        act(f, "Open TensorBoard logdir…", self.open_tensorboard_dialog, name="action.tensorboard")
         f.addSeparator()
         act(f, "Load preset…", self.load_preset_dialog, "Ctrl+L")
         act(f, "Save preset…", self.save_preset_dialog, "Ctrl+S")

@@ -1,0 +1,177 @@
+"""Lightning: ``Trainer(callbacks=[MultilaneCallback()])`` makes the run a Multilane run folder.
+
+Each optimizer step becomes a train record: the loss ``training_step`` returned (the mean of the
+step's micro-batches), each rank's own under ddp (``device_loss``), the learning rate the step used,
+its time and the epoch. Validation becomes an eval record (``trainer.callback_metrics`` whose names
+hold "val"). Stop in the app (the run folder's control file) sets ``trainer.should_stop`` at the next
+step, after saving a Lightning checkpoint when the trainer has a checkpoint callback; Pause waits
+between steps. Needs the ``[lightning]`` extra; this module is the only one that imports Lightning.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from multilane.integrations.extras import MissingExtra, require
+
+try:
+    pl = require("lightning.pytorch", "lightning", "multilane.integrations.lightning")
+except MissingExtra:
+    try:  # the older package name carries the same Trainer
+        pl = require("pytorch_lightning", "lightning", "multilane.integrations.lightning")
+    except MissingExtra as e:
+        raise MissingExtra(str(e).replace("pytorch_lightning", "lightning")) from None
+
+# After the library: without it, the one line comes before torch is imported.
+from multilane.integrations.recorder import RunRecorder
+
+__all__ = ["MultilaneCallback"]
+
+
+def _scalar(v: Any) -> float | None:
+    try:
+        if hasattr(v, "numel") and v.numel() != 1:
+            return None
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def split_validation(metrics: dict[str, Any]) -> tuple[float | None, dict[str, float]]:
+    """``val_loss`` and the other validation metrics, from Lightning's ``callback_metrics``."""
+    vals = {k: f for k, v in metrics.items() if "val" in k.lower() and (f := _scalar(v)) is not None}
+    names = [k for k in ("val_loss", "val/loss", "validation_loss", "loss/val") if k in vals]
+    names = names or [k for k in vals if "loss" in k.lower()]
+    val_loss = vals.pop(names[0]) if names else None
+    return val_loss, vals
+
+
+def batch_size(batch: Any) -> int:
+    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        n = batch_size(item)
+        if n:
+            return n
+    return 0
+
+
+class MultilaneCallback(pl.Callback):
+    """Writes the Lightning run into ``<runs_dir>/<timestamp>-<name>/`` (as ``--runs-dir`` and
+    ``--name``); the app follows it live (File → Follow run, the runs table) and its Stop and Pause act
+    on it."""
+
+    def __init__(self, runs_dir: str | Path = "runs", name: str = "lightning", telemetry: bool = True) -> None:
+        super().__init__()
+        self.recorder = RunRecorder(runs_dir, name, telemetry)
+        self._t0: float | None = None
+        self._losses: list[float] = []
+        self._lr: float | None = None
+        self._done_step = 0
+        self._samples = 0  # this rank's samples in the step so far
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run folder (on rank 0, once training started)."""
+        return self.recorder.run_dir
+
+    # -- start ----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        loader = getattr(trainer, "train_dataloader", None)
+        batch = getattr(loader, "batch_size", None)
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        optimizer = (type(opt).__name__.lower(), float(opt.param_groups[0]["lr"])) if opt is not None else None
+        steps = trainer.estimated_stepping_batches
+        self._done_step = trainer.global_step
+        self.recorder.open(
+            "lightning",
+            type(pl_module).__name__,
+            pl_module.device,
+            total_steps=int(steps) if steps != float("inf") else None,
+            batch_size=batch * trainer.world_size if isinstance(batch, int) else None,
+            optimizer=optimizer,
+            extra={
+                "version": pl.__version__,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "max_epochs": trainer.max_epochs,
+            },
+        )
+
+    # -- each step ------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._t0 is None:  # the step's first micro-batch
+            self._t0 = time.perf_counter()
+            opt = trainer.optimizers[0] if trainer.optimizers else None
+            self._lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        value = _scalar(loss) if loss is not None else None
+        if value is not None and pl_module.automatic_optimization:
+            # Lightning hands on the loss divided by accumulate_grad_batches (what backward used);
+            # the step's loss is the mean of what training_step returned
+            value *= trainer.accumulate_grad_batches
+        if value is None:  # manual optimization without a returned loss: what the module logged
+            value = _scalar(trainer.callback_metrics.get("train_loss", trainer.callback_metrics.get("loss")))
+        if value is not None:
+            self._losses.append(value)
+        self._samples += batch_size(batch)
+        step = trainer.global_step
+        if step == self._done_step:
+            return  # a micro-batch of gradient accumulation: the step is not over yet
+        self._done_step = step
+        step_s = time.perf_counter() - (self._t0 or time.perf_counter())
+        mine = sum(self._losses) / len(self._losses) if self._losses else None
+        self._t0, self._losses = None, []
+        samples, self._samples = self._samples, 0
+        rec = self.recorder
+        end = rec.step_end(step, mine, step_s, samples if samples > 0 else None)
+        if end.losses:
+            rec.train(
+                step,
+                sum(end.losses.values()) / len(end.losses),
+                end.losses,
+                lr=self._lr,
+                step_ms=1000.0 * step_s,
+                samples_per_s=end.samples / step_s if end.samples and step_s > 0 else None,
+                epoch=trainer.current_epoch,
+            )
+        if end.stop:
+            self._stop(trainer)
+
+    def _stop(self, trainer: Any) -> None:
+        """Every rank: a checkpoint where the user's trainer keeps them, then stop at this step."""
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and getattr(ckpt, "dirpath", None):
+            path = Path(ckpt.dirpath) / f"stopped-step={trainer.global_step}.ckpt"
+            trainer.save_checkpoint(str(path))  # a collective: rank 0 writes
+            self.recorder.event("checkpoint", path=str(path))
+        trainer.should_stop = True
+
+    # -- validation -----------------------------------------------------------------------------
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking or self.recorder.rd is None:
+            return
+        val_loss, metrics = split_validation(dict(trainer.callback_metrics))
+        if val_loss is not None or metrics:
+            self.recorder.eval(trainer.global_step, val_loss, metrics, epoch=trainer.current_epoch)
+
+    # -- end ------------------------------------------------------------------------------------
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.recorder.step = trainer.global_step
+        self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            self.recorder.finish("stopped", "interrupted")
+            return
+        text = "".join(traceback.format_exception(exception))
+        self.recorder.finish("failed", f"{type(exception).__name__}: {exception}"[:500], text)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.recorder.finish("failed", "training ended without reporting an outcome")

@@ -1,0 +1,201 @@
+"""TensorBoard out and in: event files beside a run's metrics.jsonl, and any logdir read into the app.
+
+Out: with ``train.tensorboard = true`` the run also writes TensorBoard event files into its own folder
+(``torch.utils.tensorboard.SummaryWriter``), so ``tensorboard --logdir runs/`` shows each Multilane run
+under its folder's name. Tags: ``train/loss``, ``train/device_loss/<device>``, ``train/lr`` (and the
+other train numbers), ``val/loss``, ``val/<metric>``, ``telemetry/<reading>/<device>``,
+``telemetry/process/<reading>``. Steps and wall times are the records' own.
+
+In: ``TensorBoardLogdir`` reads the event files of one TensorBoard run folder with TensorBoard's own
+``EventFileLoader``, incrementally: each ``read()`` returns only the scalars appended since the last,
+and a record still being written (a torn last record) is left for the next read, as the loader does.
+Scalars become Multilane records (the tags above map back exactly; another logdir's tags by their
+names: see ``record_for``), so a logdir is shown in the same plots and exported the same way. It only
+reads: nothing is ever written into the logdir. Needs the ``[tensorboard]`` extra; this module is the
+only one that imports TensorBoard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.errors import UserError
+from multilane.engine.run.callbacks import RunResult, TrainerCallback
+from multilane.integrations.extras import require
+
+WHAT = "multilane.integrations.tensorboard (train.tensorboard, File → Open TensorBoard logdir)"
+TRAIN_KEYS = ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j")
+READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
+FLUSH_S = 5  # a live TensorBoard sees the run at most this late
+
+
+tb = require("torch.utils.tensorboard", "tensorboard", WHAT, library="tensorboard")
+event_file_loader = require(
+    "tensorboard.backend.event_processing.event_file_loader", "tensorboard", WHAT, library="tensorboard"
+)
+
+
+def _value(v: Any) -> float | None:
+    if isinstance(v, dict):
+        v = v.get("mean")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+class TensorBoardWriter(TrainerCallback):
+    """Writes a run's records as TensorBoard scalars into ``log_dir`` (the run folder)."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.writer = tb.SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
+
+    def _add(self, tag: str, value: Any, rec: dict[str, Any]) -> None:
+        v = _value(value)
+        if v is not None:
+            self.writer.add_scalar(tag, v, global_step=rec.get("step") or 0, walltime=rec.get("wall_time"))
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        self._add("train/loss", record.get("loss"), record)
+        for dev, v in (record.get("device_loss") or {}).items():
+            self._add(f"train/device_loss/{dev}", v, record)
+        for key in TRAIN_KEYS:
+            self._add(f"train/{key}", record.get(key), record)
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        self._add("val/loss", record.get("val_loss"), record)
+        for name, v in (record.get("metrics") or {}).items():
+            self._add(f"val/{name}", v, record)
+
+    def on_telemetry(self, record: dict[str, Any]) -> None:
+        for dev, readings in (record.get("devices") or {}).items():
+            for key in READINGS:
+                if key in readings:
+                    self._add(f"telemetry/{key}/{dev}", readings[key], record)
+        for key, v in (record.get("process") or {}).items():
+            self._add(f"telemetry/process/{key}", v, record)
+
+    def on_train_end(self, result: RunResult) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+# -- in -------------------------------------------------------------------------------------------
+def record_for(tag: str) -> tuple[str, str, str | None]:
+    """Where a scalar goes: (record kind, field, device or metric name). Multilane's own tags map back
+    exactly; another logdir's by name: a tag naming validation (val, valid, eval, test) is a validation
+    loss when it names a loss, else a validation metric; one naming the learning rate is ``lr``; the
+    first other loss-like tag is the train loss; every other scalar is shown as a metric."""
+    parts = tag.split("/")
+    if parts[0] == "train" and len(parts) >= 3 and parts[1] == "device_loss":
+        return "train", "device_loss", "/".join(parts[2:])
+    if parts[0] == "train" and len(parts) == 2 and parts[1] in ("loss", *TRAIN_KEYS):
+        return "train", parts[1], None
+    if parts[0] == "val" and len(parts) >= 2:
+        rest = "/".join(parts[1:])
+        return ("eval", "val_loss", None) if rest == "loss" else ("eval", "metrics", rest)
+    if parts[0] == "telemetry" and len(parts) == 3 and parts[1] == "process":
+        return "telemetry", parts[2], "process"
+    if parts[0] == "telemetry" and len(parts) >= 3:
+        return "telemetry", parts[1], "/".join(parts[2:])
+    low = tag.lower()
+    if low == "epoch":
+        return "train", "epoch", None
+    words = set(low.replace("/", "_").replace("-", "_").replace(".", "_").split("_"))
+    if words & {"val", "valid", "validation", "eval", "test"}:
+        return ("eval", "val_loss", None) if "loss" in low else ("eval", "metrics", tag)
+    if words & {"lr", "learning"} or "learning_rate" in low:
+        return "train", "lr", None
+    if "loss" in low:
+        return "train", "loss", tag
+    return "eval", "metrics", tag
+
+
+class TensorBoardLogdir:
+    """One TensorBoard run folder (its event files directly inside), read incrementally."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_dir():
+            raise UserError(f"tensorboard: {self.path} is not a folder")
+        self._loader_cls = event_file_loader.EventFileLoader
+        self._loaders: dict[Path, Any] = {}
+        self._scalar_tags: set[str] = set()
+        self._train_loss_tag: str | None = None
+        # The rows of the last step read: its other tags may still be on their way (held until a later
+        # step, or a read that brings nothing new, shows the step complete).
+        self._pending: dict[tuple[Any, ...], dict[str, Any]] = {}
+        if not self._files():
+            subs = sorted(p.name for p in self.path.iterdir() if p.is_dir() and any(p.glob("*tfevents*")))
+            hint = f"; open one of its runs: {', '.join(subs[:5])}" if subs else ""
+            raise UserError(f"tensorboard: {self.path} holds no event files (events.out.tfevents.*){hint}")
+
+    def _files(self) -> list[Path]:
+        return sorted(p for p in self.path.glob("*tfevents*") if p.is_file())
+
+    def read(self) -> list[dict[str, Any]]:
+        """The scalars appended since the last read, as Multilane records (by step, then kind)."""
+        scalars: list[tuple[str, float, int, float]] = []
+        for f in self._files():
+            loader = self._loaders.get(f)
+            if loader is None:
+                loader = self._loaders[f] = self._loader_cls(str(f))
+            with contextlib.suppress(Exception):  # a file removed or unreadable: the rest still count
+                for event in loader.Load():
+                    for v in event.summary.value:
+                        x = self._scalar(v)
+                        if x is not None:
+                            scalars.append((v.tag, x, int(event.step), float(event.wall_time)))
+        return self._records(scalars)
+
+    def _scalar(self, v: Any) -> float | None:
+        if v.HasField("metadata") and v.metadata.plugin_data.plugin_name == "scalars":
+            self._scalar_tags.add(v.tag)
+        if v.tag not in self._scalar_tags or not v.HasField("tensor"):
+            return None
+        t = v.tensor
+        vals = list(t.float_val) or list(t.double_val)
+        if len(vals) != 1:
+            return None
+        return float(vals[0])
+
+    def _records(self, scalars: list[tuple[str, float, int, float]]) -> list[dict[str, Any]]:
+        rows: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(dict, self._pending)
+        self._pending = {}
+        for tag, x, step, wall in scalars:
+            kind, field, name = record_for(tag)
+            if kind == "train" and field == "loss" and name is not None:
+                if self._train_loss_tag is None:
+                    self._train_loss_tag = tag
+                if tag != self._train_loss_tag:  # a second loss-like tag: shown as a metric of its own
+                    kind, field = "eval", "metrics"
+            rec = rows[(kind, step, wall) if kind == "telemetry" else (kind, step)]
+            rec.setdefault("kind", kind)
+            rec.setdefault("step", step)
+            rec["wall_time"] = max(wall, rec.get("wall_time", wall))
+            if field in ("device_loss", "metrics"):
+                rec.setdefault(field, {})[name or tag] = x
+            elif kind == "telemetry":
+                rec.setdefault("devices", {}).setdefault(name, {})[field] = x
+            else:
+                rec[field] = x
+        if scalars:
+            last = max(step for _, _, step, _ in scalars)
+            self._pending = {k: rows.pop(k) for k in list(rows) if k[1] == last}
+        out = []
+        for rec in rows.values():
+            if rec["kind"] == "telemetry" and "process" in rec.get("devices", {}):
+                rec["process"] = rec["devices"].pop("process")
+            if rec["kind"] == "train" and "loss" not in rec and "device_loss" in rec:
+                rec["loss"] = sum(rec["device_loss"].values()) / len(rec["device_loss"])
+            if rec["kind"] == "train" and "loss" not in rec:
+                rec["loss"] = math.nan  # an lr alone: the loss plot shows a gap, never a made-up value
+            out.append(rec)
+        order = {"train": 0, "eval": 1, "telemetry": 2}
+        return sorted(out, key=lambda r: (r["step"], order[r["kind"]]))

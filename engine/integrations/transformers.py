@@ -1,0 +1,109 @@
+"""Hugging Face: ``Trainer(..., callbacks=[MultilaneCallback()])`` makes the run a Multilane run folder.
+
+What the ``Trainer`` logs (``on_log``, every ``logging_steps``) becomes the run's records: the loss
+(the mean over the logging window, as the Trainer reports it), the learning rate, the gradient norm,
+the epoch, and the mean step time of the window; evaluation logs (``eval_*``) become eval records.
+Stop in the app sets ``control.should_training_stop`` at the next step (and ``should_save`` when the
+Trainer saves checkpoints); Pause waits between steps. Under ddp the Trainer's loss is already the
+mean over the ranks, so no device's own loss is shown (``device_loss`` is written only for a single
+process). Needs the ``[transformers]`` extra; this module is the only one that imports transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from multilane.integrations.extras import require
+
+hf = require("transformers", "transformers", "multilane.integrations.transformers")
+
+# After the library: without it, the one line comes before torch is imported.
+from multilane.integrations.recorder import RunRecorder  # noqa: E402
+
+__all__ = ["MultilaneCallback"]
+
+# Evaluation log entries that time the evaluation, not the model: not metrics.
+_TIMING = ("runtime", "samples_per_second", "steps_per_second")
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+class MultilaneCallback(hf.TrainerCallback):
+    """Writes the ``transformers.Trainer`` run into ``<runs_dir>/<timestamp>-<name>/``; the app
+    follows it live and its Stop and Pause act on it."""
+
+    def __init__(self, runs_dir: str | Path = "runs", name: str = "transformers", telemetry: bool = True) -> None:
+        self.recorder = RunRecorder(runs_dir, name, telemetry)
+        self._t0: float | None = None
+        self._step_s: list[float] = []
+        self._samples_per_step = 0
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run folder (on the main process, once training started)."""
+        return self.recorder.run_dir
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        world = max(1, int(getattr(args, "world_size", 1) or 1))
+        # nominal: the Trainer hands no batch to the step hooks (an epoch's last batch may be smaller)
+        self._samples_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        self.recorder.open(
+            "transformers",
+            type(model).__name__ if model is not None else "model",
+            args.device,
+            total_steps=state.max_steps or None,
+            batch_size=args.per_device_train_batch_size * world,
+            optimizer=(str(getattr(args.optim, "value", args.optim)), float(args.learning_rate)),
+            extra={
+                "version": hf.__version__,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "logging_steps": args.logging_steps,
+            },
+        )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step_s = time.perf_counter() - (self._t0 or time.perf_counter())
+        self._step_s.append(step_s)
+        stop = self.recorder.step_end(state.global_step, None, step_s).stop  # a collective under ddp
+        if stop:
+            control.should_training_stop = True
+            if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+                control.should_save = True  # the Trainer's own checkpoint of the step it stopped at
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        logs = logs or {}
+        rec = self.recorder
+        step = state.global_step
+        loss = _num(logs.get("loss"))
+        if loss is not None:
+            times, self._step_s = self._step_s, []
+            rec.train(
+                step,
+                loss,
+                {rec.key: loss} if rec.world == 1 else None,
+                lr=_num(logs.get("learning_rate")),
+                grad_norm=_finite(_num(logs.get("grad_norm"))),
+                epoch=_num(logs.get("epoch")),
+                step_ms=1000.0 * sum(times) / len(times) if times else None,
+                samples_per_s=self._samples_per_step * len(times) / sum(times) if times and sum(times) > 0 else None,
+            )
+        evals = {k[5:]: v for k, v in logs.items() if k.startswith("eval_") and _num(v) is not None}
+        if evals:
+            metrics = {k: float(v) for k, v in evals.items() if k != "loss" and k not in _TIMING}
+            rec.eval(step, _num(evals.get("loss")), metrics, epoch=_num(logs.get("epoch")))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.recorder.step = state.global_step
+        self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None

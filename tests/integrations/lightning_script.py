@@ -1,0 +1,94 @@
+"""A user's Lightning script with Multilane's one line added (run by the tests as a real process).
+
+A tiny regression, float32 on the CPU. Each rank writes the losses its ``training_step`` logged to
+``--out``/losses-rank<R>.json, so a test can compare them with the run folder step for step.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+# First: on CPU torch beside PyPI's torchvision, importing Lightning fails on torchvision::nms unless
+# Multilane's integration (which works around it) is imported before it (docs/integrations.md).
+from multilane.integrations.lightning import MultilaneCallback  # isort: skip
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, out: Path, sleep_s: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.out, self.sleep_s, self.logged = out, sleep_s, []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        self.logged.append({"step": self.global_step + 1, "loss": loss.item()})
+        (self.out / f"losses-rank{self.global_rank}.json").write_text(json.dumps(self.logged))
+        time.sleep(self.sleep_s)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_mae", (self.net(x) - y).abs().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True) * 0.3 + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--checkpoint", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        max_steps=a.steps,
+        accumulate_grad_batches=a.accumulate,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=a.checkpoint,
+        default_root_dir=str(out / "lightning"),
+        logger=False,
+        callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="lit")],
+    )
+    trainer.fit(
+        Regression(out, a.sleep),
+        DataLoader(data(256, 0), batch_size=16, shuffle=True),
+        DataLoader(data(64, 1), batch_size=32),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Hugging Face ``Trainer`` with ``MultilaneCallback``: a tiny GPT-2 from a config, random tokens, a real process."""
+
+import json
+import time
+
+import pytest
+from integration_runs import last_train_step, records, run_folder, run_script, start_script, status
+from multilane.engine.rundir.control_file import write_control
+from multilane.engine.rundir.runlog import read_json
+
+SCRIPT = "transformers_script.py"
+
+
+def test_trainer_logs_become_the_run_folders_records_step_for_step(tmp_path):
+    run = run_script(SCRIPT, tmp_path, "--steps", "8")
+    history = json.loads((tmp_path / "out" / "log_history.json").read_text())
+    logged = [h for h in history if "loss" in h]
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [h["step"] for h in logged] == list(range(1, 9))
+    for rec, h in zip(train, logged, strict=True):
+        assert rec["loss"] == h["loss"] and rec["device_loss"] == {"cpu:0": h["loss"]}
+        assert rec["lr"] == h["learning_rate"] and rec["grad_norm"] == h["grad_norm"] and rec["epoch"] == h["epoch"]
+        assert rec["step_ms"] > 0 and rec["samples_per_s"] == pytest.approx(4 / (rec["step_ms"] / 1000))
+    evals = [h for h in history if "eval_loss" in h]
+    assert [(e["step"], e["val_loss"]) for e in records(run, "eval")] == [(h["step"], h["eval_loss"]) for h in evals]
+    assert status(run)["state"] == "finished" and status(run)["total_steps"] == 8
+    cfg = read_json(run / "config.json")
+    assert cfg["task"]["name"] == "transformers:GPT2LMHeadModel" and cfg["data"]["batch_size"] == 4
+
+
+def test_a_stop_in_the_control_file_ends_the_trainer_within_a_step(tmp_path):
+    proc = start_script(SCRIPT, tmp_path, "--steps", "400", "--sleep", "0.3")
+    try:
+        run = run_folder(tmp_path)
+        end = time.monotonic() + 120
+        while last_train_step(run) < 3 and time.monotonic() < end:
+            time.sleep(0.1)
+        seen = last_train_step(run)
+        write_control(run, "stop")
+        assert proc.wait(timeout=120) == 0, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
+    finally:
+        proc.kill()
+    last = records(run, "train")[-1]["step"]
+    ran = int((tmp_path / "out" / "steps.txt").read_text())
+    assert seen <= last <= seen + 2 and ran == last, "no step after the one that saw the stop"
+    assert status(run)["state"] == "stopped" and status(run)["step"] == last

@@ -1,0 +1,81 @@
+"""A user's Hugging Face Trainer script with Multilane's one line added (run by the tests as a real process).
+
+A tiny GPT-2 built from a config (nothing downloaded) on random tokens, on the CPU. The Trainer's own
+log history goes to ``--out``/log_history.json, so a test can compare it with the run folder.
+"""
+
+# First: on CPU torch beside PyPI's torchvision, importing transformers can fail on torchvision::nms
+# unless Multilane's integration (which works around it) is imported before it (docs/integrations.md).
+from multilane.integrations.transformers import MultilaneCallback  # isort: skip
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 64, (n, 12), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Slow(transformers.TrainerCallback):
+    def __init__(self, seconds: float, out: Path) -> None:
+        self.seconds, self.out = seconds, out
+
+    def on_step_end(self, args, state, control, **kwargs):
+        (self.out / "steps.txt").write_text(str(state.global_step))
+        time.sleep(self.seconds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--sleep", type=float, default=0.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"),
+        max_steps=a.steps,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Tokens(64, 0),
+        eval_dataset=Tokens(16, 1),
+        callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="hf"), Slow(a.sleep, out)],
+    )
+    trainer.train()
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main()
