@@ -19,6 +19,7 @@ from multilane.gui.runs.run_summary import TrainingClock
 
 COLUMNS = [
     ("name", "run"),
+    ("tags", "tags"),  # beside the name: seen without scrolling (the note, longer, comes last)
     ("status", "status"),
     ("task", "task"),
     ("devices", "devices"),
@@ -30,7 +31,6 @@ COLUMNS = [
     ("best_val_loss", "best val loss"),
     ("final_metric", "final metric"),
     ("duration_s", "training time"),
-    ("tags", "tags"),
     ("note", "note"),
 ]
 

@@ -87,7 +87,8 @@ class RunsTable(QWidget):
         self.folder.setWordWrap(True)
         self.search = QLineEdit()
         self.search.setObjectName("runs.search")
-        self.search.setPlaceholderText("Search runs: name, task, tags, note… (all words must match)")
+        self.search.setPlaceholderText("Search: name, task, tags, note…")
+        self.search.setToolTip("Shows the runs in which every word typed appears in some column")
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(self._apply_filter)
         self.state = QComboBox()
@@ -129,9 +130,12 @@ class RunsTable(QWidget):
         find = QHBoxLayout()
         find.addWidget(self.search, 1)
         find.addWidget(self.state)
-        buttons = QHBoxLayout()
-        for b in (self.open_btn, self.compare_btn, self.rename_btn, self.delete_btn, self.undo_btn, refresh):
+        buttons = QHBoxLayout()  # two rows: one would make the left side too wide for a 1024-px screen
+        for b in (self.open_btn, self.compare_btn, refresh):
             buttons.addWidget(b)
+        edits = QHBoxLayout()
+        for b in (self.rename_btn, self.delete_btn, self.undo_btn):
+            edits.addWidget(b)
         self.message = QLabel()
         self.message.setObjectName("runs.message")
         self.message.setWordWrap(True)
@@ -142,6 +146,7 @@ class RunsTable(QWidget):
         layout.addWidget(self.table, 1)
         layout.addWidget(self.message)
         layout.addLayout(buttons)
+        layout.addLayout(edits)
         self.poll = QTimer(self)
         self.poll.setInterval(POLL_MS)
         self.poll.timeout.connect(self._poll)

@@ -22,10 +22,12 @@ def _num(v: float) -> str:
 
 def summary_html(s: RunSummary, name: str) -> str:
     """The summary as a small rich-text table (also its tooltip-free text for tests)."""
-    sps = f" · {s.samples_per_s:,.0f} samples/s" if math.isfinite(s.samples_per_s) else ""
-    head = (
-        f"<b>{html.escape(name)}</b> — {html.escape(s.stop_reason())} · training time {fmt_duration(s.training_s)}{sps}"
-    )
+    parts = [f"training time {fmt_duration(s.training_s)}"]
+    if math.isfinite(s.samples_per_s):
+        parts.append(f"{s.samples_per_s:,.0f} samples/s")
+    # the short parts whole on a line: a narrow window wraps between them, never inside "samples/s"
+    tail = "".join(" · " + p.replace(" ", "&nbsp;") for p in parts)
+    head = f"<b>{html.escape(name)}</b> — {html.escape(s.stop_reason())}{tail}"
     rows = [
         "<tr><th align=left></th><th align=right>&nbsp;final&nbsp;</th>"
         "<th align=right>&nbsp;best&nbsp;</th><th align=right>&nbsp;at step&nbsp;</th></tr>"
@@ -90,4 +92,4 @@ class SummaryView(QFrame):
 
         d = QTextDocument()
         d.setHtml(doc)
-        return d.toPlainText()
+        return d.toPlainText().replace("\xa0", " ")
