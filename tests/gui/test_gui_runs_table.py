@@ -20,9 +20,9 @@ from PySide6.QtCore import Qt
 
 @pytest.fixture
 def runs(make_config):
-    """Three real runs: 12 steps named alpha, 120 steps named beta (stopped), 30 steps named gamma."""
+    """Three real runs: 120 steps named alpha, beta (stopped at step 0 of 120), 30 steps named gamma."""
     out = {}
-    for name, steps in (("alpha", 12), ("beta", 120), ("gamma", 30)):
+    for name, steps in (("alpha", 120), ("beta", 120), ("gamma", 30)):
         cfg = make_config(train__steps=steps, run__name=name, data__batch_size=16)
         trainer = Trainer(cfg)
         if name == "beta":
@@ -69,8 +69,8 @@ def test_every_column_sorts_by_its_value(qtbot, window, runs):
             assert finite == sorted(finite) and keys[: len(finite)] == finite, (key, keys)
         else:
             assert keys == sorted(keys, key=str), (key, keys)
-    table.sortItems(col("steps"), Qt.DescendingOrder)  # "30/30" above "12/12" above "0/120": by the number
-    assert [table.item(r, col("steps")).text() for r in range(3)] == ["30/30", "12/12", "0/120"]
+    table.sortItems(col("steps"), Qt.DescendingOrder)  # by the number: "120/120" above "30/30" (text: below)
+    assert [table.item(r, col("steps")).text() for r in range(3)] == ["120/120", "30/30", "0/120"]
 
 
 def test_tags_and_a_note_are_kept_in_the_run_folder_and_searchable(qtbot, window, runs):
