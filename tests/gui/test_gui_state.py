@@ -4,6 +4,7 @@ end, the remembered form, the run name, opening a run over an edited form, and t
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -171,10 +172,14 @@ def test_the_run_name_follows_the_task_it_names(window):
 
 
 def _answer_next_box(button_text: str, seen: list) -> None:
+    """Click ``button_text`` in the next modal message box, as a user would (gives up after 20 s)."""
+    deadline = time.monotonic() + 20
+
     def click() -> None:
         box = QApplication.activeModalWidget()
-        if not isinstance(box, QMessageBox):
-            QTimer.singleShot(50, click)
+        if not isinstance(box, QMessageBox) or button_text not in [b.text() for b in box.buttons()]:
+            if time.monotonic() < deadline:
+                QTimer.singleShot(50, click)
             return
         seen.append(box.text())
         (button,) = [b for b in box.buttons() if b.text() == button_text]
