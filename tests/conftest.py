@@ -50,6 +50,8 @@ def make_window(qtbot, tmp_path):
         w.devices.set_checked(list(devices))
         w.separate.setChecked(separate)
         w.confirm_close = lambda: "stop"  # a test that fails mid-run: no modal question at teardown
+        # opening a run over an edited form asks first (a modal box; tests/gui/test_gui_state.py clicks it)
+        w.ask_replace_form = lambda _name: True
         made.append(w)
         return w
 

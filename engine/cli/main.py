@@ -17,6 +17,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from multilane.engine.rundir.runlog import load_metrics
+    from multilane.engine.rundir.runs_folder import run_folder_problem
     from multilane.gui.plots.export import FORMATS, export_headless
 
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
@@ -27,8 +28,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
     run, out = Path(args.run_dir), Path(args.out)
     try:
-        if not (run / "metrics.jsonl").exists():
-            raise UserError(f"export: {run} is not a run folder (no metrics.jsonl)")
+        problem = run_folder_problem(run)
+        if problem:
+            raise UserError(f"export: {problem}")
         if out.exists() and out.resolve() == run.resolve():
             raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
     except ValueError as e:  # an embedded NUL

@@ -55,6 +55,10 @@ def devices_table(rows: list[dict]) -> Any:
         memory = f"{used / 1024:,.1f} / {total / 1024:,.1f} GiB" if used is not None and total else "-"
         temp = f"{r['temp_c']:.0f} °C" if "temp_c" in r else "-"
         power = f"{r['power_w']:.0f} W" if "power_w" in r else "-"
-        name = r["name"] if r["kind"] == "cuda" else f"cpu ×{r['cores']}"
-        table.add_row(name, str(r.get("model", "")), util, memory, temp, power)
+        if r["kind"] == "cuda":
+            name, model = r["name"], str(r.get("model", ""))
+        else:  # the lanes the app's device list offers (one rule: telemetry/devices.py cpu_lane_count)
+            lanes = r.get("lanes") or 2
+            name, model = f"cpu:0–cpu:{lanes - 1}", f"{lanes} CPU lanes on {r['cores']} cores · {r.get('model', '')}"
+        table.add_row(name, model, util, memory, temp, power)
     return table

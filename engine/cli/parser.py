@@ -15,7 +15,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # One line, exit 2: what is wrong (and the option meant, for a typo), not a usage screen.
-        self.exit(2, f"{self.prog}: error: {message}{_suggestion(self, message)} (see --help)\n")
+        # "multilane: error:" from every subcommand too (argparse would say "multilane train: error:"),
+        # like the errors found after parsing; the subcommand leads the message, as theirs do ("watch: ...").
+        command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        self.exit(2, f"multilane: error: {command}{message}{_suggestion(self, message)} (see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):

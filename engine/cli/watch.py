@@ -14,6 +14,7 @@ from typing import Any
 from multilane.engine.cli.progress import format_telemetry
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.follow import RunFollower
+from multilane.engine.rundir.runs_folder import run_folder_problem
 
 
 class WatchState:
@@ -47,7 +48,7 @@ class WatchState:
         if status.get("step") is not None:
             self.step = max(self.step, int(status["step"]))
 
-    def line(self) -> str:
+    def line(self, telemetry: bool = True) -> str:
         parts = [f"{self.state}: step {self.step}" + (f"/{self.total}" if self.total else "")]
         if self.train:
             parts.append(f"loss {self.train['loss']:.4f}")
@@ -56,7 +57,7 @@ class WatchState:
         if self.eval:
             parts.append(f"val {self.eval['val_loss']:.4f}")
         text = " · ".join(parts)
-        if self.telemetry:
+        if self.telemetry and telemetry:
             text += " " + self.telemetry
         if self.message and self.state != "running":
             text += f" ({self.message})"
@@ -68,7 +69,7 @@ def watch(run_dir: str | Path, interval: float = 0.5, out: Any = None) -> int:
     out = out or sys.stdout
     folder = Path(run_dir).expanduser()
     if not folder.is_dir():
-        raise UserError(f"watch: {folder} is not a run folder")
+        raise UserError(f"watch: {run_folder_problem(folder)}")
     follower, state = RunFollower(folder), WatchState()
     tty = out.isatty()
     last = ""
@@ -80,10 +81,13 @@ def watch(run_dir: str | Path, interval: float = 0.5, out: Any = None) -> int:
             if update.status is not None:
                 state.set_status(update.status)
             line = state.line()
-            if line != last:
+            # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
+            # not each time only the telemetry's readings change: that printed one line a second.
+            key = line if tty else state.line(telemetry=False)
+            if key != last:
                 out.write(("\r\x1b[2K" + line) if tty else line + "\n")
                 out.flush()
-                last = line
+                last = key
             if follower.done:
                 break
             time.sleep(interval)

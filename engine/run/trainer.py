@@ -34,6 +34,7 @@ from multilane.engine.run.run_end import finish_run
 from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import RunDir
+from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.sampler import TelemetrySampler
@@ -72,6 +73,9 @@ class Trainer:
             self._resume_dir = self._open_resume_dir(resume_from)
         try:
             self._configure(config, overrides or {}, task)
+            if self._resume_dir is None and self._made_run_dir is None:
+                # now, not after set-up (data, model: seconds to minutes), which RunDir.create follows
+                check_writable(Path(self.config.run.runs_dir).expanduser())
         except BaseException:
             if self._resume_dir is not None:
                 self._resume_dir.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
+from multilane.engine.rundir.runs_folder import run_folder_problem
 
 CONTROL = "control.json"
 COMMANDS = ("pause", "resume", "stop")
@@ -28,7 +29,7 @@ def write_control(run_dir: str | Path, command: str) -> Path:
         raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
     folder = Path(run_dir).expanduser()
     if not folder.is_dir():
-        raise UserError(f"control: {folder} is not a run folder")
+        raise UserError(f"control: {run_folder_problem(folder)}")
     path = folder / CONTROL
     tmp = path.with_name(f".{CONTROL}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"command": command, "time": time.time(), "pid": os.getpid()}) + "\n")

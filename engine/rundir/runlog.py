@@ -45,6 +45,7 @@ from multilane.engine.rundir.runread import (
     record_problem,
     run_task_name,
 )
+from multilane.engine.rundir.runs_folder import run_folder_problem
 from multilane.engine.rundir.writefile import (
     TEMP_FILE,
     atomic_write_bytes,
@@ -126,7 +127,7 @@ class RunDir:
         p = Path(path).expanduser()
         try:
             if not p.is_dir():
-                raise UserError(f"resume: {p} is not a run folder")
+                raise UserError(f"resume: {run_folder_problem(p)}")
         except ValueError as e:  # an embedded NUL
             raise UserError(f"resume: {path!r} is not a usable path ({e})") from None
         if not (p / CHECKPOINT).is_file():

@@ -20,13 +20,24 @@ from torch.nn import functional as F
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
+def vision_install_hint() -> str:
+    """The install line, naming the torch installed now: pip then keeps it (README: a bare torch
+    requirement may pull another, multi-GB build) and picks the torchvision made for it."""
+    import torch
+
+    version = torch.__version__.split("+")[0]  # "==2.13.0" matches a local build (2.13.0+cu126) too
+    return (
+        f'install the vision extra, naming your torch in the same call: pip install "torch=={version}" -e ".[vision]"'
+    )
+
+
 def torchvision_or_hint() -> Any:
     """Import torchvision, or a UserError naming the extra that installs it."""
     try:
         import torchvision
     except ImportError:
         raise UserError(
-            'task imagefolder: needs torchvision, which is not installed; install the vision extra: pip install -e ".[vision]"'
+            f"task imagefolder: needs torchvision, which is not installed; {vision_install_hint()}"
         ) from None
     except RuntimeError as e:
         if "torchvision::nms" not in str(e):

@@ -104,6 +104,24 @@ def lane_names(devices: list[Device]) -> list[str]:
     return names
 
 
+MAX_CPU_LANES = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share), else all."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_lane_count() -> int:
+    """How many CPU lanes the app offers and ``multilane devices`` lists: one per usable core, at
+    least 2 (two lanes show data parallelism even on one core, slowly) and at most 8 (a list, not a
+    limit: ``--devices cpu:0,...,cpu:15`` works)."""
+    return max(2, min(MAX_CPU_LANES, usable_cores()))
+
+
 def describe_devices() -> list[dict]:
     """What this machine offers: every CUDA GPU with its memory, and the CPU (for lanes)."""
     out: list[dict] = []
@@ -127,7 +145,8 @@ def describe_devices() -> list[dict]:
             "name": "cpu",
             "kind": "cpu",
             "model": _cpu_model() or platform.processor() or platform.machine(),
-            "cores": os.cpu_count() or 1,
+            "cores": usable_cores(),
+            "lanes": cpu_lane_count(),
             "memory_total_mb": _total_memory_mb(),
             "note": "CPU lanes: cpu:0,cpu:1,... each lane is one thread on the CPU",
         }

@@ -7,7 +7,9 @@ validates the whole config and names the fields that break a rule.
 
 from __future__ import annotations
 
+import re
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from multilane.engine.config import RunConfig, describe_error
@@ -55,6 +57,26 @@ TITLES = {
     "telemetry": "Telemetry",
     "run": "Run",
 }
+
+
+_MISSING = object()
+
+
+def _task_word(task: str) -> str:
+    """A task as a run name says it: a task file by its stem (``/x/my_task.py`` -> ``my_task``)."""
+    return Path(task).stem if is_task_file(task) else task
+
+
+def follow_task_name(run_name: str, old_task: str, new_task: str) -> str:
+    """The run name after the task changed: ``digits-b`` becomes ``charlm-b`` when digits gives way
+    to charlm; a name that does not name the old task (``run``, ``lr-sweep``) stays as it is."""
+    if not old_task or not new_task:
+        return run_name
+    parts = re.split(r"([-_.])", run_name)
+    if old_task not in parts:
+        return run_name
+    candidate = "".join(new_task if p == old_task else p for p in parts)
+    return candidate if re.fullmatch(r"[A-Za-z0-9._-]{1,80}", candidate) else run_name
 
 
 def _bounds(field: FieldInfo) -> tuple[float | None, float | None]:
@@ -234,6 +256,16 @@ class ConfigForm(QWidget):
         self._changed()
 
     def set_task(self, name: str, params: dict[str, Any] | None = None, load: bool = True) -> None:
+        """Choose a task (see ``_set_task``); a run name that names the old task follows the new one."""
+        old = self._task_name
+        self._set_task(name, params, load)
+        ed = self.editors.get("run.name")
+        if ed is not None and not self._loading and old != name:
+            renamed = follow_task_name(ed.get(), _task_word(old), _task_word(name))
+            if renamed != ed.get():
+                ed.set(renamed)
+
+    def _set_task(self, name: str, params: dict[str, Any] | None = None, load: bool = True) -> None:
         """Choose a task and rebuild its own hyperparameter fields from its schema.
 
         ``load=False`` (a preset, the remembered last config): a task *file* is not imported — that
@@ -300,7 +332,30 @@ class ConfigForm(QWidget):
             for key, ed in self.editors.items():
                 section, name = key.split(".")
                 ed.set(data[section][name])
-            self.set_task(cfg.task.name, cfg.task.params, load=False)  # a config is data: no task file runs
+            self._set_task(cfg.task.name, cfg.task.params, load=False)  # a config is data: no task file runs
+        finally:
+            self._loading = False
+        self._update_applicable()
+        self.changed.emit()
+
+    def set_values(self, data: dict[str, Any]) -> None:
+        """The form as it was (a dict from ``values()``), valid or not: what the user left in it is
+        what comes back; a field that cannot take its value keeps its default."""
+        self._loading = True
+        try:
+            for key, ed in self.editors.items():
+                section, name = key.split(".")
+                value = (data.get(section) or {}).get(name, _MISSING)
+                if value is _MISSING:
+                    continue
+                try:
+                    ed.set(value)
+                except (TypeError, ValueError, OverflowError):
+                    pass
+            task = data.get("task") or {}
+            if isinstance(task.get("name"), str) and task["name"]:
+                params = task.get("params") if isinstance(task.get("params"), dict) else {}
+                self._set_task(task["name"], params, load=False)
         finally:
             self._loading = False
         self._update_applicable()

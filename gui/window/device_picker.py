@@ -3,12 +3,11 @@ and an optional share of each batch per device (uneven split)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import psutil
 from multilane.engine.run.balance import balance_warnings
-from multilane.engine.telemetry.devices import Device, describe_devices
+from multilane.engine.telemetry.devices import Device, cpu_lane_count, describe_devices
 from multilane.engine.telemetry.nvml import open_nvml
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -29,7 +28,7 @@ COLS = ["device", "model", "memory", "util", "share"]
 class DevicePicker(QWidget):
     changed = Signal()
 
-    def __init__(self, parent=None, max_cpu_lanes: int = 8) -> None:
+    def __init__(self, parent=None) -> None:
         super().__init__(parent)
         self.cpu_pct = 0.0  # the whole CPU's load, between runs (update_idle)
         layout = QVBoxLayout(self)
@@ -61,9 +60,8 @@ class DevicePicker(QWidget):
                 dev = Device("cuda", int(d["name"].split(":")[1]))
                 self._add(dev, d["model"], f"{d['memory_total_mb'] / 1024:.0f} GiB", True)
         else:
-            cores = os.cpu_count() or 1
             cpu = info[-1]
-            for i in range(max(2, min(max_cpu_lanes, cores * 2))):
+            for i in range(cpu.get("lanes") or cpu_lane_count()):  # as `multilane devices` lists them
                 memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
                 self._add(Device("cpu", i), "CPU lane", memory, i < 2)
         header = self.tree.header()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from multilane.engine.config import build_config, load_config, save_config
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.runs_folder import run_folder_problem
 from multilane.gui.runs.run_data import RunData
 from multilane.gui.window.export_dialog import ExportDialog
 from PySide6.QtCore import Qt
@@ -19,8 +20,9 @@ class RunFilesMixin:
     def open_run(self, path: str, compare: bool = False) -> bool:
         """Show a past run (its curves, its name, its settings in the form), or overlay it to compare."""
         p = Path(path)
-        if not (p / "metrics.jsonl").exists():
-            QMessageBox.warning(self, "Not a run folder", f"{p} has no metrics.jsonl")
+        problem = run_folder_problem(p)
+        if problem:
+            QMessageBox.warning(self, "Not a run folder", problem)
             return False
         if self.is_running():
             QMessageBox.information(self, "A run is in progress", "Stop the run before opening another one.")
@@ -37,7 +39,8 @@ class RunFilesMixin:
         else:
             self.plots.reset(data)
             self.shown_run_dir = str(p)
-            self._show_run_settings(p)
+            self._show_run_settings(p, ask=True)
+            self.show_summary(str(p))
         self.plots.refresh()
         self.plots.fit_x()
         skipped = f" ({data.skipped} unreadable line{'s' if data.skipped != 1 else ''} skipped)" if data.skipped else ""
@@ -66,15 +69,17 @@ class RunFilesMixin:
         """Re-read the runs folder into the runs table."""
         self.runs_table.load(self._runs_dir())
 
-    def _show_run_settings(self, run_dir: Path) -> None:
-        """The header names the run; the form shows the settings it ran with (not the last live run's)."""
+    def _show_run_settings(self, run_dir: Path, ask: bool = False) -> None:
+        """The header names the run; the form shows the settings it ran with (not the last live run's).
+        ``ask``: a form the user edited is replaced only if they agree (``ask_replace_form``)."""
         title = run_dir.name
         try:
             cfg = build_config(json.loads((run_dir / "config.json").read_text(encoding="utf-8")), "run config")
         except (OSError, ValueError, UserError):
             cfg = None
         if cfg is not None:
-            self.set_config(cfg)
+            if not ask or not self.form_edited() or self.ask_replace_form(run_dir.name):
+                self.set_config(cfg, keep_runs_dir=True)
             title += f" · {cfg.task.name} · {cfg.devices.use}"
         self.plots.set_title(title)
 

@@ -16,6 +16,7 @@ from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
 from multilane.gui.window.run_control import RunControlMixin
 from multilane.gui.window.runs_table import RunsTable
+from multilane.gui.window.summary_view import SummaryView
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QPushButton,
     QScrollArea,
     QSlider,
@@ -45,7 +47,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         self.paused = False
         self._active = False
         self._resume_from: str | None = None  # the run folder the current run resumes, if any
-        self._t_start = 0.0
+        self._form_loaded = ""  # the form as last loaded or started (see form_edited)
         self._last_train: dict[str, Any] = {}
         self._hold_pending = False
 
@@ -122,6 +124,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         rv = QVBoxLayout(right)
         rv.setContentsMargins(4, 6, 6, 6)
         rv.addLayout(bar)
+        self.summary = SummaryView()
+        rv.addWidget(self.summary)
         rv.addWidget(self.plots, 1)
 
         split = QSplitter()
@@ -235,10 +239,50 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         self.start_btn.setToolTip(problems[0] if problems else "Start training (Ctrl+Enter)")
         return problems
 
-    def set_config(self, cfg: RunConfig) -> None:
+    def set_config(self, cfg: RunConfig, keep_runs_dir: bool = False) -> None:
+        """Show ``cfg`` in the form; ``keep_runs_dir``: the form's runs folder stays (an opened run's
+        settings replace the run's hyperparameters, not where the user keeps runs)."""
+        if keep_runs_dir:
+            runs_dir = self.form.editors["run.runs_dir"].get()
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"runs_dir": runs_dir})})
         self.form.set_config(cfg)
         self.devices.set_values(cfg.devices.model_dump())
         self.validate()
+        self._form_loaded = self._form_key()
+
+    def _form_key(self) -> str:
+        d = self.config_dict()
+        d.get("run", {}).pop("runs_dir", None)  # where runs go is the user's, not a run's setting
+        return json.dumps(d, sort_keys=True, default=str)
+
+    def form_edited(self) -> bool:
+        """Whether the user changed the form since it was last loaded (a run, a preset) or started."""
+        return self._form_key() != self._form_loaded
+
+    def remember_form(self) -> None:
+        """The next launch starts from the form as it is now (valid or not), not from the last Start."""
+        self.settings.setValue("last_form", json.dumps(self.config_dict(), default=str))
+        self._form_loaded = self._form_key()
+
+    def ask_replace_form(self, run_name: str) -> bool:
+        """Opening a run while the form holds edits: replace them with the run's settings?"""
+        box = QMessageBox(QMessageBox.Question, "Replace your settings?", "", parent=self)
+        box.setObjectName("ask.replace_form")
+        box.setText(
+            f"The form holds settings you changed. Show {run_name}'s settings in it instead? "
+            "(Its curves are shown either way.)"
+        )
+        replace = box.addButton("Show the run's settings", QMessageBox.AcceptRole)
+        keep = box.addButton("Keep my settings", QMessageBox.RejectRole)
+        box.setDefaultButton(keep)
+        box.exec()
+        return box.clickedButton() is replace
+
+    def show_summary(self, run_dir: str) -> bool:
+        return self.summary.show_run(run_dir)
+
+    def hide_summary(self) -> None:
+        self.summary.hide()
 
     def _auto_range_lost(self) -> None:
         self.auto_range.blockSignals(True)
@@ -263,12 +307,21 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         state = self.settings.value("splitter")
         if isinstance(state, QByteArray):
             self.splitter.restoreState(state)
-        last = self.settings.value("last_config")
-        if last:
+        form = self.settings.value("last_form")
+        last = self.settings.value("last_config")  # what versions before the remembered form kept
+        if form:
+            try:
+                data = json.loads(form)
+                self.form.set_values(data)
+                self.devices.set_values(data.get("devices") or {})
+            except (ValueError, TypeError, AttributeError):
+                pass  # a broken saved form: start from the defaults
+        elif last:
             try:
                 self.set_config(build_config(json.loads(last), "last config"))
             except (UserError, ValueError, TypeError):
                 pass  # an old or broken saved config: start from the defaults
+        self._form_loaded = self._form_key()
 
     def closeEvent(self, event) -> None:
         if not self.close_run():
@@ -276,6 +329,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
             return
         if self.run is not None:
             self.run.thread.wait(10_000)
+        self.remember_form()
         self.settings.setValue("geometry", self.saveGeometry())
         self.settings.setValue("splitter", self.splitter.saveState())
         self.timer.stop()

@@ -4,7 +4,6 @@ folder, pause, resume, stop, show what comes back, and what closing the window d
 from __future__ import annotations
 
 import gc
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,13 @@ from typing import Any
 from multilane.engine.cli.progress import data_wait
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.runlog import CONFIG, RunDir
+from multilane.engine.rundir.runlog import CONFIG, RunDir, iter_metrics
+from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks.loader import TaskFileChanged, is_task_file
 from multilane.gui.runs import follow
 from multilane.gui.runs.redraw_pace import REDRAW_MS
+from multilane.gui.runs.run_summary import TrainingClock, fmt_duration
 from multilane.gui.runs.worker import RunHandle, TrainWorker
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
@@ -37,9 +39,18 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _fmt_duration(s: float) -> str:
-    s = int(max(0, s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+def final_text(status: str, step: int, message: str | None) -> str:
+    """The status line at a run's end: "Stopped at step 1,219", with the message only where it says
+    more than that (never "Stopped at step 1219 — stopped at step 1219")."""
+    head = f"{status.capitalize()} at step {step:,}"
+    if not message:
+        return head
+    said = {head.lower(), f"{status} at step {step}".lower()}
+    if message.strip().rstrip(".").lower() in said:
+        return head
+    if message.lower().startswith(f"{status} at step"):
+        return message[0].upper() + message[1:]
+    return f"{head} — {message}"
 
 
 def _rejected(message: str, task_file_changed: str | None = None) -> dict[str, Any]:
@@ -75,6 +86,13 @@ class RunControlMixin:
             except UserError as e:
                 self.why.setText(str(e))
                 return False
+        if config is not None:
+            try:  # at Start, not after the run's set-up (imports, data, model: seconds to minutes)
+                check_writable(Path(config.run.runs_dir).expanduser())
+            except UserError as e:
+                self._resume_from = None
+                self._on_finished(_rejected(str(e)))
+                return False
         if self.in_child_process(config, resume_from):
             try:  # the child process trains; this one follows its run folder
                 worker = follow.start_child(config, resume_from, overrides)
@@ -87,8 +105,12 @@ class RunControlMixin:
             worker = TrainWorker(config, resume_from=resume_from, overrides=overrides)
         self._resume_from = resume_from
         self._begin(RunHandle(worker), config)
-        if config is not None:
-            self.settings.setValue("last_config", json.dumps(config.to_dict()))
+        if resume_from:  # the time it trained before: training time goes on from there
+            try:
+                self.clock = TrainingClock.of(iter_metrics(Path(resume_from) / "metrics.jsonl"))
+            except UserError:
+                pass
+        self.remember_form()
         return True
 
     def follow_run(self, path: str) -> bool:
@@ -96,7 +118,7 @@ class RunControlMixin:
         if self.is_running():
             return False
         if not Path(path).is_dir():
-            QMessageBox.warning(self, "Not a run folder", f"{path} is not a folder")
+            QMessageBox.warning(self, "Not a run folder", run_folder_problem(path) or f"{path}: not a folder")
             return False
         self._resume_from = None
         self._begin(RunHandle(follow.follow(path)), None)
@@ -111,6 +133,8 @@ class RunControlMixin:
         """Show a run from its start: one in this process's thread, or one another process writes."""
         self.plots.reset()
         self._last_train = {}
+        self.clock = TrainingClock()
+        self.hide_summary()
         _freeze_heap()
         worker = handle.worker
         worker.started.connect(self._on_started)
@@ -122,7 +146,6 @@ class RunControlMixin:
         self._active = True
         self._hold_pending = False
         self.paused = False
-        self._t_start = time.monotonic()
         self._set_running(True)
         self.status_label.setText(_starting_text(config, handle))
         self.run.start()
@@ -134,8 +157,13 @@ class RunControlMixin:
             self.run.worker.resume()
         else:
             self.run.worker.pause()
-        self.paused = not self.paused
-        self.pause_btn.setText("Resume" if self.paused else "Pause")
+        self._show_paused(not self.paused)
+
+    def _show_paused(self, paused: bool) -> None:
+        """The Pause button, the status line and the redraw hold follow the run's state, whoever paused
+        it: this window, another one, ``multilane control``, or the run itself (``on_nonfinite = pause``)."""
+        self.paused = paused
+        self.pause_btn.setText("Resume" if paused else "Pause")
 
     def stop(self) -> None:
         if self.is_running():
@@ -164,9 +192,13 @@ class RunControlMixin:
 
     def _on_record(self, rec: dict) -> None:
         self.plots.add_record(rec)
+        self.clock.add(rec)
         kind = rec.get("kind")
         if kind == "train":
             self._last_train = rec
+        elif kind == "event" and rec.get("event") in ("paused", "resumed", "started"):
+            # A followed run replays its records from the start: the last of these says how it is now.
+            self._show_paused(rec["event"] == "paused")
         elif kind == "telemetry":
             self.devices.update_from_telemetry(rec)
         elif kind == "event" and rec.get("event") == "warning":
@@ -205,8 +237,10 @@ class RunControlMixin:
             box.open()  # not exec(): the app stays responsive, and tests are not blocked
             self.error_box = box
         else:
-            msg = f" — {result['message']}" if result.get("message") else ""
-            self.status_label.setText(f"{status.capitalize()} at step {result['step']}{msg} · {result['run_dir']}")
+            text = final_text(status, result["step"], result.get("message"))
+            self.status_label.setText(f"{text} · {result['run_dir']}")
+        if status in ("finished", "stopped", "failed") and result.get("run_dir"):
+            self.show_summary(result["run_dir"])
         self.validate()
 
     def _ask_to_run_changed_task_file(self, run_dir: str, result: dict) -> None:
@@ -250,16 +284,20 @@ class RunControlMixin:
             self.run.control.wait_until_held(HOLD_WAIT_S)
         self._paced_refresh()
         if self.is_running() and self._last_train:
-            r = self._last_train
-            total = self.run_info.get("total_steps") or 0
-            elapsed = time.monotonic() - self._t_start
-            sps = r.get("samples_per_s") or 0
-            step_ms = r.get("step_ms") or 0
-            eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
-            self.status_label.setText(
-                f"{'Paused · ' if self.paused else ''}step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f} · "
-                f"{sps:,.0f} samples/s{data_wait(r)} · elapsed {_fmt_duration(elapsed)} · ETA {_fmt_duration(eta)}"
-            )
+            self.status_label.setText(self.progress_text())
+
+    def progress_text(self) -> str:
+        """The status line while a run goes: paused, it says so, with no speed and no ETA."""
+        r = self._last_train
+        total = self.run_info.get("total_steps") or 0
+        trained = fmt_duration(self.clock.seconds(None if self.paused else time.time()))
+        where = f"step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f}"
+        if self.paused:
+            return f"Paused · {where} · training time {trained}"
+        sps = r.get("samples_per_s") or 0
+        step_ms = r.get("step_ms") or 0
+        eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
+        return f"{where} · {sps:,.0f} samples/s{data_wait(r)} · training time {trained} · ETA {fmt_duration(eta)}"
 
     def _paced_refresh(self) -> None:
         """Refresh the plots; while a run trains, the next refresh comes when the redraw pace allows

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.rundir.runlog import iter_metrics
+from multilane.engine.rundir.runs_folder import read_meta
+from multilane.gui.runs.run_summary import TrainingClock
 
 COLUMNS = [
     ("name", "run"),
+    ("tags", "tags"),  # beside the name: seen without scrolling (the note, longer, comes last)
     ("status", "status"),
     ("task", "task"),
     ("devices", "devices"),
@@ -27,7 +30,8 @@ COLUMNS = [
     ("final_loss", "final loss"),
     ("best_val_loss", "best val loss"),
     ("final_metric", "final metric"),
-    ("duration_s", "duration (s)"),
+    ("duration_s", "training time"),
+    ("note", "note"),
 ]
 
 
@@ -42,12 +46,15 @@ class RunSummary:
     optimizer: str = ""
     lr: float = math.nan
     steps: str = ""
+    step: float = math.nan  # the steps column sorts by this, not by its text ("100/200" after "20/200")
     final_loss: float = math.nan
     best_val_loss: float = math.nan
     final_metric: float = math.nan
     metric_name: str = ""
     duration_s: float = math.nan
     started: float = 0.0
+    tags: str = ""  # meta.json's tags, comma-separated (engine/rundir/runs_folder.py)
+    note: str = ""
     notes: list[str] = field(default_factory=list)
 
     def value(self, key: str) -> Any:
@@ -70,6 +77,8 @@ def summarize(run_dir: str | Path) -> RunSummary:
     s.status = str(status.get("state") or "?")
     step, total = status.get("step"), status.get("total_steps")
     s.steps = f"{step}/{total}" if step is not None and total else (str(step) if step is not None else "")
+    if isinstance(step, int):
+        s.step = float(step)
     cfg = _read_json(p / "config.json")
     try:
         s.task = str(cfg["task"]["name"])
@@ -79,13 +88,16 @@ def summarize(run_dir: str | Path) -> RunSummary:
         s.lr = float(cfg["optim"]["lr"])
     except (KeyError, TypeError, ValueError):
         s.notes.append("no readable config.json")
-    first = last = None
+    meta = read_meta(p)
+    s.tags, s.note = ", ".join(meta["tags"]), meta["note"]
+    first = None
+    clock = TrainingClock()  # training time: what the window's status line says too
     try:
         for rec in iter_metrics(p / "metrics.jsonl"):
+            clock.add(rec)
             wall = rec.get("wall_time")
-            if isinstance(wall, (int, float)):
-                first = wall if first is None else first
-                last = wall
+            if isinstance(wall, (int, float)) and first is None:
+                first = wall
             kind = rec.get("kind")
             if kind == "train" and isinstance(rec.get("loss"), (int, float)):
                 s.final_loss = float(rec["loss"])
@@ -99,18 +111,60 @@ def summarize(run_dir: str | Path) -> RunSummary:
                         break
     except (OSError, ValueError):
         s.notes.append("metrics.jsonl unreadable")
-    if first is not None and last is not None:
-        s.started, s.duration_s = first, last - first
+    if first is not None:
+        s.started, s.duration_s = first, clock.seconds()
     return s
 
 
-def list_runs(runs_dir: str | Path) -> list[RunSummary]:
-    """Every run folder directly under ``runs_dir`` (a folder with metrics.jsonl), newest first."""
+def _stamp(folder: Path) -> tuple:
+    """What changes when a run's row may: its metrics' size, its status and its meta.json."""
+    out: list = []
+    for name in ("metrics.jsonl", "status.json", "meta.json", "config.json"):
+        try:
+            st = (folder / name).stat()
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def list_runs(runs_dir: str | Path, cache: dict[Path, tuple[tuple, RunSummary]] | None = None) -> list[RunSummary]:
+    """Every run folder directly under ``runs_dir`` (a folder with metrics.jsonl), newest first.
+    With ``cache`` (kept by the caller between calls), only folders that changed are read again."""
     root = Path(runs_dir)
     try:
         folders = [d for d in root.iterdir() if d.is_dir() and (d / "metrics.jsonl").exists()]
     except OSError:
         return []
-    rows = [summarize(d) for d in folders]
+    rows = []
+    for d in folders:
+        stamp = _stamp(d)
+        hit = cache.get(d) if cache is not None else None
+        row = hit[1] if hit is not None and hit[0] == stamp else summarize(d)
+        if cache is not None:
+            cache[d] = (stamp, row)
+        rows.append(row)
+    if cache is not None:
+        for gone in set(cache) - set(folders):
+            del cache[gone]
     rows.sort(key=lambda r: (r.started, r.name), reverse=True)
     return rows
+
+
+def runs_signature(runs_dir: str | Path) -> tuple:
+    """Cheap: changes when a run folder comes or goes, or a run's status or meta changes (a start, an
+    end, a tag). The runs table polls it to refresh by itself."""
+    root = Path(runs_dir)
+    try:
+        names = sorted(d.name for d in root.iterdir() if d.is_dir())
+    except OSError:
+        return ()
+    sig = []
+    for name in names:
+        for f in ("status.json", "meta.json", "metrics.jsonl"):
+            try:
+                st = (root / name / f).stat()
+                sig.append((name, f, st.st_mtime_ns, st.st_ino) if f != "metrics.jsonl" else (name, f))
+            except OSError:
+                pass
+    return tuple(sig)

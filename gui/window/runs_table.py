@@ -1,23 +1,36 @@
-"""The runs table: past runs of the runs folder, sortable, to open or compare."""
+"""The runs table: the runs of the runs folder, to find (search, status filter, sort on any column),
+open, compare, tag and annotate, rename, and delete to the trash (with undo). It refreshes by itself
+while shown, as runs start and end (a cheap stamp of the folder every 2 s; only changed runs are re-read)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from multilane.gui.window.runs_index import COLUMNS, RunSummary, list_runs
-from PySide6.QtCore import Qt, Signal
+from multilane.engine.errors import UserError
+from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
+from multilane.gui.runs.run_summary import fmt_duration
+from multilane.gui.window.runs_index import COLUMNS, RunSummary, list_runs, runs_signature
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QHBoxLayout,
     QHeaderView,
+    QInputDialog,
     QLabel,
+    QLineEdit,
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
+
+EDITABLE = ("tags", "note")  # edited in place (double-click, F2); written to the run's meta.json
+STATES = ["all", "running", "paused", "finished", "stopped", "failed"]
+POLL_MS = 2000
 
 
 class _Item(QTableWidgetItem):
@@ -36,6 +49,8 @@ class _Item(QTableWidgetItem):
 
 def _cell(row: RunSummary, key: str) -> _Item:
     v = row.value(key)
+    if key == "steps":
+        return _Item(str(v), row.step)
     if isinstance(v, float):
         if math.isnan(v):
             text = ""
@@ -44,7 +59,7 @@ def _cell(row: RunSummary, key: str) -> _Item:
         elif key in ("batch",):
             text = f"{v:.0f}"
         elif key == "duration_s":
-            text = f"{v:,.1f}"
+            text = fmt_duration(v)
         else:
             text = f"{v:.4f}"
         if key == "final_metric" and text:
@@ -54,7 +69,8 @@ def _cell(row: RunSummary, key: str) -> _Item:
 
 
 class RunsTable(QWidget):
-    """Runs in a folder with their status, key hyperparameters, final and best metrics and duration."""
+    """Runs in a folder with their status, key hyperparameters, final and best metrics, training time,
+    tags and note."""
 
     openRequested = Signal(str)
     compareRequested = Signal(list)  # run folders: the first is shown, the others compared with it
@@ -63,55 +79,228 @@ class RunsTable(QWidget):
         super().__init__(parent)
         self.runs_dir = ""
         self.rows: list[RunSummary] = []
+        self._cache: dict = {}
+        self._signature: tuple = ()
+        self._loading = False
+        self.undo_stack: list[list[tuple[str, str]]] = []  # per delete: (where it went, where it was)
         self.folder = QLabel()
         self.folder.setWordWrap(True)
+        self.search = QLineEdit()
+        self.search.setObjectName("runs.search")
+        self.search.setPlaceholderText("Search: name, task, tags, note…")
+        self.search.setToolTip("Shows the runs in which every word typed appears in some column")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(self._apply_filter)
+        self.state = QComboBox()
+        self.state.setObjectName("runs.state")
+        self.state.addItems(STATES)
+        self.state.setToolTip("Show only runs in this state")
+        self.state.currentTextChanged.connect(self._apply_filter)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels([title for _, title in COLUMNS])
         self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.ExtendedSelection)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.setEditTriggers(QAbstractItemView.DoubleClicked | QAbstractItemView.EditKeyPressed)
         self.table.setSortingEnabled(True)
         self.table.verticalHeader().setVisible(False)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
-        self.table.doubleClicked.connect(lambda _index: self._open())
+        self.table.horizontalHeader().setToolTip("Click a column to sort by it; click again to reverse")
+        self.table.doubleClicked.connect(self._double_clicked)
+        self.table.itemChanged.connect(self._item_changed)
         self.open_btn = QPushButton("Open")
         self.compare_btn = QPushButton("Compare selected")
         self.compare_btn.setToolTip("Select two or more runs (Ctrl+click); the first selected is shown")
+        self.rename_btn = QPushButton("Rename…")
+        self.delete_btn = QPushButton("Delete")
+        self.delete_btn.setToolTip(
+            "Move the selected runs to the trash (.trash in the runs folder); Undo brings them back"
+        )
+        self.undo_btn = QPushButton("Undo delete")
+        self.undo_btn.setObjectName("runs.undo")
+        self.undo_btn.setShortcut(QKeySequence.Undo)
         refresh = QPushButton("Refresh")
         self.open_btn.clicked.connect(self._open)
         self.compare_btn.clicked.connect(self._compare)
+        self.rename_btn.clicked.connect(self._rename_dialog)
+        self.delete_btn.clicked.connect(lambda: self.delete(self.selected_paths()))
+        self.undo_btn.clicked.connect(self.undo_delete)
         refresh.clicked.connect(lambda: self.load(self.runs_dir))
+        QShortcut(QKeySequence.Delete, self.table, activated=lambda: self.delete(self.selected_paths()))
         self.table.itemSelectionChanged.connect(self._selection_changed)
-        buttons = QHBoxLayout()
+        find = QHBoxLayout()
+        find.addWidget(self.search, 1)
+        find.addWidget(self.state)
+        buttons = QHBoxLayout()  # two rows: one would make the left side too wide for a 1024-px screen
         for b in (self.open_btn, self.compare_btn, refresh):
             buttons.addWidget(b)
+        edits = QHBoxLayout()
+        for b in (self.rename_btn, self.delete_btn, self.undo_btn):
+            edits.addWidget(b)
+        self.message = QLabel()
+        self.message.setObjectName("runs.message")
+        self.message.setWordWrap(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.folder)
+        layout.addLayout(find)
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.message)
         layout.addLayout(buttons)
+        layout.addLayout(edits)
+        self.poll = QTimer(self)
+        self.poll.setInterval(POLL_MS)
+        self.poll.timeout.connect(self._poll)
         self._selection_changed()
 
+    # -- loading and refreshing ------------------------------------------------------------------
     def load(self, runs_dir: str) -> None:
-        """(Re)read every run folder under ``runs_dir``."""
+        """(Re)read the run folders under ``runs_dir``; the selection, sort and filter stay."""
+        if runs_dir != self.runs_dir:
+            self._cache.clear()
         self.runs_dir = runs_dir
-        self.rows = list_runs(runs_dir)
+        self._signature = runs_signature(runs_dir)
+        selected = set(self.selected_paths())
+        self.rows = list_runs(runs_dir, self._cache)
         self.folder.setText(f"{len(self.rows)} runs in {runs_dir}" if self.rows else f"No runs in {runs_dir} yet")
+        self._loading = True
         self.table.setSortingEnabled(False)
+        self.table.clearContents()
         self.table.setRowCount(len(self.rows))
         for r, row in enumerate(self.rows):
             for c, (key, _) in enumerate(COLUMNS):
                 item = _cell(row, key)
                 item.setData(Qt.UserRole, str(row.path))
-                if row.notes:
+                flags = item.flags() | Qt.ItemIsEditable if key in EDITABLE else item.flags() & ~Qt.ItemIsEditable
+                item.setFlags(flags)
+                if key in EDITABLE:
+                    item.setToolTip(f"Double-click to edit this run's {key} (kept in its meta.json)")
+                elif row.notes:
                     item.setToolTip("; ".join(row.notes))
                 self.table.setItem(r, c, item)
         self.table.setSortingEnabled(True)
+        self._loading = False
+        self._apply_filter()
+        if selected:
+            self.select(sorted(selected))
         self._selection_changed()
 
+    def _poll(self) -> None:
+        editing = self.table.state() == QAbstractItemView.EditingState  # a reload would end the edit
+        if self.runs_dir and self.isVisible() and not editing and runs_signature(self.runs_dir) != self._signature:
+            self.load(self.runs_dir)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.poll.start()
+
+    def hideEvent(self, event) -> None:
+        super().hideEvent(event)
+        self.poll.stop()
+
+    # -- finding ---------------------------------------------------------------------------------
+    def _apply_filter(self) -> None:
+        words = self.search.text().lower().split()
+        state = self.state.currentText()
+        status_col = COLUMNS.index(("status", "status"))
+        for r in range(self.table.rowCount()):
+            text = " ".join(
+                (self.table.item(r, c).text() if self.table.item(r, c) else "") for c in range(len(COLUMNS))
+            )
+            status = self.table.item(r, status_col).text() if self.table.item(r, status_col) else ""
+            show = all(w in text.lower() for w in words) and (state == "all" or status == state)
+            self.table.setRowHidden(r, not show)
+
+    def visible_paths(self) -> list[str]:
+        """The run folders shown now, top to bottom (after the filter and the sort)."""
+        return [
+            self.table.item(r, 0).data(Qt.UserRole)
+            for r in range(self.table.rowCount())
+            if not self.table.isRowHidden(r)
+        ]
+
+    # -- tags, note, rename, delete --------------------------------------------------------------
+    def _item_changed(self, item: QTableWidgetItem) -> None:
+        key = COLUMNS[item.column()][0]
+        if self._loading or key not in EDITABLE:
+            return
+        path = item.data(Qt.UserRole)
+        text = item.text()
+        self.set_meta(path, **({"tags": parse_tags(text)} if key == "tags" else {"note": text.strip()}))
+
+    def set_meta(self, path: str, tags: list[str] | None = None, note: str | None = None) -> bool:
+        """Write a run's tags and/or note; the table shows them at once."""
+        try:
+            write_meta(path, tags=tags, note=note)
+        except UserError as e:
+            self.say(str(e), error=True)
+            return False
+        self.load(self.runs_dir)
+        return True
+
+    def rename(self, path: str, new_name: str) -> str | None:
+        """Rename a run's folder; the new path, or None (said in the table) when it cannot be renamed."""
+        try:
+            new = rename_run(path, new_name)
+        except UserError as e:
+            self.say(str(e), error=True)
+            return None
+        self.say(f"Renamed {Path(path).name} to {new.name}")
+        self.load(self.runs_dir)
+        return str(new)
+
+    def _rename_dialog(self) -> None:
+        paths = self.selected_paths()
+        if len(paths) != 1:
+            return
+        name, ok = QInputDialog.getText(self, "Rename run", "New name of the run folder:", text=Path(paths[0]).name)
+        if ok and name.strip():
+            self.rename(paths[0], name)
+
+    def delete(self, paths: list[str]) -> int:
+        """Move runs to the trash (refused for a run that is still being written); Undo brings them back."""
+        moved, problems = [], []
+        for p in paths:
+            try:
+                moved.append((str(trash_run(p)), p))
+            except UserError as e:
+                problems.append(str(e))
+        if moved:
+            self.undo_stack.append(moved)
+            self.say(
+                f"Moved {len(moved)} run{'s' if len(moved) != 1 else ''} to the trash ({Path(moved[0][0]).parent})"
+                + (f"; {problems[0]}" if problems else ""),
+                error=bool(problems),
+            )
+        elif problems:
+            self.say(problems[0], error=True)
+        self.load(self.runs_dir)
+        return len(moved)
+
+    def undo_delete(self) -> int:
+        """Bring back the runs of the last delete."""
+        if not self.undo_stack:
+            return 0
+        batch = self.undo_stack.pop()
+        back = 0
+        for trashed, original in batch:
+            try:
+                restore_run(trashed, original)
+                back += 1
+            except UserError as e:
+                self.say(str(e), error=True)
+        if back:
+            self.say(f"Restored {back} run{'s' if back != 1 else ''} from the trash")
+        self.load(self.runs_dir)
+        return back
+
+    def say(self, text: str, error: bool = False) -> None:
+        self.message.setText(text)
+        self.message.setStyleSheet("color: #d62728;" if error else "")
+
+    # -- selection -------------------------------------------------------------------------------
     def selected_paths(self) -> list[str]:
         rows = sorted({i.row() for i in self.table.selectedIndexes()})
-        return [self.table.item(r, 0).data(Qt.UserRole) for r in rows]
+        return [self.table.item(r, 0).data(Qt.UserRole) for r in rows if self.table.item(r, 0)]
 
     def select(self, paths: list[str]) -> None:
         """Select the rows of these run folders (as a user's Ctrl+click would)."""
@@ -127,7 +316,14 @@ class RunsTable(QWidget):
     def _selection_changed(self) -> None:
         n = len(self.selected_paths())
         self.open_btn.setEnabled(n == 1)
+        self.rename_btn.setEnabled(n == 1)
+        self.delete_btn.setEnabled(n >= 1)
         self.compare_btn.setEnabled(n >= 2)
+        self.undo_btn.setEnabled(bool(self.undo_stack))
+
+    def _double_clicked(self, index) -> None:
+        if COLUMNS[index.column()][0] not in EDITABLE:
+            self._open()
 
     def _open(self) -> None:
         paths = self.selected_paths()
