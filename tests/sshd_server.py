@@ -46,6 +46,19 @@ class SshServer:
         except psutil.NoSuchProcess:
             return []
 
+    def stop(self) -> None:
+        """The server goes away: no new connection, and every open one is cut."""
+        sessions = self.session_processes()
+        self.proc.terminate()
+        self.proc.wait(10)
+        for p in sessions:
+            p.kill()
+        psutil.wait_procs(sessions, timeout=10)
+
+    def start(self) -> None:
+        """The server is back, on the same port with the same keys."""
+        self.proc = spawn_sshd(self.dir, self.port)
+
     def cut_connections(self) -> int:
         procs = self.session_processes()
         for p in procs:
@@ -63,6 +76,24 @@ def free_port() -> int:
 def keygen(path: Path) -> str:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
     return path.with_suffix(".pub").read_text().strip() if path.suffix else Path(f"{path}.pub").read_text().strip()
+
+
+def spawn_sshd(d: Path, port: int) -> subprocess.Popen:
+    """sshd in the foreground on ``port``, once it answers with its banner."""
+    with open(d / "sshd.log", "ab") as log:
+        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=log)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                if s.recv(4).startswith(b"SSH-"):
+                    return proc
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()[-500:]}")
+        time.sleep(0.1)
 
 
 def start_sshd(base: Path) -> SshServer:
@@ -94,20 +125,7 @@ def start_sshd(base: Path) -> SshServer:
         "LogLevel": "ERROR",
     }
     (d / "sshd_config").write_text("".join(f"{k} {v}\n" for k, v in options.items()))
-    with open(d / "sshd.log", "wb") as log:
-        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=log)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                if s.recv(4).startswith(b"SSH-"):
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()[-500:]}")
-        time.sleep(0.1)
+    proc = spawn_sshd(d, port)
     user = getpass.getuser()
     (home / ".ssh" / "config").write_text(
         f"Host testhost\n  HostName 127.0.0.1\n  Port {port}\n  User {user}\n"
