@@ -33,6 +33,14 @@ class RemoteError(UserError):
     """Something on the connection or the host, in one line."""
 
 
+class UnknownHostKey(RemoteError):
+    """The host's key is not in known_hosts: ``fingerprint`` is what the user must check to trust it."""
+
+    def __init__(self, message: str, fingerprint: str) -> None:
+        super().__init__(message)
+        self.fingerprint = fingerprint
+
+
 class Disconnected(RemoteError):
     """The connection dropped (or never came up): a follower retries; a one-shot command reports it."""
 
@@ -136,7 +144,7 @@ class Connection:
             )
         except _UnknownKey as e:
             client.close()
-            raise RemoteError(str(e)) from None
+            raise UnknownHostKey(str(e), e.args[1]) from None
         except pm.BadHostKeyException as e:
             client.close()
             raise RemoteError(
@@ -265,7 +273,8 @@ class _AskPolicy:
             raise _UnknownKey(
                 f"{self.conn.name}: unknown host key {key.get_name()} {fp}; it is not in "
                 f"{self.conn.known_hosts}. Check the fingerprint with the host's owner, then trust it with: "
-                f"--trust-host-key {fp}"
+                f"--trust-host-key {fp}",
+                fp,
             )
         name = known_hosts_name(self.conn.hostname, self.conn.port)
         path = self.conn.known_hosts

@@ -75,6 +75,8 @@ class RunControlMixin:
             except UserError as e:
                 self.why.setText(str(e))
                 return False
+            if self.hosts.host is not None:  # on a host over SSH (gui/window/hosts.py)
+                return self.start_remote(config)
         if self.in_child_process(config, resume_from):
             try:  # the child process trains; this one follows its run folder
                 worker = follow.start_child(config, resume_from, overrides)
