@@ -18,7 +18,7 @@ from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run, resume_run
 from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
 from multilane.gui.runs.follow import FollowWorker
-from PySide6.QtCore import Signal, Slot
+from PySide6.QtCore import Signal
 
 
 class RemoteFollowWorker(FollowWorker):
@@ -36,22 +36,23 @@ class RemoteFollowWorker(FollowWorker):
         mirror: str | Path | None = None,
         resume: str | None = None,
     ) -> None:
+        # QObject's own __init__ first: a Qt object is set up before anything is stored on it
+        super().__init__(Path(mirror) if mirror else Path(local_runs), follower=_Pending())
         self.host, self.remote_command = host, remote_command
         self.config, self.remote_runs, self.resume_dir = config, remote_runs, resume
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None
         self.control_error: str | None = None
-        super().__init__(self.mirror_dir or self.local_runs, follower=_Pending())
 
-    @Slot()
-    def run(self) -> None:
+    def _loop(self) -> dict[str, Any]:
+        # (in the worker's thread: ``run`` itself is not overridden, as PySide would then call the
+        # override in the thread that emits ``QThread.started``'s connection, the GUI thread)
         try:
             self._connect()
         except UserError as e:  # no answer, a refused key, no multilane there: said, nothing started
-            self.finished.emit({"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "traceback": None})
-            return
-        super().run()
+            return {"status": "rejected", "message": str(e), "step": 0, "run_dir": ""}
+        return super()._loop()
 
     def _connect(self) -> None:
         conn = Connection(self.host, remote_command=self.remote_command)
