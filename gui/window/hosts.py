@@ -64,6 +64,12 @@ class HostBar(QWidget):
         cr.setContentsMargins(0, 0, 0, 0)
         cr.addWidget(QLabel("command there"))
         cr.addWidget(self.command, 1)
+        self.runs = QLineEdit()
+        self.runs.setObjectName("remote_runs_dir")
+        self.runs.setPlaceholderText("runs")
+        self.runs.setToolTip("The host's runs folder (default: runs, in your home there)")
+        cr.addWidget(QLabel("runs there"))
+        cr.addWidget(self.runs, 1)
         layout.addWidget(self.command_row)
         self.message = QLabel()
         self.message.setWordWrap(True)
@@ -72,6 +78,7 @@ class HostBar(QWidget):
         self.combo.currentIndexChanged.connect(self._picked)
         self.add_btn.clicked.connect(self._add_dialog)
         self.command.editingFinished.connect(self._save_command)
+        self.runs.editingFinished.connect(self._save_command)
         self.untrusted.connect(self._ask_trust)
         self.trust_box: QMessageBox | None = None
         self._picked()
@@ -125,15 +132,21 @@ class HostBar(QWidget):
     def remote_command(self) -> str:
         return self.command.text().strip() or "multilane"
 
+    @property
+    def remote_runs(self) -> str | None:
+        return self.runs.text().strip() or None
+
     def _save_command(self) -> None:
         if self.host is not None:
             self.settings.setValue(f"remote/command/{self.host}", self.command.text().strip())
+            self.settings.setValue(f"remote/runs/{self.host}", self.runs.text().strip())
 
     # -- picking one -------------------------------------------------------------------------------
     def _picked(self, *_: Any) -> None:
         host = self.host
         self.command_row.setVisible(host is not None)
         self.command.setText(str(self.settings.value(f"remote/command/{host}", "") or "") if host else "")
+        self.runs.setText(str(self.settings.value(f"remote/runs/{host}", "") or "") if host else "")
         self.message.setText(f"reading the devices of {host}…" if host else "")
         self.hostChanged.emit(host)
         if host is not None:
@@ -202,9 +215,14 @@ class RemoteRunsMixin:
     def start_remote(self, config: Any) -> bool:
         """Start the run on the picked host; the window follows it through its mirror."""
         worker = RemoteFollowWorker(
-            self.hosts.host, self._runs_dir(), self.hosts.remote_command, config=config.to_dict()
+            self.hosts.host,
+            self._runs_dir(),
+            self.hosts.remote_command,
+            config=config.to_dict(),
+            remote_runs=self.hosts.remote_runs,
         )
         self._begin_remote(worker, config)
+        self.settings.setValue("last_config", json.dumps(config.to_dict()))  # as a local Start does
         return True
 
     def follow_remote(self, mirror: str | Path) -> bool:
