@@ -144,7 +144,7 @@ class Connection:
             )
         except _UnknownKey as e:
             client.close()
-            raise UnknownHostKey(str(e), e.args[1]) from None
+            raise UnknownHostKey(e.args[0], e.args[1]) from None
         except pm.BadHostKeyException as e:
             client.close()
             raise RemoteError(
