@@ -8,6 +8,9 @@ import pytest
 import torch
 from multilane.engine.config import RunConfig, build_config, merge
 
+# A real OpenSSH server on 127.0.0.1 (the `sshd` and `ssh_home` fixtures), for the tests of remote hosts.
+pytest_plugins = ["sshd_server"]
+
 
 @pytest.fixture
 def make_config(tmp_path):

@@ -60,11 +60,35 @@ def cmd_app() -> int:
     return app_main()
 
 
+def _remote(args: argparse.Namespace) -> int | None:
+    """A command aimed at a host over SSH (``--host``, ``watch HOST:RUN_DIR``), or None for a local one."""
+    from pathlib import Path
+
+    if args.command == "watch":
+        from multilane.engine.remote.hosts import split_remote_path
+
+        where = None if Path(args.run_dir).expanduser().exists() else split_remote_path(args.run_dir)
+        if where is None:
+            return None
+        from multilane.engine.cli.remote import cmd_remote_watch
+
+        return cmd_remote_watch(args, *where)
+    if not getattr(args, "host", None):
+        return None
+    from multilane.engine.cli import remote
+
+    return remote.cmd_remote_train(args) if args.command == "train" else remote.cmd_remote_devices(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        if args.command in ("train", "devices", "watch"):
+            remote = _remote(args)
+            if remote is not None:
+                return remote
         if args.command == "train":
             return cmd_train(args, argv[argv.index("train") + 1 :])
         if args.command == "watch":

@@ -95,6 +95,18 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
 
 
+def _remote_options(p: argparse.ArgumentParser, host_help: str | None) -> None:
+    """The options of a command that can act on a host over SSH."""
+    if host_help:
+        p.add_argument("--host", metavar="HOST", help=f"an ssh config alias or [user@]host[:port]: {host_help}")
+    p.add_argument("--remote-command", metavar="PATH", help="multilane's command on the host (default: multilane)")
+    p.add_argument(
+        "--trust-host-key",
+        metavar="SHA256:...",
+        help="trust the host's key, not yet in known_hosts, when its fingerprint is this one (checked by you)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from multilane.engine import __version__
     from multilane.engine.config import RunConfig
@@ -149,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument(
         "--rdzv-timeout", type=_number, default=60.0, metavar="S", help="seconds to wait for every node (default 60)"
     )
+    _remote_options(t, "train on this host over SSH, mirroring its run folder here (see docs/remote.md)")
+    t.add_argument(
+        "--remote-runs-dir", metavar="DIR", help="the host's runs folder (default: runs, in the login's home)"
+    )
+    t.add_argument("--detach", action="store_true", help="with --host: start the run and print its folder there")
     t.add_argument(
         "--set",
         action="append",
@@ -173,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
 
     w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
-    w.add_argument("run_dir", metavar="RUN_DIR")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="a run folder here, or HOST:RUN_DIR on a host over SSH")
     w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+    _remote_options(w, None)
+    w.add_argument("--runs-dir", metavar="DIR", help="for HOST:RUN_DIR: where the local mirror goes (default: ./runs)")
 
     c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
     c.add_argument("run_dir", metavar="RUN_DIR")
@@ -183,4 +202,5 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
+    _remote_options(d, "list the devices of this host over SSH")
     return p

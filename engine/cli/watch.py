@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,26 +65,38 @@ class WatchState:
         return text
 
 
-def watch(run_dir: str | Path, interval: float = 0.5, out: Any = None) -> int:
-    """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed."""
+def watch(
+    run_dir: str | Path,
+    interval: float = 0.5,
+    out: Any = None,
+    follower: Any = None,
+    on_interrupt: Callable[[], str] | None = None,
+) -> int:
+    """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed.
+
+    ``follower``: another source with ``RunFollower``'s poll (a run on a host, through its mirror).
+    ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
+    without it, or at the second, Ctrl+C leaves."""
     out = out or sys.stdout
     folder = Path(run_dir).expanduser()
-    if not folder.is_dir():
+    if follower is None and not folder.is_dir():
         raise UserError(f"watch: {run_folder_problem(folder)}")
-    follower, state = RunFollower(folder), WatchState()
+    follower, state = follower or RunFollower(folder), WatchState()
     tty = out.isatty()
     last = ""
-    try:
-        while True:
+    interrupted = False
+    while True:
+        try:
             update = follower.poll()
             for rec in update.records:
                 state.add(rec)
             if update.status is not None:
                 state.set_status(update.status)
-            line = state.line()
+            reconnecting = getattr(follower, "reconnecting", None)
+            line = reconnecting or state.line()
             # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
             # not each time only the telemetry's readings change: that printed one line a second.
-            key = line if tty else state.line(telemetry=False)
+            key = line if tty or reconnecting else state.line(telemetry=False)
             if key != last:
                 out.write(("\r\x1b[2K" + line) if tty else line + "\n")
                 out.flush()
@@ -91,8 +104,12 @@ def watch(run_dir: str | Path, interval: float = 0.5, out: Any = None) -> int:
             if follower.done:
                 break
             time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+        except KeyboardInterrupt:
+            if on_interrupt is None or interrupted:
+                break
+            interrupted = True
+            out.write(("\n" if tty else "") + on_interrupt() + "\n")
+            out.flush()
     if tty:
         out.write("\n")
     if follower.lost:

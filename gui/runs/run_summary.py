@@ -163,7 +163,7 @@ def summarize_records(records: Iterable[dict[str, Any]], status: dict[str, Any] 
 
 
 def fmt_duration(s: float) -> str:
-    """"4.2 s" under a minute, then m:ss, and h:mm:ss from an hour on: the window's status line, the
+    """ "4.2 s" under a minute, then m:ss, and h:mm:ss from an hour on: the window's status line, the
     summary and the runs table say it alike."""
     if not math.isfinite(s):
         return ""

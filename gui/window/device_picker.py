@@ -52,27 +52,46 @@ class DevicePicker(QWidget):
         self.warning.setStyleSheet("color: #a05a00;")
         layout.addWidget(self.warning)
 
-        info = describe_devices()
-        self.gpus = [d for d in info if d["kind"] == "cuda"]
+        self.host: str | None = None  # None: this computer; else the host the list was read from
         self.items: list[tuple[QTreeWidgetItem, QDoubleSpinBox, Device]] = []
-        if self.gpus:
-            for d in self.gpus:
-                dev = Device("cuda", int(d["name"].split(":")[1]))
-                self._add(dev, d["model"], f"{d['memory_total_mb'] / 1024:.0f} GiB", True)
-        else:
-            cpu = info[-1]
-            for i in range(cpu.get("lanes") or cpu_lane_count()):  # as `multilane devices` lists them
-                memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
-                self._add(Device("cpu", i), "CPU lane", memory, i < 2)
+        self._fill(describe_devices())
         header = self.tree.header()
         header.setStretchLastSection(False)
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
         header.setSectionResizeMode(1, QHeaderView.Stretch)  # the model name gives way first
-        self.tree.setMinimumHeight(min(8, len(self.items)) * 22 + 30)
         self.tree.itemChanged.connect(self._changed)
         self.output.currentIndexChanged.connect(lambda _: self.changed.emit())
         self._nvml = open_nvml([d.index for _, _, d in self.items if d.is_cuda])
         self._refresh_outputs()
+
+    def _fill(self, info: list[dict[str, Any]]) -> None:
+        """One row per GPU of ``info`` (``multilane devices --json``), or CPU lanes where it has none."""
+        self.gpus = [d for d in info if d.get("kind") == "cuda"]
+        if self.gpus:
+            for d in self.gpus:
+                dev = Device("cuda", int(d["name"].split(":")[1]))
+                self._add(dev, d.get("model", ""), f"{(d.get('memory_total_mb') or 0) / 1024:.0f} GiB", True)
+        else:
+            cpu = next((d for d in info if d.get("kind") == "cpu"), {})
+            for i in range(cpu.get("lanes") or cpu_lane_count()):  # as `multilane devices` lists them
+                memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
+                self._add(Device("cpu", i), "CPU lane", memory, i < 2)
+        self.tree.setMinimumHeight(min(8, len(self.items)) * 22 + 30)
+
+    def show_host(self, host: str | None, info: list[dict[str, Any]] | None = None) -> None:
+        """List ``host``'s devices (its ``multilane devices --json``), or this computer's (None)."""
+        self.tree.blockSignals(True)
+        self.tree.clear()
+        self.items = []
+        self.host = host
+        self._fill(describe_devices() if host is None else info or [])
+        for item, _, d in self.items:  # live readings taken there, at the time the list was read
+            r = next((x for x in info or [] if x.get("name") == d.name), None)
+            if host is not None and r and r.get("util_pct") is not None:
+                item.setText(3, f"{r['util_pct']:.0f}%")
+        self.tree.blockSignals(False)
+        self._refresh_outputs()
+        self.changed.emit()
 
     def _add(self, dev: Device, model: str, memory: str, checked: bool) -> None:
         item = QTreeWidgetItem([dev.name, model, memory, "-", ""])
@@ -150,6 +169,8 @@ class DevicePicker(QWidget):
         (``cpu_pct``) is shown once, by the window, not repeated on every lane."""
         per_cpu = psutil.cpu_percent(None)
         self.cpu_pct = per_cpu
+        if self.host is not None:  # another machine's devices: read when the host was picked
+            return
         for item, _, d in self.items:
             if d.is_cuda and self._nvml is not None:
                 r = self._nvml.read(d.index)

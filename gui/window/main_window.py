@@ -14,6 +14,7 @@ from multilane.gui.runs.worker import RunHandle
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
+from multilane.gui.window.hosts import HostBar, RemoteRunsMixin
 from multilane.gui.window.run_control import RunControlMixin
 from multilane.gui.window.runs_table import RunsTable
 from multilane.gui.window.summary_view import SummaryView
@@ -36,7 +37,7 @@ from PySide6.QtWidgets import (
 )
 
 
-class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
+class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
     def __init__(self, settings: QSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or QSettings("Multilane", "Multilane")
@@ -53,6 +54,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
 
         # -- left: devices, hyperparameters, controls --------------------------------------------
         self.devices = DevicePicker()
+        self.hosts = HostBar(self.settings)
         self.form = ConfigForm()
         self.separate = SeparateProcessOption(self.settings, self.form.editors["devices.strategy"].widget)
         self.form.add_row("devices", "process", self.separate)
@@ -60,6 +62,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         lv = QVBoxLayout(left_inner)
         self.devices_label = QLabel("<b>Devices</b>")
         lv.addWidget(self.devices_label)
+        lv.addWidget(self.hosts)
         lv.addWidget(self.devices)
         lv.addWidget(self.form)
         scroll = QScrollArea()
@@ -163,6 +166,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         )
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
+        self.hosts.hostChanged.connect(self._host_changed)
+        self.hosts.devicesRead.connect(self._host_devices)
 
         self.redraw_pace = RedrawPace()
         self.timer = QTimer(self)
@@ -176,6 +181,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
         self._set_running(False)
         self.validate()
         self.plots.set_title("Choose devices and hyperparameters, then press Start (Ctrl+Enter).")
+        self.offer_remote_runs()
 
     # -- menus -------------------------------------------------------------------------------------
     def _make_menus(self) -> None:
@@ -293,7 +299,10 @@ class MainWindow(RunControlMixin, RunFilesMixin, QMainWindow):
     def _idle_tick(self) -> None:
         if not self.is_running():
             self.devices.update_idle()
-            self.devices_label.setText(f"<b>Devices</b> &nbsp; CPU {self.devices.cpu_pct:.0f}% busy")
+            if self.devices.host is None:
+                self.devices_label.setText(f"<b>Devices</b> &nbsp; CPU {self.devices.cpu_pct:.0f}% busy")
+            else:
+                self.devices_label.setText("<b>Devices</b>")
 
     # -- settings and closing ------------------------------------------------------------------------------
     def _restore(self) -> None:

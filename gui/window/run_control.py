@@ -93,6 +93,8 @@ class RunControlMixin:
                 self._resume_from = None
                 self._on_finished(_rejected(str(e)))
                 return False
+            if self.hosts.host is not None:  # on a host over SSH (gui/window/hosts.py)
+                return self.start_remote(config)
         if self.in_child_process(config, resume_from):
             try:  # the child process trains; this one follows its run folder
                 worker = follow.start_child(config, resume_from, overrides)

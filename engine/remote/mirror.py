@@ -1,0 +1,194 @@
+"""Following a run on a host: its run folder copied, incrementally, into a local mirror folder.
+
+``metrics.jsonl`` and ``console.log`` only grow: each poll reads the bytes past the mirror's own size
+(SFTP, by byte offset), so a connection that drops and comes back resumes where the mirror ends: no
+gap, no duplicate, the two files equal byte for byte. ``status.json`` and the other small files are
+rewritten whole by the run: they are copied when their (mtime, size) changes, and written into the
+mirror atomically. Checkpoints are not copied. The mirror is a complete run folder (export, compare,
+the runs table and Open run read it offline); ``remote.json`` in it says where the run lives.
+
+``RemoteFollower`` polls like the engine's ``RunFollower`` (which reads the mirror), and says
+"reconnecting to HOST…" while the host is out of reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.remote.connection import Connection, Disconnected, RemoteError
+from multilane.engine.remote.launch import CONSOLE, RemoteRun, write_remote_control
+from multilane.engine.remote.ssh import paramiko
+from multilane.engine.rundir.follow import FollowUpdate, RunFollower
+from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, ERROR, METRICS, SAMPLES, STATUS, TASK_FILE
+
+REMOTE = "remote.json"  # in a mirror: the host and the run folder there
+APPENDED = (METRICS, CONSOLE)
+REPLACED = (STATUS, CONFIG, ENVIRONMENT, ERROR, TASK_FILE, SAMPLES)
+RETRY_S = 2.0  # between two reconnection attempts
+PID_CHECK_S = 10.0  # how often a running run's process on the host is checked
+
+
+def mirror_folder(local_runs: str | Path, host_label: str, remote_path: str) -> Path:
+    """Where the mirror of the host's run folder goes, under the local runs folder."""
+    return Path(local_runs).expanduser() / f"{posixpath.basename(remote_path.rstrip('/'))}@{host_label}"
+
+
+def read_remote_json(folder: str | Path) -> dict[str, Any] | None:
+    """A mirror's ``remote.json`` (None for a folder that mirrors no remote run)."""
+    try:
+        data = json.loads((Path(folder) / REMOTE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("host"), str) else None
+
+
+class RemoteMirror:
+    """Copies one run folder on a host into a local folder; ``sync()`` raises ``Disconnected``."""
+
+    def __init__(self, conn: Connection, remote_dir: str, local_dir: str | Path, run: RemoteRun | None = None) -> None:
+        self.conn, self.remote_dir, self.local = conn, remote_dir, Path(local_dir)
+        self.local.mkdir(parents=True, exist_ok=True)
+        info = read_remote_json(self.local) or {}
+        self.pid = run.pid if run is not None else info.get("pid")
+        if run is not None or not info:
+            body = {"host": conn.name, "path": remote_dir, "remote_command": conn.remote_command, "pid": self.pid}
+            _atomic_write(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
+        self._stamps: dict[str, tuple[int, int]] = {}
+
+    def sync(self) -> bool:
+        """Copy what changed since the last sync; True when anything did."""
+        pm = paramiko()
+        try:
+            with self.conn.lock:
+                sftp = self.conn.sftp()
+                # status first, written last: a final status is mirrored only after every record before it
+                replaced = {name: self._changed(sftp, name) for name in REPLACED}
+                grew = [self._append(sftp, name) for name in APPENDED]
+        except (EOFError, pm.SSHException, OSError) as e:
+            if isinstance(e, RemoteError):
+                raise
+            self.conn.close()
+            raise Disconnected(f"{self.conn.name}: the connection dropped ({e or type(e).__name__})") from None
+        for name, data in replaced.items():
+            if data is not None:
+                _atomic_write(self.local / name, data)
+        return any(grew) or any(d is not None for d in replaced.values())
+
+    def _changed(self, sftp: Any, name: str) -> bytes | None:
+        path = posixpath.join(self.remote_dir, name)
+        try:
+            st = sftp.stat(path)
+        except FileNotFoundError:
+            return None
+        stamp = (int(st.st_mtime or 0), int(st.st_size or 0))
+        if self._stamps.get(name) == stamp and (self.local / name).exists():
+            return None
+        try:
+            with sftp.open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:  # replaced between stat and open: the next sync reads it
+            return None
+        self._stamps[name] = stamp
+        return data
+
+    def _append(self, sftp: Any, name: str) -> bool:
+        path, local = posixpath.join(self.remote_dir, name), self.local / name
+        try:
+            size = int(sftp.stat(path).st_size or 0)
+        except FileNotFoundError:
+            return False
+        have = local.stat().st_size if local.exists() else 0
+        if size == have:
+            return False
+        if size < have:  # the file was replaced there (not something a run does): copy it afresh
+            have = 0
+            local.write_bytes(b"")
+        with sftp.open(path, "rb") as f:
+            f.seek(have)
+            data = f.read(size - have)
+        with open(local, "ab") as out:  # only what the host holds past the mirror's end: no gap, no duplicate
+            out.write(data)
+        return bool(data)
+
+    def process_alive(self) -> bool | None:
+        """Whether the run's process still exists on the host (None: unknown)."""
+        if not isinstance(self.pid, int):
+            return None
+        code, _, _ = self.conn.run(f"kill -0 {shlex.quote(str(self.pid))}", timeout_s=self.conn.timeout_s, login=False)
+        return code == 0
+
+
+class RemoteFollower:
+    """Polls a remote run through its mirror: ``poll()``, ``done``, ``status``, ``lost`` as ``RunFollower``,
+    plus ``reconnecting`` (the line to show while the host is out of reach) and ``control()``."""
+
+    def __init__(self, mirror: RemoteMirror) -> None:
+        self.mirror = mirror
+        self.local = RunFollower(mirror.local, check_writer=False)
+        self.reconnecting: str | None = None
+        self.lost: str | None = None
+        self._retry_at = 0.0
+        self._pid_at = time.monotonic() + PID_CHECK_S
+
+    @property
+    def run_dir(self) -> Path:
+        return self.mirror.local
+
+    @property
+    def status(self) -> dict[str, Any] | None:
+        return self.local.status
+
+    @property
+    def metrics(self) -> Any:
+        return self.local.metrics
+
+    def skip_existing(self) -> None:
+        self.local.skip_existing()
+
+    def poll(self) -> FollowUpdate:
+        now = time.monotonic()
+        gone = False
+        if self.reconnecting is None or now >= self._retry_at:
+            try:
+                self.mirror.sync()
+                self.reconnecting = None
+                if not self.done and now >= self._pid_at:
+                    self._pid_at = now + PID_CHECK_S
+                    gone = self.mirror.process_alive() is False
+                    if gone:
+                        self.mirror.sync()  # a final status written just before the process ended
+            except Disconnected as e:
+                self.reconnecting = f"reconnecting to {self.mirror.conn.name}… ({e})"
+                self._retry_at = now + RETRY_S
+            except RemoteError as e:  # a refused key, say: nothing more will come
+                self.lost = str(e)
+        update = self.local.poll()
+        if gone and not self.local.done:
+            self.lost = (
+                f"its process on {self.mirror.conn.name} (pid {self.mirror.pid}) is gone and wrote no final status"
+            )
+        return update
+
+    @property
+    def done(self) -> bool:
+        return self.lost is not None or self.local.done
+
+    def control(self, command: str) -> None:
+        """Pause, resume or stop the run there (through its control file)."""
+        write_remote_control(self.mirror.conn, self.mirror.remote_dir, command)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.mirror.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        os.utime(path)
