@@ -20,9 +20,19 @@ import torch
 import torch.distributed as dist
 from multilane.engine.data.loader import build_loader
 from multilane.engine.distributed import NODE_FILE_ENV
+from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, empty_shard, touch_exchanges
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
 from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.rank_state import (
+    BufferMerge,
+    InplaceWriteError,
+    RankStreams,
+    check_param_writes,
+    param_versions,
+    reached,
+    zero_loss,
+)
 from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
@@ -30,7 +40,7 @@ from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.parallel.tree import first_tensor
+from multilane.engine.parallel.replicas.lane_rng import _generators
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
@@ -100,6 +110,11 @@ class DdpTrainer(Trainer):
         dev = info.device.torch_device()
         self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
         self.model = self.task.build_model().to(dev)
+        # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
+        # group: no device sync per step on GPUs.
+        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if cfg.devices.sync_batchnorm:  # the lanes' synchronized BatchNorm, across ranks (batchnorm.py)
+            convert_rank_batchnorm(self.model, dist.new_group())
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
@@ -112,16 +127,51 @@ class DdpTrainer(Trainer):
         self.window = ShardWindow()
         self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
         self._loss_weight = loss_weight_fn(self.task)
+        saved_streams = None
         if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
-            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None})
-        self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if info.device.is_cuda else None)
-        # Pause/stop flags travel on a CPU (Gloo) group: no device sync per step on GPUs.
-        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})
+            saved_streams = self._checkpoint.get("lane_rng")
+        # Each rank its own random stream, as each lane has (rank_state.py), restored from a checkpoint.
+        self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
+        self.streams.begin(saved_streams)
+        self._params = list(self.model.parameters())
+        self._buffer_merge = BufferMerge(self.model, self._control_group)
+        self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
+        # The first step finds out whether every parameter gets a gradient on every rank (then DDP
+        # runs without find_unused_parameters' per-step graph walk); see _settle_unused.
+        self._reached: set[int] | None = set()
+        self._build_ddp(find_unused=True)
         keys: list[Any] = [None] * info.world
         dist.all_gather_object(keys, info.key)
         self._keys = keys
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def _build_ddp(self, find_unused: bool) -> None:
+        """DDP over the model. Buffers are not broadcast from rank 0: every rank holds the ranks'
+        sample-weighted merge (rank_state.py), the lanes' rule."""
+        dev = self.info.device
+        self.ddp = None
+        self.ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[dev.index] if dev.is_cuda else None,
+            forward_sync_buffers=False,
+            find_unused_parameters=find_unused,
+        )
+        self._find_unused = find_unused
+
+    def _settle_unused(self) -> None:
+        """After this process's first step: if every rank's backward reached every parameter, DDP drops
+        ``find_unused_parameters`` (one all-reduce, once). Otherwise it keeps it: a parameter that no
+        rank used then has no gradient (``None``, as on one device and on lanes), and one that only
+        some ranks used gets theirs."""
+        assert self._reached is not None
+        used = all(id(p) in self._reached for p in self._params if p.requires_grad)
+        self._reached = None
+        flag = torch.tensor([int(used)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control_group)
+        if int(flag[0]):
+            self._build_ddp(find_unused=False)
 
     @property
     def lane_names(self) -> list[str]:
@@ -171,16 +221,26 @@ class DdpTrainer(Trainer):
             sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
             with sync:
                 timer.mark("forward")
-                output, shard_loss, weight = self._forward(inputs, target, n)
+                output, shard_loss, weight = self._forward_counted(inputs, target, n, self._sizes(size))
                 timer.mark("backward")
                 share = n / size if self._loss_weight is None else self._weight_share(weight)
                 if shard_loss is not None and share > 0:
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
+                elif math.isnan(share):  # no weight in the whole batch: its loss is 0/0, as on one device
+                    shard_loss = None
+                    local = zero_loss(output, None) * math.nan
+                    contrib = local.detach().float()
                 else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
                     shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
-                    local = first_tensor(output).sum() * 0.0
+                    # Through every output, and (when DDP waits for every parameter) every parameter.
+                    local = zero_loss(output, None if self._find_unused else self._params)
                     contrib = local.detach().float()
+                exchanged = touch_exchanges()  # synchronized BatchNorm: every rank joins each backward
+                if exchanged is not None:
+                    local = local + exchanged
+                if self._reached is not None:
+                    self._reached |= reached(local)
                 if k == 0:
                     opt.zero_grad(set_to_none=True)
                 self.scaler.scale(local / accum if accum > 1 else local).backward()
@@ -191,9 +251,31 @@ class DdpTrainer(Trainer):
             self.window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
+        if self._reached is not None:
+            self._settle_unused()
         timer.end_step()
         self.window.end_step()
         self.rank_telemetry.busy_s += time.perf_counter() - t0
+
+    def _forward_counted(
+        self, inputs: Any, target: Any, n: int, sizes: list[int]
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """``_forward`` by the lanes' rules (rank_state.py): a rank with no samples of its own draws no
+        random numbers and adds no BatchNorm statistics; the buffers become the ranks' merge; a
+        forward that changes a parameter in place is refused on every rank."""
+        gens = _generators(self.info.device.torch_device()) if n == 0 else []
+        states = [g.get_state() for g in gens]
+        before = param_versions(self._params)
+        self._buffer_merge.before()
+        with empty_shard(n == 0):
+            out = self._forward(inputs, target, n)
+        for g, s in zip(gens, states, strict=True):
+            g.set_state(s)
+        wrote = param_versions(self._params) != before
+        if self._buffer_merge.after(sizes, wrote):
+            check_param_writes(self.model, self._params, before)
+            raise InplaceWriteError("another rank's forward changed a parameter in place (see its error)")
+        return out
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
@@ -221,7 +303,7 @@ class DdpTrainer(Trainer):
         total = torch.tensor([w], dtype=torch.float64)
         dist.all_reduce(total, group=self._control_group)
         t = float(total[0])
-        return w / t if t > 0 else 0.0
+        return w / t if t > 0 else math.nan  # no weight anywhere: the batch's mean is 0/0
 
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, *bits: bool) -> torch.Tensor:
@@ -231,7 +313,9 @@ class DdpTrainer(Trainer):
         """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
         step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
         act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
-        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now."""
+        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now. The fourth: a rank's
+        ``train.checkpoint_minutes`` have passed, so all ranks save at the end of step s+1 (saving is a
+        collective: every rank's random stream goes into the checkpoint)."""
         self._control_file.apply(self.requests)
         if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
             self.requests.request_stop()
@@ -239,7 +323,9 @@ class DdpTrainer(Trainer):
             work, flags = self._pending
             self._pending = None
             work.wait()
-            stop, pause, telemetry = flags.tolist()
+            stop, pause, telemetry, due = flags.tolist()
+            if due and self._due_at == self.checkpoint_time:  # no checkpoint since it was asked for
+                self._due_agreed = True
             if stop:
                 self.requests.request_stop()
                 self.control.request_stop()
@@ -250,9 +336,16 @@ class DdpTrainer(Trainer):
             if telemetry:
                 self._gather_telemetry()
         overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
-        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested, overdue)
+        flags = self._flags(
+            self.requests.stop_requested, self.requests.pause_requested, overdue, checkpointer.due(self)
+        )
+        self._due_at = self.checkpoint_time
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
         self._pending = (work, flags)
+
+    def _checkpoint_due(self) -> bool:
+        due, self._due_agreed = getattr(self, "_due_agreed", False), False
+        return due
 
     def _gather_telemetry(self) -> None:
         """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
@@ -330,6 +423,7 @@ class DdpTrainer(Trainer):
         if not self.loader.has_val:
             return
         info = self.info
+        before = param_versions(self._params)
         rec = evaluate_shards(
             self.model,
             self.task,
@@ -340,6 +434,7 @@ class DdpTrainer(Trainer):
             info.world,
             self.step,
         )
+        check_param_writes(self.model, self._params, before)
         if info.is_main:
             assert self.run_dir is not None
             write_sample(self.task, self.model, info.device.torch_device(), rec, self.run_dir)
