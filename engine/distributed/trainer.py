@@ -38,9 +38,9 @@ from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
+from multilane.engine.parallel.replicas.lane_rng import _generators
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.parallel.replicas.lane_rng import _generators
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
@@ -228,9 +228,8 @@ class DdpTrainer(Trainer):
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
                 elif math.isnan(share):  # no weight in the whole batch: its loss is 0/0, as on one device
-                    shard_loss = None
-                    local = zero_loss(output, None) * math.nan
-                    contrib = local.detach().float()
+                    local = zero_loss(output, None) * math.nan  # NaN gradients, as one device's
+                    contrib = local.detach().float()  # a NaN loss: every rank stops at this log
                 else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
                     shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
                     # Through every output, and (when DDP waits for every parameter) every parameter.

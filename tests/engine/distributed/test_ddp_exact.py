@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -38,7 +37,11 @@ def settings(steps: int, ranks: int, weights: list[int] | None, sync: bool, para
         "data": {"batch_size": 11, "val_fraction": 0.25},  # 23 train: batches of 11, 11, 1
         "optim": {"name": "adam", "lr": 0.01},
         "train": {"steps": steps, "grad_accum": 2, "log_every": 1, "eval_every": 2, "seed": 5},
-        "devices": {"use": ",".join(f"cpu:{i}" for i in range(ranks)), "weights": weights or [], "sync_batchnorm": sync},
+        "devices": {
+            "use": ",".join(f"cpu:{i}" for i in range(ranks)),
+            "weights": weights or [],
+            "sync_batchnorm": sync,
+        },
         "telemetry": {"enabled": False},
     }
 
@@ -81,7 +84,7 @@ def assert_equal_runs(run: Path, state: dict, records: list[dict], what: str) ->
         assert abs(a - b) <= BOUND * abs(b), f"{what}: step {step} loss {a!r} != {b!r}"
     evals = {r["step"]: r["val_loss"] for r in mine if r["kind"] == "eval"}
     ref_evals = {r["step"]: r["val_loss"] for r in records if r["kind"] == "eval"}
-    assert ref_evals and evals.keys() == ref_evals.keys()
+    assert ref_evals and ref_evals.keys() <= evals.keys()  # (a resumed run also evaluated where it stopped)
     for step, b in ref_evals.items():
         assert abs(evals[step] - b) <= BOUND * abs(b), f"{what}: val_loss at step {step} {evals[step]!r} != {b!r}"
 
@@ -109,27 +112,26 @@ def test_ddp_equals_the_single_process_engine_on_as_many_lanes(tmp_path, case):
         one = {**cfg, "devices": {"use": "cpu:0"}}
         state1, records1 = single_process(tmp_path, one, "one")
         assert_equal_runs(run, state1, records1, f"{case}, against one device")
-
-
-def test_every_ranks_random_stream_is_in_the_checkpoint_and_a_resume_draws_on(tmp_path):
-    # 3 steps on 3 ranks, resumed to 5 on 3 ranks: the same dropout masks as 5 straight steps on 3 lanes.
-    cfg = settings(3, 3, [3, 1, 2], False, {"dropout": 0.5, "unused": False})
-    run = ddp(tmp_path, cfg)
-    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
-    assert len(ck["lane_rng"]["lanes"]) == 3
-    r = subprocess.run([*CLI, "train", "--resume", str(run), "--steps", "5"], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    state, records = single_process(tmp_path, {**cfg, "train": {**cfg["train"], "steps": 5}}, "five")
-    assert_equal_runs(run, state, records, "resumed at step 3")
+    if ranks == 3 and params["dropout"]:
+        # Every rank's random stream is in the checkpoint: resumed to step 5, the run draws the
+        # masks of 5 straight steps on 3 lanes.
+        ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+        assert len(ck["lane_rng"]["lanes"]) == 3
+        r = subprocess.run(
+            [*CLI, "train", "--resume", str(run), "--steps", "5"], capture_output=True, text=True, timeout=240
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        state5, records5 = single_process(tmp_path, {**cfg, "train": {**cfg["train"], "steps": 5}}, "five")
+        assert_equal_runs(run, state5, records5, f"{case}, resumed at step 3")
 
 
 def test_a_tied_embedding_with_max_norm_is_refused_under_ddp_in_one_line(tmp_path):
     # Each rank would renormalise only its own shard's rows: refused, never a silent difference.
     task = str(TASK_FILES / "tied_maxnorm.py")
     runs = tmp_path / "runs"
+    args = [*CLI, "train", "--strategy", "ddp", "--task", task, "--devices", "cpu:0,cpu:1", "--steps", "3"]
     r = subprocess.run(
-        [*CLI, "train", "--strategy", "ddp", "--task", task, "--devices", "cpu:0,cpu:1", "--steps", "3"]
-        + ["--runs-dir", str(runs), "--set", "telemetry.enabled=false"],
+        [*args, "--runs-dir", str(runs), "--set", "telemetry.enabled=false"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -170,21 +172,27 @@ class AllPadding(Task):
 
 def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(tmp_path):
     # Issue 21 item 11: a batch whose every token is padding has a token mean of 0/0. One rule for
-    # every strategy: the logged loss is NaN (null in metrics.jsonl) and the run stops there.
+    # every strategy: the logged loss is NaN (null in metrics.jsonl) and the run stops there, exit 1.
     task = tmp_path / "all_padding.py"
     task.write_text(ALL_PADDING)
-    outcomes = {}
-    for strategy in ("replicate", "ddp"):
-        runs = tmp_path / strategy
-        args = [*CLI, "train", "--task", str(task), "--devices", "cpu:0,cpu:1", "--steps", "3", "--runs-dir", str(runs)]
-        args += ["--strategy", strategy, "--set", "telemetry.enabled=false", "--set", "train.log_every=1"]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=240)
-        (run,) = run_dirs(runs)
-        status = json.loads((run / "status.json").read_text())
-        losses = [x["loss"] for x in read_metrics(run) if x["kind"] == "train"]
-        outcomes[strategy] = (r.returncode, status["state"], status["step"], losses)
-    assert outcomes["ddp"] == outcomes["replicate"], outcomes
-    assert outcomes["ddp"][1] == "stopped", outcomes
+    runs = tmp_path / "runs"
+    args = [*CLI, "train", "--task", str(task), "--devices", "cpu:0,cpu:1", "--steps", "3", "--runs-dir", str(runs)]
+    args += ["--strategy", "ddp", "--set", "telemetry.enabled=false", "--set", "train.log_every=1"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, r.stderr[-3000:]
+    (run,) = run_dirs(runs)
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("stopped", 1), status
+    assert status["message"].startswith("loss became nan at step 1 on device "), status
+    assert "rank0" in status["message"] and "rank1" in status["message"], status
+    assert [x["loss"] for x in read_metrics(run) if x["kind"] == "train"] == [None]
+    # The single-process engine on two lanes: the same outcome.
+    cfg = {"task": {"name": str(task)}, "devices": {"use": "cpu:0,cpu:1"}, "telemetry": {"enabled": False}}
+    cfg |= {"train": {"steps": 3, "log_every": 1}, "run": {"runs_dir": str(tmp_path / "ref")}}
+    result = Trainer(build_config(cfg)).run()
+    assert (result.status, result.step) == ("stopped", 1), result.message
+    assert result.message.startswith("loss became nan at step 1 on device "), result.message
+    assert [x["loss"] for x in read_metrics(result.run_dir) if x["kind"] == "train"] == [None]
 
 
 def test_sigterm_to_the_launcher_with_dataloader_workers_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
@@ -211,4 +219,3 @@ def test_sigterm_to_the_launcher_with_dataloader_workers_stops_every_rank_at_one
     assert status["state"] == "stopped", status
     step = int(torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"])
     assert step == status["step"] == last_train_step(run)
-    time.sleep(0)  # (the workers went with their ranks)

@@ -23,7 +23,10 @@ class ScaledByBuffer(nn.Module):
 
 def data(steps=3, batch=11):
     g = torch.Generator().manual_seed(9)
-    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randn(batch, 2, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randn(batch, 2, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def one_device():
