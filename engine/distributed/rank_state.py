@@ -15,14 +15,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from multilane.engine.distributed.batchnorm import empty_shard
 from multilane.engine.parallel.replicas.buffers import merge_values, set_buffer
 from multilane.engine.parallel.replicas.lane_rng import _generators, lane_seed
+from multilane.engine.parallel.strategy import LossWeightError
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+T = TypeVar("T")
 
 
 class InplaceWriteError(RuntimeError):
@@ -111,6 +117,31 @@ class BufferMerge:
             set_buffer(module, name, merge_values(values, weights, own.device))
 
 
+def build_ddp(model: nn.Module, device: Any, find_unused: bool) -> DistributedDataParallel:
+    """DDP over ``model`` on ``device`` (a ``Device``). Buffers are not broadcast from rank 0 before each
+    forward: every rank holds the ranks' sample-weighted merge (``BufferMerge``), the lanes' rule."""
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.is_cuda else None,
+        forward_sync_buffers=False,
+        find_unused_parameters=find_unused,
+    )
+
+
+def weight_share(weight: torch.Tensor | None, group: Any) -> float:
+    """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
+    e.g. its non-padding tokens), NaN when the whole batch has none (its mean is 0/0, as on one
+    device). The sum is one small all-reduce per micro-batch on the CPU group; only tasks that
+    define ``loss_weight`` pay it."""
+    w = 0.0 if weight is None else float(weight)
+    if not 0 <= w < math.inf:
+        raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
+    total = torch.tensor([w], dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    t = float(total[0])
+    return w / t if t > 0 else math.nan
+
+
 def param_versions(params: Sequence[torch.Tensor]) -> list[int]:
     return [p._version for p in params]
 
@@ -164,3 +195,66 @@ def reached(loss: torch.Tensor) -> set[int]:
             out.add(id(var))
         stack.extend(f for f, _ in fn.next_functions)
     return out
+
+
+class RankRules:
+    """The rules above around one rank's forward and its first step (the trainer's helper)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, world: int, group: Any) -> None:
+        self.model, self.device, self.world, self.group = model, device, world, group
+        self.params = list(model.parameters())
+        self.buffers = BufferMerge(model, group)
+        self.reached: set[int] | None = set()
+        """While this process's first step runs: the parameters this rank's backward reaches."""
+
+    def forward(self, fn: Callable[[], T], n: int, sizes: list[int]) -> T:
+        """``fn()`` (a forward and its loss) by the lanes' rules: a rank with no samples of its own
+        draws no random numbers and adds no BatchNorm statistics; the buffers become the ranks' merge;
+        a forward that changes a parameter in place is refused on every rank."""
+        gens = _generators(self.device) if n == 0 else []
+        states = [g.get_state() for g in gens]
+        before = param_versions(self.params)
+        self.buffers.before()
+        with empty_shard(n == 0):
+            out = fn()
+        for g, st in zip(gens, states, strict=True):
+            g.set_state(st)
+        wrote = param_versions(self.params) != before
+        if self.buffers.after(sizes, wrote):
+            check_param_writes(self.model, self.params, before)
+            raise InplaceWriteError("another rank's forward changed a parameter in place (see its error)")
+        return out
+
+    def note(self, loss: torch.Tensor) -> None:
+        """While probing: remember which parameters ``loss``'s backward reaches."""
+        if self.reached is not None:
+            self.reached |= reached(loss)
+
+    def reduce_probe(self) -> bool:
+        """The first step's gradients, reduced by hand; whether DDP must find unused parameters.
+
+        That step runs under ``no_sync`` (DDP reduces nothing) while each rank notes the parameters its
+        backward reaches. Then one all-reduce of those marks: a parameter no rank reached keeps no
+        gradient (``None``, as on one device and on lanes: Adam and weight decay leave it alone); the
+        others are summed over the ranks and divided by the world size, as DDP does. If every rank
+        reached every parameter, DDP goes on as it is (no graph walk per step, and no torch warning
+        that the walk found nothing); otherwise it must run with ``find_unused_parameters``, which
+        leaves a parameter no rank used without a gradient and gives one some ranks used theirs.
+        """
+        assert self.reached is not None
+        params = [p for p in self.params if p.requires_grad]
+        mine = [int(id(p) in self.reached) for p in params]
+        self.reached = None
+        # [used by some rank] and [not used by some rank], in one MAX all-reduce
+        marks = torch.tensor(mine + [1 - m for m in mine], dtype=torch.int32)
+        dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=self.group)
+        anywhere, missing = marks[: len(params)].tolist(), marks[len(params) :].tolist()
+        for p, used in zip(params, anywhere, strict=True):
+            if not used:
+                p.grad = None
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(self.world)
+        return any(missing)

@@ -10,6 +10,7 @@ pause and stop (see ``_sync_control``). Rank 0 writes the run folder; the other 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -20,17 +21,17 @@ import torch
 import torch.distributed as dist
 from multilane.engine.data.loader import build_loader
 from multilane.engine.distributed import NODE_FILE_ENV
-from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, empty_shard, touch_exchanges
+from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, touch_exchanges
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
-from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.rank import NullRunDir, RankInfo, cpu_threads_per_rank
 from multilane.engine.distributed.rank_state import (
-    BufferMerge,
-    InplaceWriteError,
+    RankRules,
     RankStreams,
+    build_ddp,
     check_param_writes,
     param_versions,
-    reached,
+    weight_share,
     zero_loss,
 )
 from multilane.engine.distributed.shards import RankLoader
@@ -38,8 +39,7 @@ from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
-from multilane.engine.parallel.replicas.lane_rng import _generators
-from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
@@ -51,7 +51,6 @@ from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.sampler import TelemetrySampler
-from torch.nn.parallel import DistributedDataParallel
 
 PAUSE_POLL_S = 0.2
 TELEMETRY_LAG_S = 2.0
@@ -60,17 +59,6 @@ TELEMETRY_LAG_S = 2.0
 
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
-
-
-class NullRunDir(RunDir):
-    """The run folder as seen by a rank other than 0: it knows the path (for the control file) and
-    writes nothing."""
-
-    def write_json(self, name: str, data: dict[str, Any]) -> None: ...
-    def append_metric(self, record: dict[str, Any]) -> None: ...
-    def set_status(self, state: str, message: str | None = None, **extra: Any) -> None: ...
-    def write_error(self, text: str) -> None: ...
-    def save_checkpoint(self, state: dict[str, Any]) -> None: ...
 
 
 class DdpTrainer(Trainer):
@@ -134,13 +122,11 @@ class DdpTrainer(Trainer):
         # Each rank its own random stream, as each lane has (rank_state.py), restored from a checkpoint.
         self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
         self.streams.begin(saved_streams)
-        self._params = list(self.model.parameters())
-        self._buffer_merge = BufferMerge(self.model, self._control_group)
+        self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
-        # The first step finds out whether every parameter gets a gradient on every rank (then DDP
-        # runs without find_unused_parameters' per-step graph walk); see _settle_unused.
-        self._reached: set[int] | None = set()
-        self._build_ddp(find_unused=True)
+        # This process's first step finds out which parameters each rank's backward reaches (see
+        # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
+        self._build_ddp(find_unused=False)
         keys: list[Any] = [None] * info.world
         dist.all_gather_object(keys, info.key)
         self._keys = keys
@@ -148,30 +134,9 @@ class DdpTrainer(Trainer):
         self.loader.start(self.step * accum, self.total_steps * accum)
 
     def _build_ddp(self, find_unused: bool) -> None:
-        """DDP over the model. Buffers are not broadcast from rank 0: every rank holds the ranks'
-        sample-weighted merge (rank_state.py), the lanes' rule."""
-        dev = self.info.device
-        self.ddp = None
-        self.ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[dev.index] if dev.is_cuda else None,
-            forward_sync_buffers=False,
-            find_unused_parameters=find_unused,
-        )
+        self.ddp = None  # the old DDP (and its reducer's hooks) goes first
+        self.ddp = build_ddp(self.model, self.info.device, find_unused)
         self._find_unused = find_unused
-
-    def _settle_unused(self) -> None:
-        """After this process's first step: if every rank's backward reached every parameter, DDP drops
-        ``find_unused_parameters`` (one all-reduce, once). Otherwise it keeps it: a parameter that no
-        rank used then has no gradient (``None``, as on one device and on lanes), and one that only
-        some ranks used gets theirs."""
-        assert self._reached is not None
-        used = all(id(p) in self._reached for p in self._params if p.requires_grad)
-        self._reached = None
-        flag = torch.tensor([int(used)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control_group)
-        if int(flag[0]):
-            self._build_ddp(find_unused=False)
 
     @property
     def lane_names(self) -> list[str]:
@@ -217,13 +182,17 @@ class DdpTrainer(Trainer):
             t_data = time.perf_counter()
             inputs, target, n, size = self.loader.next_shard()
             timer.add("data", time.perf_counter() - t_data)
-            # Gradients are averaged across ranks once per optimizer step, at its last micro-batch.
-            sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
+            # Gradients are averaged across ranks once per optimizer step, at its last micro-batch
+            # (this process's first step: by hand, after it; see _reduce_probe).
+            probing = self.rules.reached is not None
+            last = k == accum - 1 and not probing
+            sync = contextlib.nullcontext() if last else self.ddp.no_sync()
             with sync:
                 timer.mark("forward")
-                output, shard_loss, weight = self._forward_counted(inputs, target, n, self._sizes(size))
+                fwd = functools.partial(self._forward, inputs, target, n)
+                output, shard_loss, weight = self.rules.forward(fwd, n, self._sizes(size))
                 timer.mark("backward")
-                share = n / size if self._loss_weight is None else self._weight_share(weight)
+                share = n / size if self._loss_weight is None else weight_share(weight, self._control_group)
                 if shard_loss is not None and share > 0:
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
@@ -233,48 +202,28 @@ class DdpTrainer(Trainer):
                 else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
                     shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
                     # Through every output, and (when DDP waits for every parameter) every parameter.
-                    local = zero_loss(output, None if self._find_unused else self._params)
+                    touch_all = not self._find_unused and not probing
+                    local = zero_loss(output, self.rules.params if touch_all else None)
                     contrib = local.detach().float()
                 exchanged = touch_exchanges()  # synchronized BatchNorm: every rank joins each backward
                 if exchanged is not None:
                     local = local + exchanged
-                if self._reached is not None:
-                    self._reached |= reached(local)
+                self.rules.note(local)
                 if k == 0:
                     opt.zero_grad(set_to_none=True)
                 self.scaler.scale(local / accum if accum > 1 else local).backward()
             self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
+        if probing and self.rules.reduce_probe():
+            self._build_ddp(find_unused=True)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             self.window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
         self.scaler.step(opt)
         self.scaler.update()
-        if self._reached is not None:
-            self._settle_unused()
         timer.end_step()
         self.window.end_step()
         self.rank_telemetry.busy_s += time.perf_counter() - t0
-
-    def _forward_counted(
-        self, inputs: Any, target: Any, n: int, sizes: list[int]
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        """``_forward`` by the lanes' rules (rank_state.py): a rank with no samples of its own draws no
-        random numbers and adds no BatchNorm statistics; the buffers become the ranks' merge; a
-        forward that changes a parameter in place is refused on every rank."""
-        gens = _generators(self.info.device.torch_device()) if n == 0 else []
-        states = [g.get_state() for g in gens]
-        before = param_versions(self._params)
-        self._buffer_merge.before()
-        with empty_shard(n == 0):
-            out = self._forward(inputs, target, n)
-        for g, s in zip(gens, states, strict=True):
-            g.set_state(s)
-        wrote = param_versions(self._params) != before
-        if self._buffer_merge.after(sizes, wrote):
-            check_param_writes(self.model, self._params, before)
-            raise InplaceWriteError("another rank's forward changed a parameter in place (see its error)")
-        return out
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
@@ -291,18 +240,6 @@ class DdpTrainer(Trainer):
             if self._loss_weight is not None:
                 weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
             return output, loss, weight
-
-    def _weight_share(self, weight: torch.Tensor | None) -> float:
-        """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
-        e.g. its non-padding tokens). The sum over ranks is one small all-reduce per micro-batch, on the
-        CPU group; only tasks that define ``loss_weight`` pay it."""
-        w = 0.0 if weight is None else float(weight)
-        if not 0 <= w < math.inf:
-            raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
-        total = torch.tensor([w], dtype=torch.float64)
-        dist.all_reduce(total, group=self._control_group)
-        t = float(total[0])
-        return w / t if t > 0 else math.nan  # no weight anywhere: the batch's mean is 0/0
 
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, *bits: bool) -> torch.Tensor:
@@ -422,7 +359,7 @@ class DdpTrainer(Trainer):
         if not self.loader.has_val:
             return
         info = self.info
-        before = param_versions(self._params)
+        before = param_versions(self.rules.params)
         rec = evaluate_shards(
             self.model,
             self.task,
@@ -433,7 +370,7 @@ class DdpTrainer(Trainer):
             info.world,
             self.step,
         )
-        check_param_writes(self.model, self._params, before)
+        check_param_writes(self.model, self.rules.params, before)
         if info.is_main:
             assert self.run_dir is not None
             write_sample(self.task, self.model, info.device.torch_device(), rec, self.run_dir)
