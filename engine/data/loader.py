@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -135,6 +136,7 @@ class _LoaderOptions:
         extra: dict[str, Any] = {}
         if self.workers > 0:
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": persistent}
+            extra["worker_init_fn"] = _ignore_stop_signals
         return DataLoader(
             dataset,
             num_workers=self.workers,
@@ -149,6 +151,15 @@ class _LoaderOptions:
         if self.device is None:
             return inputs, target
         return move_tree(inputs, self.device, non_blocking=self.pin), move_tree(target, self.device, self.pin)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker leaves SIGTERM and SIGINT to the process that reads from it, which stops
+    the run at a step with a checkpoint and then ends its workers. A signal sent to the whole process
+    group (the ddp launcher's, torch's elastic agent's, a terminal's Ctrl+C) would otherwise kill a
+    worker first, and the run would fail on the lost worker instead of stopping."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

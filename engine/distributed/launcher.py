@@ -148,7 +148,19 @@ def launch(
     finally:
         watchdog.cancel()
         shutil.rmtree(node_file.parent, ignore_errors=True)
-    return 1 if _state(run_dir) == "failed" else 0
+    return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
+
+
+def _stopped_by_engine(run_dir: Path | None) -> bool:
+    """A run the engine stopped on a non-finite loss: exit 1, as a single-process run does."""
+    from multilane.engine.run.metrics_window import NONFINITE
+
+    try:
+        status = json.loads((run_dir / STATUS).read_text()) if run_dir is not None else {}
+    except (OSError, ValueError):
+        return False
+    message = status.get("message") if isinstance(status, dict) else None
+    return status.get("state") == "stopped" and isinstance(message, str) and message.startswith(NONFINITE)
 
 
 class RendezvousWatchdog:

@@ -7,10 +7,12 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.telemetry.devices import Device, cuda_count, parse_devices
 
 
@@ -84,3 +86,16 @@ def init_process_group(info: RankInfo, timeout_s: float, backend: str = "auto", 
 def cpu_threads_per_rank(local_world: int) -> int:
     """Intra-op threads for a CPU rank: the node's cores shared among its ranks."""
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+class NullRunDir(RunDir):
+    """The run folder as seen by a rank other than 0: it knows the path (for the control file) and
+    writes nothing."""
+
+    writes = False
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None: ...
+    def append_metric(self, record: dict[str, Any]) -> None: ...
+    def set_status(self, state: str, message: str | None = None, **extra: Any) -> None: ...
+    def write_error(self, text: str) -> None: ...
+    def save_checkpoint(self, state: dict[str, Any]) -> None: ...

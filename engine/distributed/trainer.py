@@ -10,6 +10,7 @@ pause and stop (see ``_sync_control``). Rank 0 writes the run folder; the other 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -20,17 +21,26 @@ import torch
 import torch.distributed as dist
 from multilane.engine.data.loader import build_loader
 from multilane.engine.distributed import NODE_FILE_ENV
+from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, touch_exchanges
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
-from multilane.engine.distributed.rank import RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.rank import NullRunDir, RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.rank_state import (
+    RankRules,
+    RankStreams,
+    build_ddp,
+    check_param_writes,
+    param_versions,
+    weight_share,
+    zero_loss,
+)
 from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
-from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, LossWeightError, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.parallel.tree import first_tensor
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
@@ -41,7 +51,6 @@ from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.sampler import TelemetrySampler
-from torch.nn.parallel import DistributedDataParallel
 
 PAUSE_POLL_S = 0.2
 TELEMETRY_LAG_S = 2.0
@@ -50,19 +59,6 @@ TELEMETRY_LAG_S = 2.0
 
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
-
-
-class NullRunDir(RunDir):
-    """The run folder as seen by a rank other than 0: it knows the path (for the control file) and
-    writes nothing."""
-
-    writes = False
-
-    def write_json(self, name: str, data: dict[str, Any]) -> None: ...
-    def append_metric(self, record: dict[str, Any]) -> None: ...
-    def set_status(self, state: str, message: str | None = None, **extra: Any) -> None: ...
-    def write_error(self, text: str) -> None: ...
-    def save_checkpoint(self, state: dict[str, Any]) -> None: ...
 
 
 class DdpTrainer(Trainer):
@@ -102,6 +98,11 @@ class DdpTrainer(Trainer):
         dev = info.device.torch_device()
         self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
         self.model = self.task.build_model().to(dev)
+        # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
+        # group: no device sync per step on GPUs.
+        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if cfg.devices.sync_batchnorm:  # the lanes' synchronized BatchNorm, across ranks (batchnorm.py)
+            convert_rank_batchnorm(self.model, dist.new_group())
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
@@ -114,16 +115,28 @@ class DdpTrainer(Trainer):
         self.window = ShardWindow()
         self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
         self._loss_weight = loss_weight_fn(self.task)
+        saved_streams = None
         if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
-            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None})
-        self.ddp = DistributedDataParallel(self.model, device_ids=[dev.index] if info.device.is_cuda else None)
-        # Pause/stop flags travel on a CPU (Gloo) group: no device sync per step on GPUs.
-        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})
+            saved_streams = self._checkpoint.get("lane_rng")
+        # Each rank its own random stream, as each lane has (rank_state.py), restored from a checkpoint.
+        self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
+        self.streams.begin(saved_streams)
+        self.rules = RankRules(self.model, dev, info.world, self._control_group)
+        self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
+        # This process's first step finds out which parameters each rank's backward reaches (see
+        # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
+        self._build_ddp(find_unused=False)
         keys: list[Any] = [None] * info.world
         dist.all_gather_object(keys, info.key)
         self._keys = keys
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def _build_ddp(self, find_unused: bool) -> None:
+        self.ddp = None  # the old DDP (and its reducer's hooks) goes first
+        self.ddp = build_ddp(self.model, self.info.device, find_unused)
+        self._find_unused = find_unused
 
     @property
     def lane_names(self) -> list[str]:
@@ -169,24 +182,39 @@ class DdpTrainer(Trainer):
             t_data = time.perf_counter()
             inputs, target, n, size = self.loader.next_shard()
             timer.add("data", time.perf_counter() - t_data)
-            # Gradients are averaged across ranks once per optimizer step, at its last micro-batch.
-            sync = contextlib.nullcontext() if k == accum - 1 else self.ddp.no_sync()
+            # Gradients are averaged across ranks once per optimizer step, at its last micro-batch
+            # (this process's first step: by hand, after it; see _reduce_probe).
+            probing = self.rules.reached is not None
+            last = k == accum - 1 and not probing
+            sync = contextlib.nullcontext() if last else self.ddp.no_sync()
             with sync:
                 timer.mark("forward")
-                output, shard_loss, weight = self._forward(inputs, target, n)
+                fwd = functools.partial(self._forward, inputs, target, n)
+                output, shard_loss, weight = self.rules.forward(fwd, n, self._sizes(size))
                 timer.mark("backward")
-                share = n / size if self._loss_weight is None else self._weight_share(weight)
+                share = n / size if self._loss_weight is None else weight_share(weight, self._control_group)
                 if shard_loss is not None and share > 0:
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
+                elif math.isnan(share):  # no weight in the whole batch: its loss is 0/0, as on one device
+                    local = zero_loss(output, None) * math.nan  # NaN gradients, as one device's
+                    contrib = local.detach().float()  # a NaN loss: every rank stops at this log
                 else:  # nothing for this rank in this micro-batch: a zero gradient, still reduced
                     shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
-                    local = first_tensor(output).sum() * 0.0
+                    # Through every output, and (when DDP waits for every parameter) every parameter.
+                    touch_all = not self._find_unused and not probing
+                    local = zero_loss(output, self.rules.params if touch_all else None)
                     contrib = local.detach().float()
+                exchanged = touch_exchanges()  # synchronized BatchNorm: every rank joins each backward
+                if exchanged is not None:
+                    local = local + exchanged
+                self.rules.note(local)
                 if k == 0:
                     opt.zero_grad(set_to_none=True)
                 self.scaler.scale(local / accum if accum > 1 else local).backward()
             self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
+        if probing and self.rules.reduce_probe():
+            self._build_ddp(find_unused=True)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
@@ -213,18 +241,6 @@ class DdpTrainer(Trainer):
                 weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
             return output, loss, weight
 
-    def _weight_share(self, weight: torch.Tensor | None) -> float:
-        """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
-        e.g. its non-padding tokens). The sum over ranks is one small all-reduce per micro-batch, on the
-        CPU group; only tasks that define ``loss_weight`` pay it."""
-        w = 0.0 if weight is None else float(weight)
-        if not 0 <= w < math.inf:
-            raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
-        total = torch.tensor([w], dtype=torch.float64)
-        dist.all_reduce(total, group=self._control_group)
-        t = float(total[0])
-        return w / t if t > 0 else 0.0
-
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, *bits: bool) -> torch.Tensor:
         return torch.tensor([int(b) for b in bits], dtype=torch.int32)
@@ -233,7 +249,9 @@ class DdpTrainer(Trainer):
         """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
         step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
         act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
-        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now."""
+        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now. The fourth: a rank's
+        ``train.checkpoint_minutes`` have passed, so all ranks save at the end of step s+1 (saving is a
+        collective: every rank's random stream goes into the checkpoint)."""
         self._control_file.apply(self.requests)
         if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
             self.requests.request_stop()
@@ -241,7 +259,9 @@ class DdpTrainer(Trainer):
             work, flags = self._pending
             self._pending = None
             work.wait()
-            stop, pause, telemetry = flags.tolist()
+            stop, pause, telemetry, due = flags.tolist()
+            if due and self._due_at == self.checkpoint_time:  # no checkpoint since it was asked for
+                self._due_agreed = True
             if stop:
                 self.requests.request_stop()
                 self.control.request_stop()
@@ -252,9 +272,16 @@ class DdpTrainer(Trainer):
             if telemetry:
                 self._gather_telemetry()
         overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
-        flags = self._flags(self.requests.stop_requested, self.requests.pause_requested, overdue)
+        flags = self._flags(
+            self.requests.stop_requested, self.requests.pause_requested, overdue, checkpointer.due(self)
+        )
+        self._due_at = self.checkpoint_time
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
         self._pending = (work, flags)
+
+    def _checkpoint_due(self) -> bool:
+        due, self._due_agreed = getattr(self, "_due_agreed", False), False
+        return due
 
     def _gather_telemetry(self) -> None:
         """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
@@ -332,6 +359,7 @@ class DdpTrainer(Trainer):
         if not self.loader.has_val:
             return
         info = self.info
+        before = param_versions(self.rules.params)
         rec = evaluate_shards(
             self.model,
             self.task,
@@ -342,6 +370,7 @@ class DdpTrainer(Trainer):
             info.world,
             self.step,
         )
+        check_param_writes(self.model, self.rules.params, before)
         if info.is_main:
             assert self.run_dir is not None
             write_sample(self.task, self.model, info.device.torch_device(), rec, self.run_dir)

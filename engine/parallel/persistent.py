@@ -213,6 +213,7 @@ class PersistentReplicas(ReplicateEachStep):
         if len(self._params) < 2:
             return
         timer.mark("reduce")
+        self._sum_buffer_grads()
         master, others = self._params[0], self._params[1:]
         left = [j for j, p in enumerate(master) if p.requires_grad and any(lane[j].grad is not None for lane in others)]
         if not left:
@@ -226,6 +227,21 @@ class PersistentReplicas(ReplicateEachStep):
         for lane in others:
             for j in left:
                 lane[j].grad = None
+
+    def _sum_buffer_grads(self) -> None:
+        """A buffer that requires grad gets every lane's gradient in the model's own ``.grad`` (lane
+        order), as one backward through ``replicate``'s copies gives it."""
+        master, others = self._buffers[0], self._buffers[1:]
+        for j, b in enumerate(master):
+            if not b.requires_grad:
+                continue
+            total = b.grad
+            for lane in others:
+                g = lane[j].grad
+                if g is not None:
+                    total = g.to(b.device) if total is None else total + g.to(b.device)
+                    lane[j].grad = None
+            b.grad = total
 
     def sync_replicas(self, model: nn.Module, timer: PhaseTimer) -> None:
         """After the optimizer step: copy the model's new weights (and buffers) into the other replicas."""

@@ -51,8 +51,11 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
 
 
 def _lane_random(t: Trainer) -> Any:
-    """The lanes' random streams of a single-process run; None for a ddp rank (its process's own
-    generators are its stream)."""
+    """The lanes' random streams of a single-process run, or a ddp run's ranks' (one lane per rank,
+    the same format: engine/distributed/rank_state.py); a ddp rank restores its own."""
+    streams = getattr(t, "streams", None)
+    if streams is not None:
+        return streams
     strategy = getattr(t, "strategy", None)
     return getattr(strategy, "random", None)
 

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from multilane.engine.parallel import StepOutput
 
+NONFINITE = "loss became "
+"""How the message of a run the engine stopped on a non-finite loss begins (status.json's message)."""
+
 
 class NonFiniteLoss(RuntimeError):
     pass
@@ -163,4 +166,5 @@ def check_finite(rec: dict[str, Any], first: int, step: int) -> None:
     device_loss = rec["device_loss"]
     bad = [k for k, v in device_loss.items() if not math.isfinite(v)] or list(device_loss)
     where = f"at step {step}" if first == step else f"between steps {first} and {step}"
-    raise NonFiniteLoss(f"loss became {loss} {where} on device {', '.join(bad)}")
+    on = f" on device {', '.join(bad)}" if bad else ""
+    raise NonFiniteLoss(f"{NONFINITE}{loss} {where}{on}")

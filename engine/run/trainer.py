@@ -243,9 +243,13 @@ class Trainer:
                     return "stopped", str(e)
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
-            if (ckpt_every and self.step % ckpt_every == 0) or last or checkpointer.due(self):
+            if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
                 checkpointer.save(self)
         return "finished", None
+
+    def _checkpoint_due(self) -> bool:
+        """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""
+        return checkpointer.due(self)
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config

@@ -11,7 +11,11 @@ it: use ``devices.sync_batchnorm`` for full-batch statistics). Integer buffers (
 are taken from the first active replica. A buffer all replicas agree on keeps that exact value.
 
 The model's buffer is rebound to the new tensor rather than overwritten in place: the step's graph
-may still need the old one in backward (BatchNorm saves its running statistics).
+may still need the old one in backward (BatchNorm saves its running statistics). A buffer that
+requires grad (a leaf the loss differentiates, as a parameter that is not trained) is never rebound:
+backward accumulates its ``.grad`` into the model's own tensor, and it keeps ``requires_grad``. Such a
+buffer cannot be changed by a forward (autograd forbids writing a leaf that requires grad), so it keeps
+its value; one a forward changed anyway (under ``no_grad``) is overwritten in place.
 """
 
 from __future__ import annotations
@@ -36,10 +40,22 @@ def merge_buffers(model: nn.Module, replicas: Sequence[nn.Module], sizes: Sequen
             if own is None:
                 continue
             values = [walk[k]._buffers[name] for walk in walks]
-            module._buffers[name] = _merge(values, weights, own.device)
+            set_buffer(module, name, merge_values(values, weights, own.device))
 
 
-def _merge(values: Sequence[torch.Tensor | None], weights: Sequence[float], device: torch.device) -> torch.Tensor:
+def set_buffer(module: nn.Module, name: str, merged: torch.Tensor) -> None:
+    """Make ``merged`` the value of ``module``'s buffer ``name`` (see the module docstring)."""
+    own = module._buffers[name]
+    if own is not None and own.requires_grad:
+        if not torch.equal(own.detach(), merged):
+            with torch.no_grad():
+                own.copy_(merged)
+        return
+    module._buffers[name] = merged
+
+
+def merge_values(values: Sequence[torch.Tensor | None], weights: Sequence[float], device: torch.device) -> torch.Tensor:
+    """The weighted mean of one buffer's values (floating point), or the first value (integers)."""
     first = values[0]
     assert first is not None
     first = first.detach().to(device)
