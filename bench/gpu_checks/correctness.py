@@ -39,7 +39,7 @@ from common import (
 )
 
 # Failures an open issue already names: (strategy, model, several devices) -> the issue.
-KNOWN_FAILURES = {("ddp", "batchnorm", True): "issue 22 item 2: devices.sync_batchnorm is ignored under ddp"}
+KNOWN_FAILURES: dict[tuple[str, str, bool], str] = {}  # (strategy, model, several devices) -> the issue that explains it
 
 
 def cases(ctx: Context, strategy: str) -> list[tuple[str, str, str]]:
