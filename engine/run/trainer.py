@@ -74,7 +74,7 @@ class Trainer:
             self._configure(config, overrides or {}, task)
         except BaseException:
             if self._resume_dir is not None:
-                self._resume_dir.close()
+                self._resume_dir.close_refused()
             raise
 
     def _open_resume_dir(self, path: str | Path) -> RunDir:
@@ -126,6 +126,10 @@ class Trainer:
         ``sys.exit``, a second Ctrl+C, a full disk): status.json and the last event say so."""
         try:
             return self._run()
+        except BaseException:
+            if self.run_dir is None and self._resume_dir is not None:  # refused at set-up: as it was found
+                self._resume_dir.close_refused()
+            raise
         finally:
             for rd in (self.run_dir, self._resume_dir):
                 if rd is not None:

@@ -5,8 +5,11 @@ message another process gets, and for a follower to tell a writer that is gone (
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 
 import filelock
@@ -30,16 +33,7 @@ def lock_run_folder(folder: Path, wait_s: float = 0.0) -> filelock.FileLock:
     try:
         lock.acquire()
     except filelock.Timeout:
-        holder = ""
-        with contextlib.suppress(OSError, ValueError):
-            holder = read_regular_file(lock_path, 64).decode().strip()
-        pid, host = holder_of(holder)
-        who = (
-            f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
-            if pid
-            else "another process"
-        )
-        raise RunInUse(f"run {folder} is in use by {who}; one run writes to a folder at a time") from None
+        raise in_use(folder) from None
     except OSError as e:
         raise UserError(f"run {folder}: cannot lock it ({describe_os_error(e)})") from None
     with contextlib.suppress(OSError):  # who holds it, for the message above (not the lock itself)
@@ -49,6 +43,41 @@ def lock_run_folder(folder: Path, wait_s: float = 0.0) -> filelock.FileLock:
         finally:
             os.close(fd)
     return lock
+
+
+def in_use(folder: Path) -> RunInUse:
+    """The error for a folder whose lock another process holds, naming that process."""
+    holder = ""
+    with contextlib.suppress(OSError, ValueError):
+        holder = read_regular_file(folder / LOCK, 64).decode().strip()
+    pid, host = holder_of(holder)
+    who = f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "") if pid else "another process"
+    return RunInUse(f"run {folder} is in use by {who}; one run writes to a folder at a time")
+
+
+def lock_is_held(folder: Path) -> bool:
+    """Whether another process holds ``folder``'s lock now, asked without creating or writing anything
+    (a refused resume must leave the folder as it found it). False when there is no lock file."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what filelock takes: a holder makes this fail
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)  # closing drops the probe's own lock at once
+    return False
+
+
+def refuse_if_in_use(folder: Path, wait_s: float = 0.0) -> None:
+    """``RunInUse`` when another process holds ``folder``'s lock (after waiting up to ``wait_s``)."""
+    end = time.monotonic() + wait_s
+    while lock_is_held(folder):
+        if time.monotonic() >= end:
+            raise in_use(folder)
+        time.sleep(0.1)
 
 
 def holder_of(text: str) -> tuple[int | None, str | None]:
