@@ -92,6 +92,13 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
 
 
+def _interval(text: str) -> float:
+    v = _number(text)
+    if not 0.05 <= v <= 3600:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is outside 0.05 to 3600 seconds")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from multilane.engine import __version__
     from multilane.engine.config import RunConfig
@@ -171,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
     w.add_argument("run_dir", metavar="RUN_DIR")
-    w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+    w.add_argument(
+        "--interval", type=_interval, default=0.5, metavar="S", help="seconds between refreshes, 0.05 to 3600"
+    )
 
     c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
     c.add_argument("run_dir", metavar="RUN_DIR")

@@ -87,15 +87,29 @@ def holder_of(text: str) -> tuple[int | None, str | None]:
     return pid, (parts[1] if len(parts) > 1 else None)
 
 
-def writer_gone(folder: Path) -> str | None:
+def writer_gone(folder: Path, status_written: bool = False) -> str | None:
     """Why the process that last took ``folder``'s lock is known to be gone, or None when it may live:
     only a writer on this machine can be checked (a cluster job's folder on a shared filesystem
-    cannot, and is never called gone)."""
+    cannot, and is never called gone).
+
+    The lock itself is asked, not only the pid in it (a pid is reused by unrelated processes): once
+    the run has written a status, a lock nobody holds means its writer ended without a final one.
+    Before that (a run still setting up: the app made the folder, its child has not locked it yet)
+    only a pid that no longer exists says so."""
     try:
         text = read_regular_file(folder / LOCK, 256).decode("utf-8", "replace")
+    except FileNotFoundError:
+        text = ""
     except (OSError, ValueError):
         return None
     pid, host = holder_of(text)
-    if pid is None or host != socket.gethostname() or psutil.pid_exists(pid):
+    if host is not None and host != socket.gethostname():
+        return None
+    if status_written and not lock_is_held(folder):
+        who = f"its process (pid {pid})" if pid is not None else "its writer"
+        return (
+            f"{who} no longer holds the run's lock and wrote no final status: it was killed, or its machine lost power"
+        )
+    if pid is None or host is None or psutil.pid_exists(pid):
         return None
     return f"its process (pid {pid}) is gone and wrote no final status: it was killed, or its machine lost power"
