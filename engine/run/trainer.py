@@ -165,7 +165,7 @@ class Trainer:
                 cb.on_train_start(self)
             extra = {"resumed_from_step": self.step} if resumed else {}
             self._event("started", total_steps=self.total_steps, **extra)
-            for message in balance_warnings(self.devices):
+            for message in [*balance_warnings(self.devices), *getattr(self.task, "warnings", ())]:
                 self._event("warning", message=message)
             if self.sampler is not None:
                 self.sampler.start()
