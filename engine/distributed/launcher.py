@@ -106,8 +106,7 @@ def launch(
         endpoint = "{}:{}".format(*parse_endpoint(rdzv_endpoint))
     if not config.devices.use.startswith("cuda"):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # the launcher reports outcomes itself
+    quiet_torch_loggers()  # the launcher reports outcomes itself
     lc = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -204,6 +203,19 @@ class RendezvousWatchdog:
                     flush=True,
                 )
                 os._exit(2)
+
+
+QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def quiet_torch_loggers() -> None:
+    """Silence the elastic agent's own log lines ("Received 15 death signal, shutting down workers").
+
+    torch's ``get_logger`` sets a level on each module's logger (WARNING, from $LOGLEVEL), which
+    overrides a level set on the parent: every logger already made under these names is set too."""
+    for name in [*QUIET, *logging.root.manager.loggerDict]:
+        if name.startswith(QUIET):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def first_failure(e: Any) -> str:
