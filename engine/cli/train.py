@@ -138,7 +138,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
     print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
     if result.status == "failed":
-        if result.traceback:
+        if result.traceback and (result.run_dir / "error.txt").is_file():  # a full disk may have kept it out
             print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
         return 1
     if result.status == "aborted":

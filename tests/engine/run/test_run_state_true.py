@@ -174,3 +174,48 @@ def test_the_apps_refused_resume_puts_console_log_back(finished_run):
     assert outcome["status"] == "rejected", outcome
     assert "checkpoint" in outcome["message"]
     assert names(run) == before and status_of(run)["state"] == "finished"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs): needs root and mount; skipped elsewhere."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill_until(folder: Path, free_bytes: int) -> None:
+    import os
+
+    with open(folder / "filler", "wb") as f:
+        while True:
+            st = os.statvfs(folder)
+            left = st.f_bavail * st.f_frsize
+            if left <= free_bytes:
+                return
+            try:
+                f.write(b"\0" * min(4096, left - free_bytes))
+                f.flush()
+            except OSError:
+                return
+
+
+@pytest.mark.parametrize("free_kib", [36, 6])
+def test_a_nearly_full_disk_is_refused_up_front_with_the_free_space(tiny_disk, free_kib):
+    runs = tiny_disk / "runs"
+    runs.mkdir()
+    _fill_until(tiny_disk, free_kib << 10)
+    out = subprocess.run(
+        [*CLI, "train", "--task", "linear", "--devices", "cpu:0", "--steps", "60", "--runs-dir", str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "KiB free" in lines[0] and "at least 1 MiB" in lines[0], out.stderr
+    assert "error.txt" not in out.stderr
+    assert not [p for p in runs.iterdir() if not p.name.startswith(".")]  # no run folder that lies
