@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CLI
-from multilane.engine.tasks.imagefolder import scan_images, torchvision_or_hint
+from multilane.engine.tasks.imagefolder import torchvision_or_hint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,6 +84,8 @@ def make_images(root: Path, per_class: int = 6) -> Path:
 
 
 def test_scanning_skips_fifos_and_never_follows_a_loop_or_a_link_out(tmp_path):
+    from multilane.engine.tasks.imagefolder import scan_images
+
     root = make_images(tmp_path / "images")
     os.mkfifo(root / "red" / "x.png")
     (root / "red" / "loop").symlink_to("..")  # cat/loop -> ..: the whole folder again, for ever
