@@ -2,16 +2,10 @@
 
 import sys
 
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``multilane`` command. A Ctrl+C while its modules are still being imported (the first
-    second or two) is the one line every interrupted set-up gets, not a traceback."""
-    try:
-        from multilane.engine.cli.main import main as run
-    except KeyboardInterrupt:
-        print("multilane: interrupted", file=sys.stderr)
-        return 130
-    return run(argv)
-
+try:
+    from multilane.engine.cli.main import main
+except KeyboardInterrupt:  # Ctrl+C while the command's modules load: the one line, not a traceback
+    print("multilane: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 __all__ = ["main"]
