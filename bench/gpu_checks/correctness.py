@@ -39,7 +39,9 @@ from common import (
 )
 
 # Failures an open issue already names: (strategy, model, several devices) -> the issue.
-KNOWN_FAILURES: dict[tuple[str, str, bool], str] = {}  # (strategy, model, several devices) -> the issue that explains it
+KNOWN_FAILURES: dict[
+    tuple[str, str, bool], str
+] = {}  # (strategy, model, several devices) -> the issue that explains it
 
 
 def cases(ctx: Context, strategy: str) -> list[tuple[str, str, str]]:

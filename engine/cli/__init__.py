@@ -1,5 +1,11 @@
 """The ``multilane`` command: its entry point, parser, ``train``, ``watch``/``control``/``devices``, and the progress display."""
 
-from multilane.engine.cli.main import main
+import sys
+
+try:
+    from multilane.engine.cli.main import main
+except KeyboardInterrupt:  # Ctrl+C while the command's modules load: the one line, not a traceback
+    print("multilane: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from multilane.engine.cli.main import main
+from multilane.engine.cli import main
 
 sys.exit(main())

@@ -80,7 +80,27 @@ def _remote(args: argparse.Namespace) -> int | None:
     return remote.cmd_remote_train(args) if args.command == "train" else remote.cmd_remote_devices(args)
 
 
+MAX_LINE = 1000
+
+
+def one_line(message: str, limit: int = MAX_LINE) -> str:
+    """An error line of readable length: a value the user gave (a 500,000-character path) is cut in
+    the middle, so the line keeps its start (what is wrong) and its end (the rule)."""
+    if len(message) <= limit:
+        return message
+    keep = (limit - 40) // 2
+    return f"{message[:keep]}…[{len(message) - 2 * keep:,} characters cut]…{message[-keep:]}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a run began (parsing, its set-up, the task's import): nothing to record
+        print("multilane: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -101,8 +121,5 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         return cmd_app()
     except UserError as e:
-        print(f"multilane: error: {e}", file=sys.stderr)
+        print(f"multilane: error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before a run began (its set-up, the task's import): nothing to record
-        print("multilane: interrupted", file=sys.stderr)
-        return 130

@@ -15,6 +15,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # One line, exit 2: what is wrong (and the option meant, for a typo), not a usage screen.
+        if len(message) > 1000:  # a value of 100,000 characters quoted whole by argparse
+            message = f"{message[:480]}…[{len(message) - 960:,} characters cut]…{message[-480:]}"
         # "multilane: error:" from every subcommand too (argparse would say "multilane train: error:"),
         # like the errors found after parsing; the subcommand leads the message, as theirs do ("watch: ...").
         command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
@@ -107,6 +109,36 @@ def _remote_options(p: argparse.ArgumentParser, host_help: str | None) -> None:
     )
 
 
+def _interval(text: str) -> float:
+    v = _number(text)
+    if not 0.05 <= v <= 3600:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is outside 0.05 to 3600 seconds")
+    return v
+
+
+def _rdzv_timeout(text: str) -> float:
+    v = _number(text)
+    if not 1 <= v <= 86400:  # NaN fails both comparisons; torch takes whole seconds
+        raise argparse.ArgumentTypeError(f"{short_text(text)} is outside 1 to 86400 seconds")
+    return v
+
+
+def _rdzv_id(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(
+            f"{short_text(text)} ({len(text):,} characters): use 1 to 64 letters, digits, '.', '_' or '-'"
+        )
+    return text
+
+
+def _endpoint(text: str) -> str:
+    if len(text) > 300:
+        raise argparse.ArgumentTypeError(f"{short_text(text)} ({len(text):,} characters) is not HOST:PORT")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from multilane.engine import __version__
     from multilane.engine.config import RunConfig
@@ -156,10 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
-    dd.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous (default: a free local port)")
-    dd.add_argument("--rdzv-id", metavar="ID", help="run id, the same on every node (default: multilane)")
     dd.add_argument(
-        "--rdzv-timeout", type=_number, default=60.0, metavar="S", help="seconds to wait for every node (default 60)"
+        "--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT", help="the rendezvous (default: a free local port)"
+    )
+    dd.add_argument(
+        "--rdzv-id", type=_rdzv_id, metavar="ID", help="run id, the same on every node (default: multilane)"
+    )
+    dd.add_argument(
+        "--rdzv-timeout",
+        type=_rdzv_timeout,
+        default=60.0,
+        metavar="S",
+        help="seconds to wait for every node, 1 to 86400 (default 60)",
     )
     _remote_options(t, "train on this host over SSH, mirroring its run folder here (see docs/remote.md)")
     t.add_argument(
@@ -191,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
     w.add_argument("run_dir", metavar="RUN_DIR", help="a run folder here, or HOST:RUN_DIR on a host over SSH")
-    w.add_argument("--interval", type=_number, default=0.5, metavar="S", help="seconds between refreshes")
+    w.add_argument(
+        "--interval", type=_interval, default=0.5, metavar="S", help="seconds between refreshes, 0.05 to 3600"
+    )
     _remote_options(w, None)
     w.add_argument("--runs-dir", metavar="DIR", help="for HOST:RUN_DIR: where the local mirror goes (default: ./runs)")
 

@@ -147,7 +147,7 @@ def format_telemetry(record: dict[str, Any]) -> str:
     for name, d in record.get("devices", {}).items():
         rate = d.get("util_pct") or d.get("busy_pct")
         text = name + (f" {rate['mean']:.0f}%" if rate else "")
-        if "mem_used_mb" in d:
+        if d.get("mem_used_mb") is not None:
             text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
         parts.append(text)
     rss = record.get("process", {}).get("rss_mb")

@@ -68,9 +68,13 @@ def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
     from multilane.engine.config import build_config, merge, read_config_file
 
     if args.resume:
+        from multilane.engine.distributed import in_worker
         from multilane.engine.rundir.runlog import RunDir
 
-        base = RunDir.open_existing(args.resume, lock=False).load_checkpoint().get("config")
+        # Refused here, before any strategy starts a process or touches the folder, when another
+        # process writes it (a rank of a ddp resume: the launcher checked; rank 0 holds the lock).
+        rd = RunDir.open_existing(args.resume, lock=False, in_use_ok=in_worker())
+        base = rd.load_checkpoint().get("config")
         if not isinstance(base, dict):
             raise UserError(f"resume: {args.resume}: the checkpoint holds no config")
         return build_config(merge(base, overrides), "resume config")
@@ -134,7 +138,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _exit_on_signals()  # the outcome is recorded: a Ctrl+C from here on ends the process at once
     print(summary(result, getattr(trainer, "total_steps", None), progress.timing()))
     if result.status == "failed":
-        if result.traceback:
+        if result.traceback and (result.run_dir / "error.txt").is_file():  # a full disk may have kept it out
             print(f"  traceback: {result.run_dir / 'error.txt'}", file=sys.stderr)
         return 1
     if result.status == "aborted":

@@ -31,6 +31,8 @@ class WatchState:
         self.message: str | None = None
 
     def add(self, rec: dict[str, Any]) -> None:
+        """One record, already checked by the follower (``records.py``: steps whole, losses numbers
+        or null)."""
         kind = rec.get("kind")
         if kind == "train":
             self.train, self.step = rec, rec.get("step", self.step)
@@ -43,26 +45,54 @@ class WatchState:
             self.step = rec.get("step", self.step)
 
     def set_status(self, status: dict[str, Any]) -> None:
+        """A status as the follower passes it on (``clean_status``: a state, whole steps)."""
         self.state = status.get("state", self.state)
         self.message = status.get("message")
         self.total = status.get("total_steps") or self.total
         if status.get("step") is not None:
-            self.step = max(self.step, int(status["step"]))
+            self.step = max(self.step, status["step"])
 
     def line(self, telemetry: bool = True) -> str:
         parts = [f"{self.state}: step {self.step}" + (f"/{self.total}" if self.total else "")]
-        if self.train:
-            parts.append(f"loss {self.train['loss']:.4f}")
+        if "loss" in self.train:
+            parts.append(f"loss {_value(self.train['loss'])}")  # null: the run's loss was NaN or inf
             if self.train.get("samples_per_s"):
                 parts.append(f"{self.train['samples_per_s']:,.0f} samples/s")
-        if self.eval:
-            parts.append(f"val {self.eval['val_loss']:.4f}")
+        if "val_loss" in self.eval:
+            parts.append(f"val {_value(self.eval['val_loss'])}")
         text = " · ".join(parts)
         if self.telemetry and telemetry:
             text += " " + self.telemetry
         if self.message and self.state != "running":
             text += f" ({self.message})"
         return text
+
+
+def _value(v: float | None) -> str:
+    return "nan" if v is None else f"{v:.4f}"
+
+
+RUN_FILES = ("metrics.jsonl", "status.json", "config.json", "checkpoints", ".lock")
+
+
+def check_run_folder(folder: Path) -> None:
+    """Refuse, in one line, what is not a run folder: a file, nothing, or the runs folder itself."""
+    try:
+        if not folder.is_dir():
+            raise UserError(f"watch: {run_folder_problem(folder)}")
+        if any((folder / name).exists() for name in RUN_FILES):
+            return
+        runs = [p for p in folder.iterdir() if p.is_dir() and any((p / n).exists() for n in RUN_FILES[:3])]
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"watch: not a usable path ({e})") from None
+    except OSError as e:
+        raise UserError(f"watch: {folder}: cannot read it ({e.strerror or e})") from None
+    if runs:
+        newest = max(runs, key=lambda p: p.stat().st_mtime)
+        raise UserError(
+            f"watch: {folder} is a runs folder, not a run; watch one of its {len(runs)} runs, e.g. {newest}"
+        )
+    raise UserError(f"watch: {folder} is not a run folder (no metrics.jsonl, status.json or config.json)")
 
 
 def watch(
@@ -72,15 +102,17 @@ def watch(
     follower: Any = None,
     on_interrupt: Callable[[], str] | None = None,
 ) -> int:
-    """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed.
+    """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed or its
+    writer is gone. A folder that cannot be followed (its metrics.jsonl a FIFO or a folder) is one
+    line (``UserError``).
 
     ``follower``: another source with ``RunFollower``'s poll (a run on a host, through its mirror).
     ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
     without it, or at the second, Ctrl+C leaves."""
     out = out or sys.stdout
     folder = Path(run_dir).expanduser()
-    if follower is None and not folder.is_dir():
-        raise UserError(f"watch: {run_folder_problem(folder)}")
+    if follower is None:
+        check_run_folder(folder)
     follower, state = follower or RunFollower(folder), WatchState()
     tty = out.isatty()
     last = ""
@@ -112,7 +144,15 @@ def watch(
             out.flush()
     if tty:
         out.write("\n")
+    if follower.problem:
+        raise UserError(f"watch: {folder}: {follower.problem}")
     if follower.lost:
         out.write(f"{folder.name}: {follower.lost}\n")
         return 1
-    return 1 if state.state == "failed" else 0
+    if follower.metrics.skipped:
+        n = follower.metrics.skipped
+        print(
+            f"multilane: warning: {folder / 'metrics.jsonl'}: {n} unreadable line{'s' if n != 1 else ''} skipped",
+            file=sys.stderr,
+        )
+    return 1 if state.state in ("failed", "aborted") else 0

@@ -32,6 +32,8 @@ from multilane.engine.data.sampling import (
     SeededReader,
     batch_size_of,
     clean_worker_error,
+    quiet_sigchld,
+    worker_death,
 )
 from multilane.engine.errors import UserError
 from multilane.engine.parallel.tree import move_tree
@@ -178,6 +180,8 @@ def _keep_rng(active: bool):
 
 
 def _next(it: Iterator[Any], workers: int) -> Any:
+    if workers > 0:
+        quiet_sigchld()  # set by torch as the iterator started its workers
     try:
         with _keep_rng(workers == 0):
             return next(it)
@@ -185,6 +189,11 @@ def _next(it: Iterator[Any], workers: int) -> Any:
         if workers > 0:
             raise DataError(clean_worker_error(e)) from e
         raise
+    except (RuntimeError, OSError, EOFError) as e:  # a worker that died: torch's words, or a reset pipe
+        death = worker_death(it) if workers > 0 else None
+        if death is None:
+            raise
+        raise DataError(death) from e
 
 
 class _Epochs:

@@ -11,7 +11,11 @@ where the run was resumed, nor which ddp rank reads the sample.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,6 +115,10 @@ class SeededReader(Dataset):
                 out.append(self.dataset[i])
             except Exception as e:
                 raise DataError(f"reading {self.what} sample {i} failed: {type(e).__name__}: {e}") from e
+            except SystemExit as e:  # in a worker it would end the process silently, naming nothing
+                raise DataError(
+                    f"reading {self.what} sample {i} failed: the task's code called sys.exit({e.code})"
+                ) from None
         return out
 
 
@@ -163,3 +171,44 @@ def clean_worker_error(e: BaseException) -> str:
     where = head.split(" in ", 1)[1].rstrip(".") if " in " in head else "a worker"
     text = last.split("DataError: ", 1)[1] if "DataError: " in last else last
     return f"{text} (in {where})"
+
+
+def quiet_sigchld() -> None:
+    """Undo torch's SIGCHLD handler (main thread only, as torch sets it).
+
+    torch raises "DataLoader worker exited unexpectedly" from that handler, inside whatever the main
+    thread is doing when a worker ends: a status write, a checkpoint's rename. The run then died with a
+    traceback and its status.json said "running". Without it, the iterator notices a dead worker
+    itself (torch checks its workers every few seconds while it waits for a batch) and ``worker_death``
+    turns that into one line at the step that needed the batch.
+    """
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def worker_death(it: Any, wait_s: float = 3.0) -> str | None:
+    """What happened to a DataLoader iterator's worker processes that ended, or None if none did.
+
+    The error that brings us here can come a moment before the worker can be reaped (a pipe reset as
+    the dying process closes its sockets): wait up to ``wait_s`` for one to have ended."""
+    workers = list(getattr(it, "_workers", ()) or ())
+    end = time.monotonic() + wait_s
+    while workers and not any(w.exitcode for w in workers) and time.monotonic() < end:
+        time.sleep(0.05)
+    dead = []
+    for k, w in enumerate(workers):
+        code = w.exitcode
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        dead.append(f"DataLoader worker {k} (pid {w.pid}) {how}")
+    if not dead:
+        return None
+    return "; ".join(dead) + " while reading a batch (its sample is not known: the worker ended without a word)"

@@ -29,12 +29,17 @@ from multilane.engine.config import RunConfig
 from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes_from_child_failure, primary
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.run_lock import lock_run_folder
 from multilane.engine.rundir.runlog import STATUS, RunDir
 from multilane.engine.telemetry.devices import default_devices, parse_devices
 
 FOREIGN_CAUSE_WAIT_S = 5.0
 """With several nodes: how long a launcher whose ranks only lost their peers waits for the note of
 the failure on another node that caused it."""
+
+LOCK_WAIT_S = 10.0
+"""How long a launcher whose ranks failed waits for the run folder's lock before it records the
+failure: a rank's lock goes with its process, a moment after the agent sees it exit."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,8 +106,7 @@ def launch(
         endpoint = "{}:{}".format(*parse_endpoint(rdzv_endpoint))
     if not config.devices.use.startswith("cuda"):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # the launcher reports outcomes itself
+    quiet_torch_loggers()  # the launcher reports outcomes itself
     lc = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -126,11 +130,21 @@ def launch(
         cause = None
         if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
             try:
+                # On one node the ranks are gone and their lock with them: a lock held now is another
+                # run's, which writes this folder (a resume refused by a live run): write nothing into it.
+                held = lock_run_folder(run_dir, wait_s=LOCK_WAIT_S) if nnodes == 1 else None
+            except UserError as refused:
+                print(f"multilane: error: {refused}", file=sys.stderr)
+                return 2
+            try:
                 notes_from_child_failure(run_dir, e)
                 # With several nodes the failure that caused this node's may be another node's: wait for its note.
                 cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
             except OSError as err:
                 print(f"multilane: could not record the failure in {run_dir}: {err.strerror or err}", file=sys.stderr)
+            finally:
+                if held is not None:
+                    held.release(force=True)
         message = cause["message"] if cause else first_failure(e)
         print(f"failed: {message}", file=sys.stderr)
         if run_dir is not None:
@@ -201,6 +215,19 @@ class RendezvousWatchdog:
                     flush=True,
                 )
                 os._exit(2)
+
+
+QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def quiet_torch_loggers() -> None:
+    """Silence the elastic agent's own log lines ("Received 15 death signal, shutting down workers").
+
+    torch's ``get_logger`` sets a level on each module's logger (WARNING, from $LOGLEVEL), which
+    overrides a level set on the parent: every logger already made under these names is set too."""
+    for name in [*QUIET, *logging.root.manager.loggerDict]:
+        if name.startswith(QUIET):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def first_failure(e: Any) -> str:

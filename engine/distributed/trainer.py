@@ -87,7 +87,9 @@ class DdpTrainer(Trainer):
     def _open_resume_dir(self, path: str | Path) -> RunDir:
         # Rank 0 is the run folder's writer. A rank of the launch being resumed may still be on its way
         # out (its launcher already reported the failure): wait for its lock a little.
-        return RunDir.open_existing(path, lock=self.info.is_main, wait_s=RANK_LOCK_WAIT_S)
+        return RunDir.open_existing(
+            path, lock=self.info.is_main, wait_s=RANK_LOCK_WAIT_S, in_use_ok=not self.info.is_main
+        )
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:

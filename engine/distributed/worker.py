@@ -44,7 +44,7 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         from multilane.engine.config import build_config, merge
         from multilane.engine.rundir.runlog import RunDir
 
-        ck = RunDir.open_existing(resume_from, lock=False).load_checkpoint()  # rank 0 locks it later
+        ck = RunDir.open_existing(resume_from, lock=False, in_use_ok=True).load_checkpoint()  # rank 0 locks it
         config = build_config(merge(ck["config"], overrides), "resume config")
     info = RankInfo.from_env(config.devices.use)
     init_process_group(info, config.devices.collective_timeout_s, config.devices.ddp_backend, config.devices.use)

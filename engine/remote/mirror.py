@@ -149,6 +149,11 @@ class RemoteFollower:
     def metrics(self) -> Any:
         return self.local.metrics
 
+    @property
+    def problem(self) -> str | None:
+        """What makes the mirror unfollowable (a FIFO where a file should be), as ``RunFollower``'s."""
+        return self.local.problem
+
     def skip_existing(self) -> None:
         self.local.skip_existing()
 

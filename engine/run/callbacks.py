@@ -5,6 +5,7 @@ The run directory writer, the CLI's progress display and the app's worker are al
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,15 +54,34 @@ class RunResult:
     elapsed_s: float = 0.0
 
 
+STATUS_EVERY_S = 1.0
+"""At most how often ``status.json``'s step follows the train records (an atomic, fsynced rewrite)."""
+
+
 class MetricsWriter(TrainerCallback):
-    """Appends every record to the run's metrics.jsonl."""
+    """Appends every record to the run's metrics.jsonl, and keeps ``status.json``'s step current at
+    log time (at most once every ``STATUS_EVERY_S``): a reader of status.json alone sees how far the
+    run is, not the step it started at."""
 
     def __init__(self, run_dir: RunDir) -> None:
         self.run_dir = run_dir
+        self._trainer: Trainer | None = None
+        self._status_at = time.monotonic()
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._trainer = trainer
 
     def on_log(self, record: dict[str, Any]) -> None:
         self.run_dir.append_metric(record)
+        now = time.monotonic()
+        if self._trainer is not None and now - self._status_at >= STATUS_EVERY_S and not record.get("partial"):
+            self._status_at = now
+            total = getattr(self._trainer, "total_steps", None)
+            self.run_dir.set_status("running", step=record.get("step"), total_steps=total)
 
-    on_eval = on_log
-    on_event = on_log
-    on_telemetry = on_log
+    def on_record(self, record: dict[str, Any]) -> None:
+        self.run_dir.append_metric(record)
+
+    on_eval = on_record
+    on_event = on_record
+    on_telemetry = on_record

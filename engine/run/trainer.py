@@ -78,7 +78,7 @@ class Trainer:
                 check_writable(Path(self.config.run.runs_dir).expanduser())
         except BaseException:
             if self._resume_dir is not None:
-                self._resume_dir.close()
+                self._resume_dir.close_refused()
             raise
 
     def _open_resume_dir(self, path: str | Path) -> RunDir:
@@ -130,6 +130,10 @@ class Trainer:
         ``sys.exit``, a second Ctrl+C, a full disk): status.json and the last event say so."""
         try:
             return self._run()
+        except BaseException:
+            if self.run_dir is None and self._resume_dir is not None:  # refused at set-up: as it was found
+                self._resume_dir.close_refused()
+            raise
         finally:
             for rd in (self.run_dir, self._resume_dir):
                 if rd is not None:
@@ -174,7 +178,7 @@ class Trainer:
                 cb.on_train_start(self)
             extra = {"resumed_from_step": self.step} if resumed else {}
             self._event("started", total_steps=self.total_steps, **extra)
-            for message in balance_warnings(self.devices):
+            for message in [*balance_warnings(self.devices), *getattr(self.task, "warnings", ())]:
                 self._event("warning", message=message)
             if self.sampler is not None:
                 self.sampler.start()

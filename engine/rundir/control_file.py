@@ -17,7 +17,9 @@ from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
 from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.engine.rundir.writefile import atomic_write_bytes
 
 CONTROL = "control.json"
 COMMANDS = ("pause", "resume", "stop")
@@ -28,12 +30,19 @@ def write_control(run_dir: str | Path, command: str) -> Path:
     if command not in COMMANDS:
         raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
     folder = Path(run_dir).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"control: {run_folder_problem(folder)}")
+    try:
+        if not folder.is_dir():
+            raise UserError(f"control: {run_folder_problem(folder)}")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"control: not a usable path ({e})") from None
     path = folder / CONTROL
-    tmp = path.with_name(f".{CONTROL}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"command": command, "time": time.time(), "pid": os.getpid()}) + "\n")
-    os.replace(tmp, path)
+    if path.is_dir() and not path.is_symlink():  # os.replace would say only "Is a directory"
+        raise UserError(f"control: {path} is a folder; remove it to control the run")
+    data = json.dumps({"command": command, "time": time.time(), "pid": os.getpid()}) + "\n"
+    try:
+        atomic_write_bytes(path, data.encode())
+    except OSError as e:
+        raise UserError(f"control: cannot write {path} ({describe_os_error(e)})") from None
     return path
 
 
@@ -63,9 +72,9 @@ class ControlFile:
         if stamp is None or stamp == self._seen:
             return None
         self._seen = stamp
-        try:
-            command = json.loads(self.path.read_text(encoding="utf-8")).get("command")
-        except (OSError, ValueError, AttributeError):
+        try:  # never a plain open: a FIFO named control.json would block the training loop
+            command = json.loads(read_regular_file(self.path, 1 << 16)).get("command")
+        except (OSError, ValueError, AttributeError, RecursionError):
             return None
         return command if command in COMMANDS else None
 

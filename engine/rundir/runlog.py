@@ -28,7 +28,7 @@ from typing import Any
 import filelock
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.checkpoint_file import load_checkpoint, save_checkpoint_file
-from multilane.engine.rundir.run_lock import lock_run_folder
+from multilane.engine.rundir.run_lock import LOCK, lock_run_folder, refuse_if_in_use
 from multilane.engine.rundir.runread import (
     CHECKPOINT,
     CONFIG,
@@ -93,6 +93,7 @@ class RunDir:
         self._fresh_line = False  # the metrics file ends mid-line: start the next record on a new line
         self._lock = threading.Lock()
         self._flock: filelock.FileLock | None = None
+        self._made_lock_file = False  # this process made .lock (a refused resume removes it)
 
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
@@ -119,17 +120,22 @@ class RunDir:
         raise UserError(f"runs folder {root}: too many runs named {name!r} this second")
 
     @classmethod
-    def open_existing(cls, path: str | Path, lock: bool = True, wait_s: float = 0.0) -> RunDir:
+    def open_existing(cls, path: str | Path, lock: bool = True, wait_s: float = 0.0, in_use_ok: bool = False) -> RunDir:
         """Reopen a run folder to continue it: checked, locked, and cleared of a killed write's
         temporary files. Raises ``UserError`` (one line) when it cannot be continued.
 
-        ``lock=False`` only checks it: for a reader, or a ddp rank other than rank 0 (rank 0 writes)."""
+        ``lock=False`` only checks it: for whoever starts the process that will write it (the CLI,
+        the ddp launcher, the app), or a ddp rank other than rank 0 (``in_use_ok``: rank 0 holds the
+        lock). A folder another process writes is refused first ("in use by pid N"), before anything
+        else is said of it and before anything is written into it."""
         p = Path(path).expanduser()
         try:
             if not p.is_dir():
                 raise UserError(f"resume: {run_folder_problem(p)}")
         except ValueError as e:  # an embedded NUL
             raise UserError(f"resume: {path!r} is not a usable path ({e})") from None
+        if not in_use_ok:
+            refuse_if_in_use(p, wait_s)
         if not (p / CHECKPOINT).is_file():
             raise UserError(f"resume: {p} has no checkpoint ({CHECKPOINT}) to resume from")
         for name in _WRITTEN:
@@ -148,7 +154,16 @@ class RunDir:
     def acquire(self, wait_s: float = 0.0) -> None:
         """Take the folder's one-writer lock (``RunInUse`` if another process still holds it after
         ``wait_s`` seconds)."""
+        self._made_lock_file = not (self.path / LOCK).exists()
         self._flock = lock_run_folder(self.path, wait_s)
+
+    def close_refused(self) -> None:
+        """Close a folder whose resume was refused before it began: leave it as it was found (the
+        lock file too, when this process made it)."""
+        made = self._flock is not None and self._made_lock_file
+        self.close()
+        if made:
+            remove_quietly(self.path / LOCK)
 
     def remove_stale_temp_files(self) -> list[Path]:
         """Remove temporary files a killed write left (only ever called with the lock held)."""

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.records import is_int, iter_lines, parse_record, record_problem
+
+__all__ = ["Metrics", "iter_metrics", "load_metrics", "read_json", "read_metrics", "record_problem", "run_task_name"]
 
 METRICS = "metrics.jsonl"
 STATUS = "status.json"
@@ -27,7 +30,7 @@ TASK_FILE = "task_file.json"
 CHECKPOINT = "checkpoints/last.pt"
 
 JSON_LIMIT = 16 << 20  # status, config, environment: a few KiB each; far larger is not ours
-_BIG = 2**53  # steps and times beyond this are not a run's (and lose precision as floats)
+_is_int = is_int
 
 
 @dataclass
@@ -40,71 +43,27 @@ class Metrics:
         return f"{s} unreadable line{'s' if s != 1 else ''} skipped" if s else ""
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _BIG
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) < _BIG)
-
-
-def record_problem(rec: Any) -> str | None:
-    """Why a parsed line is not a record readers can use, or None."""
-    if not isinstance(rec, dict):
-        return "not an object"
-    kind = rec.get("kind")
-    if not isinstance(kind, str):
-        return "no kind"
-    step = rec.get("step")
-    if kind in ("train", "eval") and not _is_int(step):
-        return "no whole step"
-    if step is not None and not _is_int(step):
-        return "step not a whole number"
-    if rec.get("wall_time") is not None and not _is_num(rec["wall_time"]):
-        return "wall_time not a number"
-    if rec.get("resumed_from_step") is not None and not _is_int(rec["resumed_from_step"]):
-        return "resumed_from_step not a whole number"
-    if kind == "event" and not isinstance(rec.get("event"), str):
-        return "event without a name"
-    for key in ("device_loss", "metrics", "phase_ms", "process", "devices", "lane_busy_s"):
-        if rec.get(key) is not None and not isinstance(rec[key], dict):
-            return f"{key} not an object"
-    if kind == "telemetry" and not all(isinstance(d, dict) for d in (rec.get("devices") or {}).values()):
-        return "devices not objects"
-    return None
-
-
-def _parse_line(raw: bytes) -> dict[str, Any] | None:
+def iter_metrics(path: str | Path, metrics: Metrics | None = None) -> Iterator[dict[str, Any]]:
+    """Every whole, well-formed record of a metrics.jsonl, read in chunks (a file of any size); bad
+    lines are skipped (and counted in ``metrics.skipped`` when given). ``UserError`` if the file is
+    there but cannot be read."""
+    path = Path(path)
     try:
-        rec = json.loads(raw)
-    except (ValueError, RecursionError):  # torn, not UTF-8, too deep, a 5,000-digit number
-        return None
-    return rec if record_problem(rec) is None else None
-
-
-def _read_metrics_bytes(path: Path) -> bytes:
-    try:
-        return read_regular_file(path)
+        for raw, _ in iter_lines(path):
+            if not raw.strip():
+                continue
+            rec = parse_record(raw)
+            if rec is None:
+                if metrics is not None:
+                    metrics.skipped += 1
+                continue
+            yield rec
     except FileNotFoundError:
-        return b""
+        return
     except OSError as e:
         raise UserError(f"run {path.parent}: cannot read {path.name} ({describe_os_error(e)})") from None
     except ValueError as e:  # an embedded NUL in the path
         raise UserError(f"run {path.parent!r}: not a usable path ({e})") from None
-
-
-def iter_metrics(path: str | Path, metrics: Metrics | None = None) -> Iterator[dict[str, Any]]:
-    """Every whole, well-formed record of a metrics.jsonl; bad lines are skipped (and counted in
-    ``metrics.skipped`` when given). ``UserError`` if the file is there but cannot be read."""
-    for raw in _read_metrics_bytes(Path(path)).split(b"\n"):
-        if not raw.strip():
-            continue
-        rec = _parse_line(raw)
-        if rec is None:
-            if metrics is not None:
-                metrics.skipped += 1
-            continue
-        yield rec
 
 
 def load_metrics(run_dir: str | Path) -> Metrics:

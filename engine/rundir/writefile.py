@@ -14,6 +14,11 @@ from typing import Any
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.readfile import describe_os_error
 
+MIN_FREE_BYTES = 1 << 20
+"""Below this much free space a run is refused up front: with ~36 KB free the 4 KiB probe passed, the
+256 KiB reserve failed silently, and at step 37 the outcome could not be written (status.json stayed
+"running"). 1 MiB holds the reserve, the status and the first records."""
+
 TEMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")  # what temp_name makes: .<name>.<pid>.tmp
 
 
@@ -102,3 +107,14 @@ def check_writable(folder: Path, what: str = "runs folder") -> None:
     finally:
         if probe is not None:
             remove_quietly(probe)
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise UserError(
+            f"{what} {folder}: only {free / 1024:,.0f} KiB free; a run needs at least "
+            f"{MIN_FREE_BYTES >> 20} MiB to record its state (status, metrics, the reserve that lets a full "
+            "disk be reported); free some space"
+        )

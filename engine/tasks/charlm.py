@@ -43,7 +43,9 @@ class CharLMParams(BaseModel):
     sample_bytes: int = Field(
         200, ge=0, le=100_000, description="Bytes of text the model writes at each evaluation (0: none)"
     )
-    temperature: float = Field(0.8, gt=0.0, le=10.0, description="Sampling temperature of that text")
+    temperature: float = Field(
+        0.8, ge=0.01, le=10.0, description="Sampling temperature of that text (0.01 to 10; lower is greedier)"
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> CharLMParams:

@@ -7,6 +7,8 @@ engine does not split, and augmentation touches only the training images).
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,6 +104,7 @@ class ImageFolderTask(Task):
     def __init__(self, params: BaseModel | None = None) -> None:
         super().__init__(params)
         self._classes: int | None = None
+        self.warnings: list[str] = []  # said once the run starts (a warning event in metrics.jsonl)
 
     def _folders(self) -> tuple[Path, Path | None]:
         p = self.params
@@ -127,10 +130,27 @@ class ImageFolderTask(Task):
 
     def _dataset(self, folder: Path, train: bool) -> Any:
         tv = torchvision_or_hint()
+        skipped: list[str] = []
+
+        class Folder(tv.datasets.ImageFolder):
+            @staticmethod
+            def make_dataset(directory: str, class_to_idx: dict[str, int], *args: Any, **kw: Any) -> list:
+                samples, skips = scan_images(Path(directory), class_to_idx, tv.datasets.folder.IMG_EXTENSIONS)
+                skipped.extend(skips)
+                if not samples:
+                    raise FileNotFoundError(f"no images found in {directory}")
+                return samples
+
         try:
-            return tv.datasets.ImageFolder(str(folder), transform=self._transform(train and self.params.augment))
+            dataset = Folder(str(folder), transform=self._transform(train and self.params.augment))
         except (FileNotFoundError, OSError) as e:
             raise UserError(f"task imagefolder: {folder}: {e}") from None
+        if skipped:
+            self.warnings.append(
+                f"imagefolder: {folder}: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} skipped "
+                f"(not a regular image file, a symlink out of the folder, or a loop), e.g. {skipped[0]}"
+            )
+        return dataset
 
     def num_classes(self) -> int:
         if self._classes is None:
@@ -161,3 +181,66 @@ class ImageFolderTask(Task):
 
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"accuracy": (output.argmax(dim=-1) == target).float().mean()}
+
+
+def scan_images(
+    folder: Path, class_to_idx: dict[str, int], extensions: tuple[str, ...]
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """``(path, class)`` for every image under ``folder/<class>/``, and what was skipped.
+
+    torchvision's own walk follows every symlink: a link back up (``cat/loop -> ..``) repeats the
+    folder dozens of times (48 images became 1,968 samples, and training and validation overlapped),
+    and a FIFO named ``x.png`` blocks a worker for ever. Here a folder is visited once (by its real
+    path), no symlink leads out of ``folder``, each file is taken once, and only a regular file is an
+    image: FIFOs, devices and sockets are skipped (never opened).
+    """
+    root = os.path.realpath(folder)
+    samples: list[tuple[str, int]] = []
+    skipped: list[str] = []
+    seen_dirs: set[str] = set()
+    seen_files: set[tuple[int, int]] = set()
+    for name in sorted(class_to_idx):
+        top = os.path.join(folder, name)
+        home = os.path.realpath(top)  # a class's images stay in its own folder (a link to another class's is not its)
+        if not _inside(home, root):
+            skipped.append(top)
+            continue
+        stack = [top]
+        while stack:
+            here = stack.pop()
+            real = os.path.realpath(here)
+            if real in seen_dirs or not _inside(real, home):
+                skipped.append(here)
+                continue
+            seen_dirs.add(real)
+            try:
+                entries = sorted(os.scandir(here), key=lambda e: e.name)
+            except OSError:
+                skipped.append(here)
+                continue
+            subdirs = []
+            for entry in entries:
+                try:
+                    st = os.stat(entry.path)  # through a symlink: what it names
+                except OSError:  # a dangling link, a loop of links
+                    skipped.append(entry.path)
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(entry.path)
+                elif not entry.name.lower().endswith(extensions):
+                    continue  # not an image by its name: not counted, as torchvision does
+                elif (
+                    not stat.S_ISREG(st.st_mode)
+                    or not _inside(os.path.realpath(entry.path), home)
+                    or (st.st_dev, st.st_ino) in seen_files
+                ):
+                    skipped.append(entry.path)
+                else:
+                    seen_files.add((st.st_dev, st.st_ino))
+                    samples.append((entry.path, class_to_idx[name]))
+            stack.extend(reversed(subdirs))
+    return samples, skipped
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

@@ -38,6 +38,9 @@ class ChildRun:
         self.run_dir = run_dir
         self.made_folder = made_folder  # a rejected run leaves no folder behind, as in the app's thread
         self.log_path = run_dir / CONSOLE
+        # What a resume found: a resume refused before it began leaves the folder as it was.
+        self._metrics_size0 = _size(run_dir / METRICS)
+        self._console_size0 = _size(self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*TRAIN, *args],
@@ -105,10 +108,12 @@ class ChildRun:
         """
         code = self.proc.returncode
         line = self._last_line()
-        started = (self.run_dir / METRICS).exists()
+        started = _size(self.run_dir / METRICS) not in (None, self._metrics_size0)
         if code == 2 and not started:
             if self.made_folder:
                 self._remove_made_folder()
+            else:
+                self._restore_console_log()
             message = line.removeprefix("multilane: error: ") or "the run was not started"
             return {"status": "rejected", "message": message, "step": 0, "run_dir": "", "traceback": None}
         if self.terminated and code == -signal.SIGTERM and not started:
@@ -139,6 +144,16 @@ class ChildRun:
         errors = [x for x in lines if x.startswith(("multilane: error:", "failed:"))]
         return (errors or lines or [""])[-1].strip()
 
+    def _restore_console_log(self) -> None:
+        """A refused resume's console output is not the run's: its console.log is put back as it was."""
+        try:
+            if self._console_size0 is None:
+                self.log_path.unlink()
+            else:
+                os.truncate(self.log_path, self._console_size0)
+        except OSError:
+            pass
+
     def _remove_made_folder(self) -> None:
         known = {CONFIG, CONSOLE, "checkpoints", ".lock"}
         try:
@@ -168,6 +183,13 @@ class ChildRun:
             pass
         finally:
             rd.close()
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def last_logged_step(run_dir: Path) -> int:

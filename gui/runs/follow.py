@@ -121,6 +121,9 @@ class FollowWorker(QObject):
             self._write(pending)
 
     def _final(self, status: dict[str, Any]) -> dict[str, Any]:
+        if self.follower.problem:  # a FIFO or a folder where a file belongs: never opened, never waited on
+            message = f"cannot follow it: {self.follower.problem}"
+            return {"status": "detached", "step": self._step, "message": message, "traceback": None}
         if self.follower.lost:  # a followed run whose writer died: said, never written into its folder
             return {"status": "failed", "step": self._step, "message": self.follower.lost, "traceback": None}
         if self.child is not None:
