@@ -13,6 +13,7 @@ from typing import Any
 
 from multilane.engine.cli.progress import format_telemetry
 from multilane.engine.errors import UserError
+from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
 
 
@@ -50,11 +51,11 @@ class WatchState:
     def line(self) -> str:
         parts = [f"{self.state}: step {self.step}" + (f"/{self.total}" if self.total else "")]
         if self.train:
-            parts.append(f"loss {self.train['loss']:.4f}")
+            parts.append(f"loss {format_number(self.train['loss'])}")
             if self.train.get("samples_per_s"):
                 parts.append(f"{self.train['samples_per_s']:,.0f} samples/s")
         if self.eval:
-            parts.append(f"val {self.eval['val_loss']:.4f}")
+            parts.append(f"val {format_number(self.eval['val_loss'])}")
         text = " · ".join(parts)
         if self.telemetry:
             text += " " + self.telemetry

@@ -19,9 +19,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from multilane.engine.errors import UserError
+from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, series_color
 from multilane.gui.plots.run_view import LABELS, X_LABELS, pause_spans, x_values
-from multilane.gui.plots.smoothing import ema
 from multilane.gui.runs.run_data import RunData, recorded
 
 FORMATS = ("png", "svg", "pdf")

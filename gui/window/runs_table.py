@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from multilane.engine.numbers import format_number
 from multilane.gui.window.runs_index import COLUMNS, RunSummary, list_runs
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -46,7 +47,7 @@ def _cell(row: RunSummary, key: str) -> _Item:
         elif key == "duration_s":
             text = f"{v:,.1f}"
         else:
-            text = f"{v:.4f}"
+            text = format_number(v)
         if key == "final_metric" and text:
             text = f"{row.metric_name} {text}"
         return _Item(text, v)

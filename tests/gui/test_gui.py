@@ -289,7 +289,7 @@ def test_smoothing_draws_the_ema_with_the_raw_curve_faint_behind(qtbot, window):
     smoothed = window.plots._curves["loss"].yData
     faint = window.plots._raw["loss"]
     assert faint.isVisible() and list(faint.yData) == raw_before
-    from multilane.gui.plots.smoothing import ema
+    from multilane.gui.plots.decimate import ema
 
     assert list(smoothed) == pytest.approx(list(ema(np.array(raw_before), 0.8)))
     key = window.plots.key.text
@@ -309,7 +309,7 @@ def test_the_x_axis_follows_the_data_until_the_user_zooms(qtbot, window):
     start_and_wait(qtbot, window)
     lo, hi = window.plots.loss.vb.viewRange()[0]
     assert lo <= 1 and hi >= 40 and window.plots.auto_x
-    assert window.plots.metric.vb.viewRange()[0] == pytest.approx([lo, hi])  # one x range for all
+    assert window.plots.metric_plot.vb.viewRange()[0] == pytest.approx([lo, hi])  # one x range for all
     window.plots.util.setXRange(10, 20, padding=0)  # the user zooms one plot
     assert window.plots.loss.vb.viewRange()[0] == pytest.approx([10, 20])
     assert not window.plots.auto_x and not window.auto_range.isChecked()
