@@ -45,11 +45,8 @@ class CurveDrawing:
             i1 = min(n, int(np.searchsorted(x, hi)) + 1)
         vb = item.getViewBox()
         width = max(100.0, vb.width() if vb is not None else 1000.0)
-        columns = width
-        if i1 - i0 > 1 and hi > lo and np.isfinite(x[i0]) and np.isfinite(x[i1 - 1]):
-            # the data's share of the view's width: columns as wide as the screen's
-            columns = max(1.0, width * min(1.0, (x[i1 - 1] - x[i0]) / (hi - lo)))
-        idx = pyramid[0].indices(x, y, i0, i1, int(columns))
+        # the screen's own pixel columns: each one's extremes are drawn where they are
+        idx = pyramid[0].indices(x, y, i0, i1, width, (lo, hi) if hi > lo else None)
         vx, vy = broken(x, y, idx, breaks if breaks is not None else np.empty(0, dtype=np.int64))
         lone = int(np.isfinite(vy).sum()) == 1
         if lone and item.opts["symbol"] is None:

@@ -10,7 +10,7 @@ as "minimum then maximum" at the block's start, which turned noise into a regula
 A curve of a million points keeps a pyramid of block minima and maxima with their positions (blocks
 of 32, 256, 2048 and 16384 samples), extended incrementally as the run appends, so a view of a
 million samples reduces a few thousand blocks, not a million numbers. Columns are then made of whole
-blocks (a block is at most a quarter of a column), so an extreme lands at most a quarter of a pixel
+blocks (a block is at most 1/16 of a column), so an extreme lands at most 1/16 of a pixel
 from the column a per-sample reduction would give it. No Qt here.
 """
 
@@ -114,17 +114,22 @@ class PeakPyramid:
         idx = self.indices(x, y, i0, i1, columns)
         return x[idx], y[idx]
 
-    def indices(self, x: np.ndarray, y: np.ndarray, i0: int, i1: int, columns: int) -> np.ndarray:
+    def indices(
+        self, x: np.ndarray, y: np.ndarray, i0: int, i1: int, columns: float, span: tuple[float, float] | None = None
+    ) -> np.ndarray:
         """The positions of the samples to draw for ``[i0, i1)`` over ``columns`` pixel columns:
-        each column's first, minimum, maximum and last sample, sorted by position."""
+        each column's first, minimum, maximum and last sample, sorted by position. With ``span`` (the
+        view's x range, ``columns`` its width in pixels) the columns are the screen's own."""
         n = i1 - i0
-        columns = max(1, int(columns))
+        if n <= 0:
+            return np.arange(0)
+        edges = _column_edges(x, i0, i1, columns, span)
+        columns = max(1, len(edges) - 1)
         if n <= RAW_PER_COLUMN * columns:
             return np.arange(i0, i1)
-        edges = _column_edges(x, i0, i1, columns)
         per_column = n / columns
         level = -1
-        while level + 1 < LEVELS and self.sizes[level + 1] * 4 <= per_column and self.mins[level + 1].n:
+        while level + 1 < LEVELS and self.sizes[level + 1] * 16 <= per_column and self.mins[level + 1].n:
             level += 1
         if level < 0:
             return _raw_indices(y, edges)
@@ -136,7 +141,9 @@ class PeakPyramid:
         parts = []
         head, tail = b0 * size, b1 * size
         if head > i0:  # samples before the first whole block: from finer levels
-            parts.append(self.indices(x, y, i0, head, max(1, round((head - i0) / per_column))))
+            parts.append(
+                self.indices(x, y, i0, head, columns if span else max(1, round((head - i0) / per_column)), span)
+            )
         groups = np.unique(np.clip(np.round(edges / size).astype(np.int64), b0, b1))
         groups = groups[groups < b1]
         lo_pos, hi_pos = _group_extremes(
@@ -149,7 +156,9 @@ class PeakPyramid:
         ends = np.append(groups[1:], b1) * size - 1
         parts += [groups * size, lo_pos.astype(np.int64), hi_pos.astype(np.int64), ends]
         if tail < i1:
-            parts.append(self.indices(x, y, tail, i1, max(1, round((i1 - tail) / per_column))))
+            parts.append(
+                self.indices(x, y, tail, i1, columns if span else max(1, round((i1 - tail) / per_column)), span)
+            )
         return np.unique(np.concatenate(parts))
 
 
@@ -164,14 +173,22 @@ def _raw_indices(y: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate((starts + i0, lo_pos, hi_pos, ends)))
 
 
-def _column_edges(x: np.ndarray, i0: int, i1: int, columns: int) -> np.ndarray:
-    """Sample positions where each pixel column starts (equal widths in x where x grows, else in count)."""
+def _column_edges(
+    x: np.ndarray, i0: int, i1: int, columns: float, span: tuple[float, float] | None = None
+) -> np.ndarray:
+    """Sample positions where each pixel column starts: the screen's columns where ``span`` is the
+    view's x range over ``columns`` pixels, else ``columns`` equal widths in x (or in count)."""
     a, b = x[i0], x[i1 - 1]
-    if np.isfinite(a) and np.isfinite(b) and b > a:
-        cuts = np.linspace(a, b, columns + 1)[1:-1]
-        inner = i0 + np.searchsorted(x[i0:i1], cuts, side="left")
+    if not (np.isfinite(a) and np.isfinite(b) and b > a):
+        inner = np.linspace(i0, i1, max(1, int(columns)) + 1)[1:-1].astype(np.int64)
+        return np.unique(np.concatenate(([i0], inner, [i1])))
+    if span is not None and span[1] > span[0]:
+        width = (span[1] - span[0]) / max(1.0, columns)
+        k0, k1 = np.floor((a - span[0]) / width) + 1, np.ceil((b - span[0]) / width)
+        cuts = span[0] + width * np.arange(k0, k1) if k1 > k0 else np.empty(0)
     else:
-        inner = np.linspace(i0, i1, columns + 1)[1:-1].astype(np.int64)
+        cuts = np.linspace(a, b, max(1, int(columns)) + 1)[1:-1]
+    inner = i0 + np.searchsorted(x[i0:i1], cuts, side="left")
     return np.unique(np.concatenate(([i0], inner, [i1])))
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.curves import CurveDrawing
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
-from multilane.gui.plots.items import WrappingLabel, set_plot_title, swatch, wrap_title
+from multilane.gui.plots.items import KeyLabel, SparseLogAxis, WrappingLabel, set_plot_title, swatch, wrap_title
 from multilane.gui.plots.marks import PlotMarks
 from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
 from multilane.gui.plots.ranges import SharedXRange
@@ -71,15 +71,12 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self.header = WrappingLabel("", justify="left")
         self.header.min_lines = 2
         self.addItem(self.header, row=0, col=0, colspan=3)
-        self.key = WrappingLabel("", justify="left")
+        self.key = KeyLabel(self.toggle_curve)
         self.addItem(self.key, row=1, col=0, colspan=3)
         # each key entry is a link: a click hides or shows its curves (toggle_curve)
-        self.key.item.setTextInteractionFlags(Qt.TextInteractionFlag.LinksAccessibleByMouse)
-        self.key.item.setOpenExternalLinks(False)
-        self.key.item.linkActivated.connect(self.toggle_curve)
         # The loss, as wide and tall as the panel allows; three small plots a row under it, so that
         # at 1024×700 the loss still gets most of the height.
-        self.loss = self.addPlot(row=2, col=0, colspan=3)
+        self.loss = self.addPlot(row=2, col=0, colspan=3, axisItems={"left": SparseLogAxis("left")})
         self.metric_plot = self.addPlot(row=3, col=0)
         self.throughput = self.addPlot(row=3, col=1)
         self.lr = self.addPlot(row=3, col=2)
@@ -150,6 +147,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         # x follows the data in steps (_follow_x), not at every point: a changed range repaints
         # every axis of every plot, the largest part of a redraw
         p.enableAutoRange(axis="x", enable=False)
+        p.vb.setLimits(xMin=0.0)  # no step or second before the run's start: no panning there
         line = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=Qt.DashLine))
         line.setVisible(False)
         p.addItem(line, ignoreBounds=True)
@@ -177,8 +175,22 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self._tops.clear()
         self.data = data or RunData()
         self._x_span = None
+        self._clear_axes()
         self._dirty = True
         self.refresh()
+
+    def _clear_axes(self) -> None:
+        """Axes as for no data: a new run (or none) never shows the previous run's ranges and titles."""
+        self._set_span((0.0, 1.0))
+        self._x_span = None  # the first data sets the span afresh
+        for p in self.plots:
+            if p is self.util:
+                continue
+            p.setYRange(0.0, 1.0, padding=0)
+            if self.auto_x and p not in self.zero_based:
+                p.enableAutoRange(axis="y")
+        self._memory_title = ""
+        set_plot_title(self.memory, "Memory (MiB)")
 
     def add_record(self, rec: dict) -> None:
         self.data.add(rec)
@@ -335,5 +347,5 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
             set_plot_title(self.memory, title)
-        keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
+        keys = ["rss_mb", *te.names("rss/")] if cpu_only else te.names("mem/") + te.names("alloc/")
         self._from_zero(self.memory, [te.get(k) for k in keys])

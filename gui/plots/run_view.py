@@ -167,7 +167,7 @@ def differing_settings(runs: list[RunData]) -> list[dict[str, str]]:
 
 def _setting(v: object) -> str:
     if isinstance(v, float):
-        return format_number(v)
+        return f"{v:g}"  # a setting as the user typed it: 0.01, 3e-4
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
     return "—" if v is None else str(v)
