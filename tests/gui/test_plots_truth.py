@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("PySide6")
 
+import itertools
+
 from multilane.gui.plots.palette import series_color
 from multilane.gui.runs.run_data import RunData
 from PySide6.QtCore import QPointF, Qt
@@ -208,7 +210,7 @@ def test_log_y_tick_labels_never_overlap(panel, qtbot):
         assert len(texts) >= 2
         rects = sorted(r.top() for r, _ in texts)
         heights = texts[0][0].height()
-        assert all(b - a >= heights for a, b in zip(rects, rects[1:], strict=False)), [t for _, t in texts]
+        assert all(b - a >= heights for a, b in itertools.pairwise(rects)), [t for _, t in texts]
 
 
 def test_an_empty_panel_keeps_nothing_of_the_previous_run(panel, qtbot):
