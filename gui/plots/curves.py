@@ -164,6 +164,9 @@ class CurveDrawing:
                 if np.isfinite(mem).any():
                     item = self._item(f"cmp{k}:mem", self.memory, color, run.name)
                     self._show_finite(f"cmp{k}:mem", item, x, mem, run, te)
+        # axes from zero that hold every run's values, not the shown run's alone
+        self._from_zero(self.lr, [r.train.get("lr") for r in runs if r.train.rows])
+        self._from_zero(self.memory, [run_memory(r.telemetry)[0] for r in runs if r.telemetry.rows])
 
     # -- what the key shows ----------------------------------------------------------------------
     def _apply_visibility(self) -> None:

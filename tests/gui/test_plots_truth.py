@@ -297,6 +297,7 @@ def test_the_metric_panel_is_titled_by_its_metric(panel, qtbot):
 def test_comparing_runs_draws_every_panel_per_run_and_names_what_differs(panel, qtbot):
     a = make_run(n=100, evals=(500, 1000), name="a")
     b = make_run(n=80, seed=1, evals=(400, 800), name="b")
+    b.train.columns["lr"].data[:] = 0.05  # a larger learning rate than the shown run's
     a.config = {"optim": {"lr": 0.01, "name": "adam"}, "data": {"batch_size": 64}, "run": {"name": "a"}}
     b.config = {"optim": {"lr": 0.05, "name": "adam"}, "data": {"batch_size": 64}, "run": {"name": "b"}}
     show(panel, a, qtbot)
@@ -309,4 +310,6 @@ def test_comparing_runs_draws_every_panel_per_run_and_names_what_differs(panel, 
             assert np.isfinite(drawn(item)[1]).sum() >= 2, what
         np.testing.assert_allclose(drawn(panel._curves[f"cmp{k}:samples_per_s"])[1], run.train.get("samples_per_s"))
     assert not panel._curves["samples_per_s"].isVisible() and not panel._stack[0].isVisible()
+    # every run's values inside the axes that start at zero (a larger lr of the compared run too)
+    assert panel.lr.vb.viewRange()[1][1] >= max(np.nanmax(r.train.get("lr")) for r in (a, b))
     assert "a (lr 0.01)" in panel.key.text and "b (lr 0.05)" in panel.key.text and "batch_size" not in panel.key.text
