@@ -159,6 +159,7 @@ def _comparison_panels(runs: Sequence[RunData], opts: FigureOptions) -> list[Pan
     loss, metric = Panel("Loss", "loss"), Panel("", "")
     single = {k: Panel(t, LABELS[k]) for k, t in (("samples_per_s", "Throughput"), ("lr", "Learning rate"))}
     single["grad_norm"] = Panel("Gradient norm", LABELS["grad_norm"])
+    single["lr"].from_zero = True  # a constant lr is not a wall
     step = Panel("Step time", LABELS["step_ms"], from_zero=True)
     util = Panel("Utilization (mean over devices)", LABELS["util"], percent=True)
     memory = Panel("Memory", "memory (MiB)", from_zero=True)
