@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import psutil
+from multilane.engine.numbers import format_number
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
 from rich.console import Console
 from rich.progress import (
@@ -63,7 +64,7 @@ class ProgressDisplay(TrainerCallback):
         if r is None:
             return ""
         sps = r.get("samples_per_s") or 0.0
-        return f"loss {r['loss']:.4f} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
+        return f"loss {format_number(r['loss'])} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
 
     def _show(self, force: bool = False) -> None:
         if self._last is None:
@@ -87,8 +88,8 @@ class ProgressDisplay(TrainerCallback):
         self._tele = format_telemetry(record)
 
     def on_eval(self, record: dict[str, Any]) -> None:
-        metrics = "".join(f" {k} {v:.3f}" for k, v in record["metrics"].items())
-        self._val = f"val {record['val_loss']:.4f}{metrics} · "
+        metrics = "".join(f" {k} {format_number(v, 3)}" for k, v in record["metrics"].items())
+        self._val = f"val {format_number(record['val_loss'])}{metrics} · "
         # An evaluation comes after its step's log line: show it now, or the line keeps an old one.
         self._show()
 
@@ -171,11 +172,11 @@ def summary(result: RunResult, total_steps: int | None = None, timing: dict[str,
         lines.append(f"  {result.message}")
     t = result.last_train
     if t:
-        per = ", ".join(f"{k} {v:.4f}" for k, v in t.get("device_loss", {}).items())
-        lines.append(f"  final train loss {t['loss']:.4f} ({per})")
+        per = ", ".join(f"{k} {format_number(v)}" for k, v in t.get("device_loss", {}).items())
+        lines.append(f"  final train loss {format_number(t['loss'])} ({per})")
     e = result.last_eval
     if e:
-        metrics = "".join(f", {k} {v:.4f}" for k, v in e.get("metrics", {}).items())
-        lines.append(f"  validation loss {e['val_loss']:.4f}{metrics}")
+        metrics = "".join(f", {k} {format_number(v)}" for k, v in e.get("metrics", {}).items())
+        lines.append(f"  validation loss {format_number(e['val_loss'])}{metrics}")
     lines.append(f"  run directory: {result.run_dir}")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 from multilane.engine.cli.progress import format_telemetry
 from multilane.engine.errors import UserError
+from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
 from multilane.engine.rundir.runs_folder import run_folder_problem
 
@@ -69,7 +70,7 @@ class WatchState:
 
 
 def _value(v: float | None) -> str:
-    return "nan" if v is None else f"{v:.4f}"
+    return "nan" if v is None else format_number(v)  # null in a record: the run's loss was NaN or inf
 
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", "checkpoints", ".lock")

@@ -17,6 +17,7 @@ from typing import Any
 
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank import RankInfo
+from multilane.engine.telemetry.busy import BusyClock
 from multilane.engine.telemetry.sampler import TelemetrySampler
 
 
@@ -25,7 +26,7 @@ class RankTelemetry:
         self.info, self._step, self._dispatch = info, step, dispatch
         self._lock = threading.Lock()
         self._buffer: list[dict[str, Any]] = []
-        self.busy_s = 0.0  # this rank's compute time (a CPU rank's "utilization")
+        self.busy = BusyClock(1)  # this rank's compute time (a CPU rank's "utilization")
 
     def make_sampler(self, config: RunConfig) -> TelemetrySampler | None:
         t = config.telemetry
@@ -38,7 +39,7 @@ class RankTelemetry:
             self.on_record,
             rate_hz=t.rate_hz,
             record_s=t.record_s,
-            busy_seconds=(lambda: [self.busy_s]) if cpu else None,
+            busy_seconds=self.busy.seconds if cpu else None,
         )
 
     def on_record(self, record: dict[str, Any]) -> None:

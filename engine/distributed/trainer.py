@@ -176,7 +176,7 @@ class DdpTrainer(Trainer):
     # -- one step -------------------------------------------------------------------------------
     def _train_step(self, accum: int) -> None:
         cfg, timer, opt, world = self.config, self.timer, self.optimizer, self.info.world
-        t0 = time.perf_counter()
+        self.rank_telemetry.busy.start(0)  # counted while it runs: a long step is not 0 % busy
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
         for k in range(accum):
@@ -225,7 +225,7 @@ class DdpTrainer(Trainer):
         self.scaler.update()
         timer.end_step()
         self.window.end_step()
-        self.rank_telemetry.busy_s += time.perf_counter() - t0
+        self.rank_telemetry.busy.stop(0)
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""

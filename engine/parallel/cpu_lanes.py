@@ -15,8 +15,6 @@ these are the same four primitives for the CPU, with the same semantics:
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +24,7 @@ from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.replicas.replica import ReplicaSet, replicate_module
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, scatter_tree
+from multilane.engine.telemetry.busy import BusyClock
 from torch import nn
 from torch._utils import ExceptionWrapper
 
@@ -36,8 +35,7 @@ class CpuLanesBackend(Backend):
         # One long-lived thread per lane: lane i always runs in the same thread, and starting
         # threads every step would cost more than a small model's forward.
         self._pools: list[ThreadPoolExecutor | None] = [None] * self.n
-        self._busy = [0.0] * self.n
-        self._busy_lock = threading.Lock()
+        self._busy = BusyClock(self.n)  # running work counts at once: a long step is not 0 % busy
 
     def scatter(self, obj: Any, sizes: Sequence[int], lanes: Sequence[int]) -> list[Any]:
         if len(lanes) == 1:
@@ -63,15 +61,14 @@ class CpuLanesBackend(Backend):
         def work(i: int) -> None:
             lane = lanes[i]
             torch.set_grad_enabled(grad_enabled)  # grad mode is thread-local
-            t0 = time.perf_counter()
+            self._busy.start(lane)
             try:
                 args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
                 results[i] = fns[i](*args, **kwargs[i])
             except Exception:
                 results[i] = ExceptionWrapper(where=f"in replica {i} on device {self.lane_names[lane]}")
-            dt = time.perf_counter() - t0
-            with self._busy_lock:
-                self._busy[lane] += dt
+            finally:
+                self._busy.stop(lane)
 
         if len(fns) == 1:
             work(0)
@@ -93,8 +90,7 @@ class CpuLanesBackend(Backend):
         return PhaseTimer()
 
     def lane_busy_seconds(self) -> list[float]:
-        with self._busy_lock:
-            return list(self._busy)
+        return self._busy.seconds()
 
     def close(self) -> None:
         for p in self._pools:

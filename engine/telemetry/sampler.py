@@ -46,6 +46,7 @@ class TelemetrySampler:
         busy_seconds: Callable[[], list[float] | None] | None = None,
         nvml: NvmlReader | None = None,
         output_index: int = 0,
+        warn_after_s: float = 20.0,
     ) -> None:
         self.devices = devices
         self.lane_names = lane_names
@@ -66,6 +67,11 @@ class TelemetrySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warned: set[str] = set()
+        # each device's load (busy or utilization %) integrated over the run: the imbalance warning
+        # reads these, never one record (a step's work lands in whichever record it falls)
+        self.warn_after_s = warn_after_s
+        self._load: dict[str, float] = {}
+        self._load_s: dict[str, float] = {}
 
     # -- the thread -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +127,11 @@ class TelemetrySampler:
                         self._energy_j[name] = self._energy_j.get(name, 0.0) + reading["power_w"] * dt
                 out[name] = reading
         out["process"] = {"cpu_pct": self.process.cpu_percent(None), "rss_mb": self.process.memory_info().rss / MB}
+        for name, reading in out.items():
+            pct = reading.get("busy_pct", reading.get("util_pct"))
+            if name != "process" and pct is not None:
+                self._load[name] = self._load.get(name, 0.0) + pct * dt
+                self._load_s[name] = self._load_s.get(name, 0.0) + dt
         return out
 
     def energy_j(self) -> float | None:
@@ -142,7 +153,7 @@ class TelemetrySampler:
 
     def imbalance(self, record: dict[str, Any]) -> list[str]:
         """Warnings (each once a run) when the output device's memory runs well ahead of the
-        others, or one lane's busy time lags the rest."""
+        others, or one device's load over the run so far lags the rest."""
         out = []
         devs = record["devices"]
         mem = {k: v["mem_used_mb"] for k, v in devs.items() if "mem_used_mb" in v}
@@ -155,15 +166,18 @@ class TelemetrySampler:
                     f"output device {self.output_name} uses {ahead:,.0f} MiB, the others about {typical:,.0f} MiB: "
                     "it holds the gathered outputs and the original model; give it a smaller share (the app's share column; devices.weights in a config)"
                 )
-        load = {k: (v.get("busy_pct") or v.get("util_pct") or {}).get("mean") for k, v in devs.items()}
-        load = {k: v for k, v in load.items() if v is not None}
-        if len(load) > 1 and "busy" not in self.warned:
+        # The run's load so far, once every device has been watched warn_after_s: one record can hold
+        # one lane's step and not the other's, and identical lanes read "0 % against 25 %".
+        seen = [k for k in devs if k in self._load_s]
+        if len(seen) > 1 and "busy" not in self.warned and min(self._load_s[k] for k in seen) >= self.warn_after_s:
+            load = {k: self._load[k] / self._load_s[k] for k in seen}
             top = max(load.values())
             low_name, low = min(load.items(), key=lambda kv: kv[1])
-            if top > 20 and low < 0.75 * top:
+            # well apart: on a busy shared CPU equal lanes differ by a third (25 % against 34 %)
+            if top > 20 and low < 0.6 * top:
                 self.warned.add("busy")
                 out.append(
-                    f"{low_name} is busy {low:.0f}% of the time against {top:.0f}% on the busiest device: "
+                    f"{low_name} has been busy {low:.0f}% of the time against {top:.0f}% on the busiest device: "
                     "an uneven split or a slower device; adjust its share (the app's share column; devices.weights in a config)"
                 )
         return out

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from multilane.gui.plots.decimate import PeakPyramid
+from multilane.gui.plots.decimate import EmaCache, PeakPyramid
 from multilane.gui.plots.items import make_curve
-from multilane.gui.plots.smoothing import EmaCache
+from multilane.gui.plots.palette import series_color
+from multilane.gui.plots.run_view import broken, device_mean, gap_breaks, run_memory, step_total
 from multilane.gui.plots.style import PHASE_COLORS, PHASES
-from multilane.gui.runs.run_data import Series, recorded
+from multilane.gui.runs.run_data import RunData, Series, recorded
+from PySide6.QtCore import Qt
 
 
 class CurveDrawing:
-    """Mixed into ``PlotPanel``: keeps ``_curves``, ``_raw``, ``_pyramids``, ``_ema``, ``_stack`` and
+    """Mixed into ``PlotPanel`` (its ``metric_plot``: an attribute named ``metric`` shadowed QWidget.metric(), and grabbing the widget crashed): keeps ``_curves``, ``_raw``, ``_pyramids``, ``_ema``, ``_stack`` and
     ``_stack_tops``; reads ``smoothing``, ``auto_x``, ``loss`` and ``phases``."""
 
     def _item(self, key: str, plot: pg.PlotItem, color: str, name: str, **kw) -> pg.PlotDataItem:
@@ -23,8 +25,12 @@ class CurveDrawing:
             item = self._curves[key] = make_curve(plot, color, name, **kw)
         return item
 
-    def _show(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
-        """Set a curve's data, decimated to a few points per pixel of what is in view."""
+    def _show(
+        self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None
+    ) -> None:
+        """Set a curve's data: at most four real samples per pixel column of what is in view, in time
+        order (``decimate``), the line broken at ``breaks`` (row positions after a gap, pause or stop);
+        a curve with a single point gets a marker, or it would not be drawn at all."""
         n = len(y)
         pyramid = self._pyramids.get(key)
         if pyramid is None or pyramid[1] > n:  # a new curve, or its data was cut (resume, reset)
@@ -32,25 +38,45 @@ class CurveDrawing:
         pyramid[0].update(y)
         self._pyramids[key] = (pyramid[0], n)
         i0, i1 = 0, n
+        lo, hi = self.loss.vb.viewRange()[0]
         if not self.auto_x and n:
             # zoomed in: only what is in view (autorange needs all of it to see the data grow)
-            lo, hi = self.loss.vb.viewRange()[0]
             i0 = max(0, int(np.searchsorted(x, lo)) - 1)
             i1 = min(n, int(np.searchsorted(x, hi)) + 1)
-        width = max(200, int(item.getViewBox().width()) if item.getViewBox() is not None else 1000)
-        vx, vy = pyramid[0].view(x, y, i0, i1, 2 * width)
-        item.setData(vx, vy)
-
-    def _show_finite(self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
-        """A telemetry curve from its recorded points only (``run_data.recorded``); one point alone
-        gets a marker."""
-        x, y = recorded(x, y)
-        if (len(y) == 1) != (item.opts["symbol"] is not None):
-            item.setSymbol("o" if len(y) == 1 else None)
+        vb = item.getViewBox()
+        width = max(100.0, vb.width() if vb is not None else 1000.0)
+        # the screen's own pixel columns: each one's extremes are drawn where they are
+        idx = pyramid[0].indices(x, y, i0, i1, width, (lo, hi) if hi > lo else None)
+        vx, vy = broken(x, y, idx, breaks if breaks is not None else np.empty(0, dtype=np.int64))
+        lone = int(np.isfinite(vy).sum()) == 1
+        if lone and item.opts["symbol"] is None:
+            item.setSymbol("o")
             item.setSymbolSize(6)
             item.setSymbolPen(item.opts["pen"])
             item.setSymbolBrush(item.opts["pen"].color())
-        self._show(key, item, x, y)
+        elif not lone and item.opts["symbol"] is not None and not getattr(item, "keep_symbol", False):
+            item.setSymbol(None)
+        item.setData(vx, vy)
+
+    def _breaks(self, run: RunData, series: Series, keep: np.ndarray | None = None) -> np.ndarray:
+        """Where ``series``' lines break (``run_view.gap_breaks``), once per refresh and series; ``keep``
+        selects the rows a curve draws (a telemetry column's recorded points)."""
+        cache_key = (id(run), id(series), series.rows, len(run.events), None if keep is None else int(keep.sum()))
+        hit = self._break_cache.get(cache_key)
+        if hit is None or keep is not None:
+            wall = series.get("wall_time")
+            hit = gap_breaks(run, wall if keep is None else wall[keep], by_interval=series is not run.eval)
+            self._break_cache[cache_key] = hit
+        return hit
+
+    def _show_finite(
+        self, key: str, item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray, run=None, series=None
+    ) -> None:
+        """A telemetry curve from its recorded points only (``run_data.recorded``)."""
+        keep = np.isfinite(y)
+        breaks = self._breaks(run or self.data, series or self.data.telemetry, None if keep.all() else keep)
+        x, y = recorded(x, y)
+        self._show(key, item, x, y, breaks)
 
     def _smooth(self, key: str, y: np.ndarray) -> np.ndarray:
         cache = self._ema.get(key)
@@ -58,24 +84,21 @@ class CurveDrawing:
             cache = self._ema[key] = EmaCache(self.smoothing)
         return cache.extend(y)
 
-    def _smoothed(self, key: str, plot: pg.PlotItem, color: str, name: str, x, y, width=1.5) -> None:
+    def _smoothed(self, key: str, plot: pg.PlotItem, color: str, name: str, x, y, width=1.5, breaks=None) -> None:
         """A curve with EMA smoothing (on the full data), the raw data faint behind it."""
         raw = self._raw.get(key)
         if self.smoothing > 0:
             if raw is None:
                 raw = self._raw[key] = make_curve(plot, color, None, width=1, alpha=60)
                 raw.setZValue(-1)
-            self._show(f"raw|{key}", raw, x, y)
-            raw.setVisible(True)
+            self._show(f"raw|{key}", raw, x, y, breaks)
             y = self._smooth(key, y)
             data_key = f"ema|{key}|{self.smoothing}"  # a decimation pyramid of its own
         else:
             data_key = key
-            if raw is not None:
-                raw.setVisible(False)
-        self._show(data_key, self._item(key, plot, color, name, width=width), x, y)
+        self._show(data_key, self._item(key, plot, color, name, width=width), x, y, breaks)
 
-    def _draw_stack(self, x: np.ndarray, tr: Series) -> None:
+    def _draw_stack(self, x: np.ndarray, tr: Series, breaks: np.ndarray | None = None) -> None:
         present = [p for p in PHASES if f"phase/{p}" in tr.columns]
         if not present:
             return
@@ -97,4 +120,79 @@ class CurveDrawing:
             new = np.cumsum([np.nan_to_num(tr.get(f"phase/{p}")[done:n]) for p in present], axis=0)
             self._stack_tops = np.concatenate([self._stack_tops, new], axis=1)
         for k, (item, top) in enumerate(zip(self._stack, self._stack_tops[::-1], strict=True)):
-            self._show(f"stack{k}", item, x, top)
+            self._show(f"stack{k}", item, x, top, breaks)
+
+    # -- comparing runs --------------------------------------------------------------------------
+    def _draw_comparison(self) -> None:
+        """Every run in its own colour in every panel: train loss solid and validation dashed, each
+        metric, throughput, learning rate, gradient norm, step time, mean utilization, memory."""
+        runs = [self.data, *(r for r, _ in self.overlays)]
+        for k, run in enumerate(runs):
+            color = series_color(k)
+            tr, ev, te = run.train, run.eval, run.telemetry
+            if tr.rows:
+                x, br = self._x(run, tr), self._breaks(run, tr)
+                if "loss" in tr.columns:
+                    self._smoothed(f"cmp{k}:loss", self.loss, color, run.name, x, tr.get("loss"), 2.0, br)
+                for col, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
+                    if col in tr.columns:
+                        self._show(
+                            f"cmp{k}:{col}", self._item(f"cmp{k}:{col}", plot, color, run.name), x, tr.get(col), br
+                        )
+                total = step_total(tr)
+                if np.isfinite(total).any():
+                    self._show(f"cmp{k}:step", self._item(f"cmp{k}:step", self.phases, color, run.name), x, total, br)
+            if ev.rows:
+                x, br = self._x(run, ev), self._breaks(run, ev)
+                val = self._item(
+                    f"cmp{k}:val", self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2
+                )
+                self._show(f"cmp{k}:val", val, x, ev.get("val_loss"), br)
+                for i, m in enumerate(run.metric_names):
+                    style = Qt.SolidLine if i == 0 else Qt.DotLine
+                    item = self._item(
+                        f"cmp{k}:metric/{m}", self.metric_plot, color, f"{run.name} {m}", width=2, style=style
+                    )
+                    self._show(f"cmp{k}:metric/{m}", item, x, ev.get(f"metric/{m}"), br)
+            if te.rows:
+                x = self._x(run, te)
+                util = device_mean(te, "util/")
+                if np.isfinite(util).any():
+                    item = self._item(f"cmp{k}:util", self.util, color, f"{run.name} (mean)")
+                    self._show_finite(f"cmp{k}:util", item, x, util, run, te)
+                mem, _label = run_memory(te)
+                if np.isfinite(mem).any():
+                    item = self._item(f"cmp{k}:mem", self.memory, color, run.name)
+                    self._show_finite(f"cmp{k}:mem", item, x, mem, run, te)
+        # axes from zero that hold every run's values, not the shown run's alone
+        self._from_zero(self.lr, [r.train.get("lr") for r in runs if r.train.rows])
+        self._from_zero(self.memory, [run_memory(r.telemetry)[0] for r in runs if r.telemetry.rows])
+
+    # -- what the key shows ----------------------------------------------------------------------
+    def _apply_visibility(self) -> None:
+        """Show a curve unless its key entry is clicked off; comparing runs, only the runs' curves."""
+        comparing = bool(self.overlays)
+        for store in (self._curves, self._raw):
+            for key, item in store.items():
+                visible = key.startswith("cmp") == comparing and group_of(key) not in self._hidden
+                if store is self._raw:
+                    visible = visible and self.smoothing > 0
+                if item.isVisible() != visible:
+                    item.setVisible(visible)
+        for item in self._stack:
+            if item.isVisible() == comparing:
+                item.setVisible(not comparing)
+
+
+def group_of(key: str) -> str:
+    """The key entry a curve belongs to: "dev:cpu:0", "combined", "validation" or "run:1"."""
+    if key.startswith("cmp"):
+        return f"run:{key[3 : key.index(':')]}"
+    head, _, dev = key.partition("/")
+    if key == "loss":
+        return "combined"
+    if key == "val":
+        return "validation"
+    if dev and head in ("loss", "util", "mem", "alloc", "power", "temp", "rss"):
+        return f"dev:{dev}"
+    return key

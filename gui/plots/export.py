@@ -8,14 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from multilane.engine.errors import UserError
-from multilane.gui.plots.figures import (
-    FigureOptions,
-    comparison_figure,
-    loss_figure,
-    overview_figure,
-    run_caption,
-    save_figure,
-)
+from multilane.gui.plots.figures import FigureOptions, comparison_figure, loss_figure, run_caption, save_figure
+from multilane.gui.plots.overview import comparison_overview_figure, overview_figure
 from multilane.gui.runs.run_data import RunData
 
 FORMATS = ("png", "svg", "pdf", "csv")
@@ -33,7 +27,8 @@ def export_run(
     bundle: bool = False,
 ) -> list[Path]:
     """Write into ``out_dir``: ``loss.*`` (every device, combined, validation), ``compare.*`` when other
-    runs are compared (one curve per run), ``plots.*`` (every plot), ``metrics.csv``; with ``bundle``,
+    runs are compared (one loss curve per run), ``plots.*`` (every plot; compared, every plot per
+    run), ``metrics.csv``; with ``bundle``,
     the run's config, environment and status too. ``width`` is the PNG's width in pixels."""
     out = Path(out_dir)
     try:
@@ -49,7 +44,9 @@ def export_run(
         if compare:
             fig = comparison_figure([run, *compare], opts)
             written += save_figure(fig, out / "compare", images, width, opts)
-        written += save_figure(overview_figure(run, opts, caption), out / "plots", images, width, opts)
+        # every panel: of this run, or of the runs compared (each run in its colour in every panel)
+        plots = comparison_overview_figure([run, *compare], opts) if compare else overview_figure(run, opts, caption)
+        written += save_figure(plots, out / "plots", images, width, opts)
     if "csv" in formats:
         path = out / "metrics.csv"
         try:

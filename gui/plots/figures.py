@@ -19,10 +19,17 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from multilane.engine.errors import UserError
-from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, series_color
-from multilane.gui.plots.run_view import LABELS, X_LABELS, pause_spans, x_values
-from multilane.gui.plots.smoothing import ema
-from multilane.gui.runs.run_data import RunData, recorded
+from multilane.gui.plots.decimate import ema
+from multilane.gui.plots.palette import COMBINED, VALIDATION, device_width, series_color
+from multilane.gui.plots.run_view import (
+    X_LABELS,
+    differing_settings,
+    gap_breaks,
+    run_breaks,
+    settings_text,
+    x_values,
+)
+from multilane.gui.runs.run_data import RunData, Series
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -97,19 +104,46 @@ def _legend(ax: Axes, handles: list | None = None, labels: list[str] | None = No
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
-def _train_curve(ax: Axes, x: np.ndarray, y: np.ndarray, opts: FigureOptions, **kw) -> None:
-    """A train curve, smoothed as in the app when asked (the raw data faint behind it)."""
-    if opts.smoothing > 0:
-        ax.plot(x, y, color=kw["color"], alpha=0.22, linewidth=0.8, zorder=kw.get("zorder", 2) - 0.5)
-        y = ema(y, opts.smoothing)
+def draw_line(ax: Axes, x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None, **kw) -> None:
+    """``ax.plot`` that breaks the line at ``breaks`` (rows after a pause, stop or gap: no trend drawn
+    across them) and marks a single point, which a line alone would not draw."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if breaks is not None and len(breaks):
+        x = np.insert(x, breaks, x[breaks - 1])
+        y = np.insert(y, breaks, np.nan)
+    if int(np.isfinite(y).sum()) == 1 and kw.get("marker") is None:
+        kw["marker"] = "o"
+        kw.setdefault("markersize", 4)
     ax.plot(x, y, **kw)
 
 
-def _mark_pauses(ax: Axes, run: RunData, opts: FigureOptions) -> None:
-    if opts.x_mode != "time":
-        return
-    for k, (a, b, _step) in enumerate(pause_spans(run)):
-        ax.axvspan(a, b, color="#d9d9d9", alpha=0.6, linewidth=0, zorder=0, label="paused" if k == 0 else None)
+def series_breaks(run: RunData, series: Series, keep: np.ndarray | None = None) -> np.ndarray:
+    wall = series.get("wall_time")
+    return gap_breaks(run, wall if keep is None else wall[keep], by_interval=series is not run.eval)
+
+
+def _train_curve(ax: Axes, x: np.ndarray, y: np.ndarray, opts: FigureOptions, breaks=None, **kw) -> None:
+    """A train curve, smoothed as in the app when asked (the raw data faint behind it)."""
+    if opts.smoothing > 0:
+        z = kw.get("zorder", 2) - 0.5
+        draw_line(ax, x, y, breaks, color=kw["color"], alpha=0.22, linewidth=0.8, zorder=z)
+        y = ema(y, opts.smoothing)
+    draw_line(ax, x, y, breaks, **kw)
+
+
+def mark_breaks(ax: Axes, run: RunData, opts: FigureOptions, label: bool = True) -> None:
+    """Pauses and stops as in the app: a band on the time axis, a line at the step on the step axis."""
+    seen: set[str] = set()
+    for a, b, what, step in run_breaks(run):
+        name = "paused" if what == "paused" else "stopped, then resumed"
+        tag = name if label and name not in seen else None
+        seen.add(name)
+        if opts.x_mode == "time":
+            shade = "#d9d9d9" if what == "paused" else "#bdbdbd"
+            ax.axvspan(a, b, color=shade, alpha=0.6, linewidth=0, zorder=0, label=tag)
+        else:
+            style = ":" if what == "paused" else "--"
+            ax.axvline(step, color="#888", linestyle=style, linewidth=1.0, zorder=0, label=tag)
 
 
 def _validation(ax: Axes, run: RunData, opts: FigureOptions, color: str, label: str) -> None:
@@ -117,9 +151,11 @@ def _validation(ax: Axes, run: RunData, opts: FigureOptions, color: str, label: 
     if not ev.rows or "val_loss" not in ev.columns:
         return
     marker = "o" if ev.rows <= 60 else None
-    ax.plot(
+    draw_line(
+        ax,
         x_values(run, ev, opts.x_mode),
         ev.get("val_loss"),
+        series_breaks(run, ev),
         color=color,
         linestyle=(0, (4, 2)),
         linewidth=1.6,
@@ -154,22 +190,37 @@ def loss_figure(run: RunData, opts: FigureOptions | None = None, caption: str | 
         ax = fig.add_subplot()
         tr = run.train
         if tr.rows:
-            x = x_values(run, tr, opts.x_mode)
+            x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
+            n = len(run.devices)
             for i, dev in enumerate(run.devices):
-                _train_curve(ax, x, tr.get(f"loss/{dev}"), opts, color=series_color(i), label=dev, zorder=2)
+                # the first device widest, each later one over it narrower: equal lanes all show
+                width = device_width(i, n, 2.0, 1.4)
+                y = tr.get(f"loss/{dev}")
+                _train_curve(ax, x, y, opts, br, color=series_color(i), label=dev, linewidth=width, zorder=2 + i)
             if "loss" in tr.columns:
+                # thin, on top: the devices' colours show around it (issue 23)
                 label = "combined" if run.devices else "train"
-                _train_curve(ax, x, tr.get("loss"), opts, color=COMBINED, linewidth=2.0, label=label, zorder=3)
+                width = 0.8 if run.devices else 1.6
+                _train_curve(ax, x, tr.get("loss"), opts, br, color=COMBINED, linewidth=width, label=label, zorder=20)
         _validation(ax, run, opts, VALIDATION, "validation")
-        _mark_pauses(ax, run, opts)
+        mark_breaks(ax, run, opts)
         _finish_axes(ax, opts, "loss", log_y=opts.log_y and _positive([run]))
         _title(fig, ax, f"Loss · {run.name}", caption, opts.smoothing)
         _legend(ax)
     return fig
 
 
+def run_labels(runs: Sequence[RunData]) -> list[str]:
+    """Each run's name with the settings that differ between the runs: "b (lr 0.05, batch_size 32)"."""
+    return [
+        r.name + (f" ({settings_text(d)})" if d else "")
+        for r, d in zip(runs, differing_settings(list(runs)), strict=True)
+    ]
+
+
 def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None) -> Figure:
-    """Runs side by side: one colour per run, its train loss solid and its validation dashed."""
+    """Runs side by side: one colour per run, its train loss solid and its validation dashed; the
+    key names each run with the settings that differ between them."""
     opts = opts or FigureOptions()
     with matplotlib.rc_context(RC):
         fig = Figure(figsize=(opts.width_in, opts.height_in), layout="constrained")
@@ -177,14 +228,15 @@ def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None
         for i, run in enumerate(runs):
             color = series_color(i)
             if run.train.rows and "loss" in run.train.columns:
-                x = x_values(run, run.train, opts.x_mode)
-                _train_curve(ax, x, run.train.get("loss"), opts, color=color, linewidth=1.8, label=run.name, zorder=3)
+                x, br = x_values(run, run.train, opts.x_mode), series_breaks(run, run.train)
+                y = run.train.get("loss")
+                _train_curve(ax, x, y, opts, br, color=color, linewidth=1.8, label=run.name, zorder=3)
             _validation(ax, run, opts, color, f"{run.name} (validation)")
         _finish_axes(ax, opts, "loss", log_y=opts.log_y and _positive(runs))
         _title(fig, ax, f"Loss · {len(runs)} runs compared", None, opts.smoothing)
         # one entry per run, and what solid and dashed mean once, not a validation entry per run
         handles = [Line2D([], [], color=series_color(i), linewidth=1.8) for i in range(len(runs))]
-        labels = [r.name for r in runs]
+        labels = run_labels(runs)
         if any(r.eval.rows for r in runs):
             handles += [
                 Line2D([], [], color="#555", linewidth=1.8),
@@ -192,96 +244,6 @@ def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None
             ]
             labels += ["train (solid)", "validation (dashed)"]
         _legend(ax, handles, labels)
-    return fig
-
-
-def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: str | None = None) -> Figure:
-    """Every plot of the app's panel that has data, in a grid with one shared x label."""
-    opts = opts or FigureOptions()
-    tr, ev, te = run.train, run.eval, run.telemetry
-    panels: list[tuple[str, str, list[tuple[np.ndarray, np.ndarray, dict]], bool]] = []
-    if tr.rows:
-        x = x_values(run, tr, opts.x_mode)
-        smooth = (lambda y: ema(y, opts.smoothing)) if opts.smoothing > 0 else (lambda y: y)
-        curves = [
-            (x, smooth(tr.get(f"loss/{d}")), {"color": series_color(i), "label": d}) for i, d in enumerate(run.devices)
-        ]
-        curves.append((x, smooth(tr.get("loss")), {"color": COMBINED, "linewidth": 2.0, "label": "combined"}))
-        if ev.rows:
-            xe = x_values(run, ev, opts.x_mode)
-            style = {"color": VALIDATION, "linestyle": (0, (4, 2)), "label": "validation"}
-            curves.append((xe, ev.get("val_loss"), style | {"marker": "o" if ev.rows <= 60 else None, "ms": 3}))
-        panels.append(("Loss", "loss", curves, opts.log_y and _positive([run])))
-    if ev.rows and run.metric_names:
-        xe = x_values(run, ev, opts.x_mode)
-        curves = [
-            (
-                xe,
-                ev.get(f"metric/{m}"),
-                {"color": NEUTRAL if i == 0 else series_color(i), "label": m, "marker": "o", "ms": 3},
-            )
-            for i, m in enumerate(run.metric_names)
-        ]
-        panels.append(("Validation metric", ", ".join(run.metric_names), curves, False))
-    for key, title in (("samples_per_s", "Throughput"), ("lr", "Learning rate"), ("grad_norm", "Gradient norm")):
-        if tr.rows and key in tr.columns and np.isfinite(tr.get(key)).any():
-            x = x_values(run, tr, opts.x_mode)
-            panels.append((title, LABELS[key], [(x, tr.get(key), {"color": NEUTRAL})], False))
-    if te.rows:
-        xt = x_values(run, te, opts.x_mode)
-        devs = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/")})
-        order = {d: run.devices.index(d) if d in run.devices else len(run.devices) + i for i, d in enumerate(devs)}
-        for prefix, title in (("util", "Utilization"), ("mem", "Memory"), ("power", "Power"), ("temp", "Temperature")):
-            keys = [d for d in devs if f"{prefix}/{d}" in te.columns]
-            if keys:
-                curves = [
-                    (*recorded(xt, te.get(f"{prefix}/{d}")), {"color": series_color(order[d]), "label": d})
-                    for d in keys
-                ]
-                panels.append((title, LABELS[prefix], curves, False))
-        if te.names("rss/") and not te.names("mem/"):  # ddp on CPU: each rank's process
-            rss = [k.split("/", 1)[1] for k in te.names("rss/")]
-            curves = [
-                (*recorded(xt, te.get(f"rss/{d}")), {"color": series_color(order.get(d, i)), "label": d})
-                for i, d in enumerate(rss)
-            ]
-            panels.append(("Memory", LABELS["rss_mb"], curves, False))
-        elif "rss_mb" in te.columns and not te.names("mem/"):
-            panels.append(("Memory", LABELS["rss_mb"], [(*recorded(xt, te.get("rss_mb")), {"color": NEUTRAL})], False))
-    with matplotlib.rc_context(RC):
-        ncols = 2
-        nrows = max(1, (len(panels) + ncols - 1) // ncols)
-        fig = Figure(figsize=(opts.width_in * 1.45, 2.5 * nrows + 0.4), layout="constrained")
-        axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True).ravel()
-        for ax, (title, ylabel, curves, log) in zip(axes, panels, strict=False):
-            for x, y, style in curves:
-                style = dict(style)
-                ms = style.pop("ms", None)
-                if ms:
-                    style["markersize"] = ms
-                ax.plot(x, y, **style)
-            _mark_pauses(ax, run, opts)
-            ax.set_title(title, loc="left", fontsize=10)
-            ax.set_ylabel(ylabel)
-            ax.margins(x=0.01)
-            if log:
-                ax.set_yscale("log")
-            if title == "Utilization":
-                ax.set_ylim(0, 100)
-            if title in ("Memory", "Learning rate", "Power"):
-                # from zero, with headroom: a flat 0.2 MiB wobble is not a cliff, nor a constant lr a wall
-                top = max((np.nanmax(y) for _, y, _ in curves if np.isfinite(y).any()), default=1.0)
-                ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)
-            if len(curves) > 1:
-                _legend(ax)
-        for ax in axes[len(panels) :]:
-            ax.set_visible(False)
-        for ax in axes[-ncols:]:
-            ax.set_xlabel(X_LABELS[opts.x_mode])
-        for ax in axes[: len(panels)]:
-            ax.tick_params(labelbottom=True)
-        head = f"{run.name}" + (f" · {caption}" if caption else "")
-        fig.suptitle(head, x=0.01, ha="left", fontweight="bold", fontsize=11)
     return fig
 
 

@@ -19,6 +19,40 @@ def make_curve(
     return item
 
 
+class SparseLogAxis(pg.AxisItem):
+    """A y axis whose log mode labels only ticks with room between them: pyqtgraph labels every
+    minor tick of a decade, and on a short plot "0.1", "0.09", "0.08", "0.07" were drawn over each
+    other. Decades are labelled first, then the other ticks wherever a label's height fits."""
+
+    GAP_PX = 4
+
+    def tickStrings(self, values, scale, spacing):
+        strings = super().tickStrings(values, scale, spacing)
+        if not self.logMode or len(values) < 2:
+            return strings
+        lo, hi = self.range
+        height = self.size().height() if self.orientation in ("left", "right") else self.size().width()
+        if hi <= lo or height <= 0:
+            return strings
+        px = [(v - lo) / (hi - lo) * height for v in values]
+        room = self.fontMetrics().height() + self.GAP_PX
+        kept: list[float] = [q for q, s in zip(px, strings, strict=True) if s and self._is_decade(q, lo, hi, height)]
+        for q in px:
+            if all(abs(q - k) >= room for k in kept):
+                kept.append(q)
+        return [s if any(abs(q - k) < 1e-9 for k in kept) else "" for q, s in zip(px, strings, strict=True)]
+
+    @staticmethod
+    def _is_decade(q: float, lo: float, hi: float, height: float) -> bool:
+        v = lo + q / height * (hi - lo)
+        return abs(v - round(v)) < 1e-6
+
+    def fontMetrics(self):
+        from PySide6.QtGui import QFontMetrics
+
+        return QFontMetrics(self.style.get("tickFont") or self.font())
+
+
 class WrappingLabel(pg.LabelItem):
     """A label that wraps at the panel's width. pyqtgraph's own takes its text's full width as its
     minimum, so a long hover line widened the whole layout and pushed the right-hand plots out of view."""
@@ -44,6 +78,28 @@ class WrappingLabel(pg.LabelItem):
         if abs(self.item.textWidth() - width) > 0.5:
             self.item.setTextWidth(width)
         super().resizeEvent(ev)
+
+
+class KeyLabel(WrappingLabel):
+    """The plots' key: its entries are links; a click on one calls ``on_entry`` with the link."""
+
+    def __init__(self, on_entry) -> None:
+        super().__init__("", justify="left")
+        self.on_entry = on_entry
+        self._pressed: str | None = None
+
+    def _href_at(self, pos) -> str:
+        return self.item.document().documentLayout().anchorAt(self.item.mapFromParent(pos))
+
+    def mousePressEvent(self, ev) -> None:
+        self._pressed = self._href_at(ev.pos()) or None
+        ev.setAccepted(self._pressed is not None)  # elsewhere the plots' own handling goes on
+
+    def mouseReleaseEvent(self, ev) -> None:
+        href, self._pressed = self._pressed, None
+        if href and self._href_at(ev.pos()) == href:
+            self.on_entry(href)
+        ev.accept()
 
 
 class PlotTitle(WrappingLabel):

@@ -3,38 +3,60 @@ crosshair with the hover header that names each value under it."""
 
 from __future__ import annotations
 
+import html
+
 import pyqtgraph as pg
 from multilane.gui.plots.items import swatch
 from multilane.gui.plots.palette import COMBINED, VALIDATION, series_color
-from multilane.gui.plots.run_view import pause_spans, values_at
-from multilane.gui.plots.style import PAUSE_BRUSH
+from multilane.gui.plots.run_view import differing_settings, format_duration, run_breaks, settings_text, values_at
+from multilane.gui.plots.style import PAUSE_BRUSH, STOP_BRUSH
 from PySide6.QtCore import Qt
 
 
 class PlotMarks:
     """Mixed into ``PlotPanel`` (before the Qt class, for ``leaveEvent``): uses its ``key``, ``header``,
-    ``plots``, ``_lines`` and ``data``; keeps ``_key_state``, ``_pause_items`` and ``_pause_state``."""
+    ``plots``, ``_lines`` and ``data``; keeps ``_key_state``, ``_hidden``, ``_pause_items`` and
+    ``_pause_state``."""
 
     def _update_key(self) -> None:
-        """One key over all plots: what each colour and line style means."""
+        """One key over all plots: what each colour and line style means. Each entry is a link: a
+        click hides or shows its curves in every plot (a device, the combined line, validation, a run)."""
         d = self.data
-        runs = tuple(r.name for r, _ in self.overlays)
-        state = (tuple(d.devices), runs, d.name, bool(d.eval.rows), self.smoothing > 0)
+        runs = [d, *(r for r, _ in self.overlays)]
+        state = (tuple(d.devices), tuple(r.name for r in runs), bool(d.eval.rows), self.smoothing > 0)
+        state += (tuple(sorted(self._hidden)), bool(d.train.rows))
         if state == self._key_state:
             return
         self._key_state = state
-        if runs:
-            parts = [f"{swatch(series_color(i))} {name}" for i, name in enumerate((d.name, *runs))]
+        if len(runs) > 1:
+            settings = differing_settings(runs)
+            parts = []
+            for i, (run, differ) in enumerate(zip(runs, settings, strict=True)):
+                label = run.name + (f" ({settings_text(differ)})" if differ else "")
+                parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label))
             parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
         else:
-            parts = [f"{swatch(self._device_color(dev))} {dev}" for dev in d.devices]
+            parts = [self._entry(f"dev:{dev}", swatch(self._device_color(dev)), dev) for dev in d.devices]
             if d.train.rows:
-                parts.append(f"{swatch(COMBINED)} combined")
+                parts.append(self._entry("combined", swatch(COMBINED), "combined"))
             if d.eval.rows:
-                parts.append(f"{swatch(VALIDATION, dashed=True)} validation")
+                parts.append(self._entry("validation", swatch(VALIDATION, dashed=True), "validation"))
         if self.smoothing > 0 and parts:
             parts.append("(smoothed; raw faint)")
+        if len(parts) > 1:
+            parts.append('<span style="color:#888;">(click a name to hide or show it)</span>')
         self.key.setText(" &nbsp; ".join(parts), size="9pt")
+
+    def _entry(self, group: str, mark: str, label: str) -> str:
+        hidden = group in self._hidden
+        style = "color:#aaa; text-decoration:line-through;" if hidden else "color:#333; text-decoration:none;"
+        return f'<a href="{html.escape(group)}" style="{style}">{mark if not hidden else ""}{html.escape(label)}</a>'
+
+    def toggle_curve(self, group: str) -> None:
+        """Hide or show every curve of a key entry ("dev:cpu:0", "combined", "validation", "run:1")."""
+        self._hidden ^= {group}
+        self._dirty = True
+        self.refresh()
 
     def _clear_pauses(self) -> None:
         for plot, item in self._pause_items:
@@ -43,24 +65,29 @@ class PlotMarks:
         self._pause_state = ()
 
     def _draw_pauses(self) -> None:
-        """A pause is a grey band on the time axis (no data there is not a straight trend) and a
-        dotted line at its step on the step axis."""
-        spans = pause_spans(self.data)
-        state = (self.x_mode, tuple((round(a, 1), round(b, 1), s) for a, b, s in spans))
+        """Where the run did not train: a pause, or a stop until its resume. On the time axis a band
+        (no data there, not a straight trend; the lines break there too); on the step axis a line at
+        its step, dotted for a pause, dashed for a stop and resume."""
+        spans = run_breaks(self.data)
+        state = (self.x_mode, tuple((round(a, 1), round(b, 1), w, s) for a, b, w, s in spans))
         if state == self._pause_state:
             return
         self._clear_pauses()
         self._pause_state = state
-        for a, b, step in spans:
+        for a, b, what, step in spans:
+            if what == "paused":
+                tip = f"paused at step {step} for {format_duration(b - a)}"
+                brush, pen = PAUSE_BRUSH, pg.mkPen("#999", style=Qt.DotLine)
+            else:
+                tip = f"stopped, resumed {format_duration(b - a)} later from step {step}"
+                brush, pen = STOP_BRUSH, pg.mkPen("#777", style=Qt.DashLine, width=1.5)
             for p in self.plots:
                 if self.x_mode == "time":
-                    item = pg.LinearRegionItem(
-                        (a, b), movable=False, brush=pg.mkBrush(*PAUSE_BRUSH), pen=pg.mkPen(None)
-                    )
+                    item = pg.LinearRegionItem((a, b), movable=False, brush=pg.mkBrush(*brush), pen=pg.mkPen(None))
                 else:
-                    item = pg.InfiniteLine(step, angle=90, movable=False, pen=pg.mkPen("#999", style=Qt.DotLine))
+                    item = pg.InfiniteLine(step, angle=90, movable=False, pen=pen)
                 item.setZValue(-10)
-                item.setToolTip(f"paused at step {step} for {b - a:.1f} s")
+                item.setToolTip(tip)
                 p.addItem(item, ignoreBounds=True)
                 self._pause_items.append((p, item))
 
@@ -70,6 +97,8 @@ class PlotMarks:
         for p in self.plots:
             if p.sceneBoundingRect().contains(pos):
                 x = p.vb.mapSceneToView(pos).x()
+                if x < 0:  # no step or second before the run's start: nothing to name
+                    break
                 self.show_values_at(x)
                 return
         self.clear_values()

@@ -26,3 +26,9 @@ NEUTRAL = "#444444"  # single-curve plots (throughput, learning rate, gradient n
 def series_color(i: int) -> str:
     """The colour of the i-th device (or the i-th run of a comparison)."""
     return SERIES[i % len(SERIES)]
+
+
+def device_width(i: int, n: int, base: float, step: float, most: int = 4) -> float:
+    """The i-th of n device lines' width: the first the widest, each later one (drawn over it)
+    narrower, so that lanes with equal values still show every colour at the line's edge."""
+    return base + step * min(n - 1 - i, most)

@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.curves import CurveDrawing
-from multilane.gui.plots.decimate import PeakPyramid
-from multilane.gui.plots.items import WrappingLabel, make_curve, set_plot_title, swatch, wrap_title
+from multilane.gui.plots.decimate import EmaCache, PeakPyramid
+from multilane.gui.plots.items import KeyLabel, SparseLogAxis, WrappingLabel, set_plot_title, swatch, wrap_title
 from multilane.gui.plots.marks import PlotMarks
-from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, series_color
+from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
 from multilane.gui.plots.ranges import SharedXRange
-from multilane.gui.plots.smoothing import EmaCache
+from multilane.gui.plots.run_view import metric_title
 from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, TICK_FONT
 from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
@@ -57,24 +57,27 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self.paint_s = 0.0  # seconds spent painting since the window last took it (its redraw pace)
         self.title_text = ""
         self._key_state: tuple = ()
-        self._compare_state = False
         self._pause_items: list = []
         self._pause_state: tuple = ()
         self._memory_title = ""
         self._tops: dict[int, float] = {}  # y top of the plots whose axis starts at zero
         self._grad_title = "Gradient norm"
+        self._metric_title = "Validation metric"
+        self._hidden: set[str] = set()  # key entries the user clicked off: "dev:cpu:0", "combined", "run:1", …
+        self._break_cache: dict[tuple, np.ndarray] = {}
         self.power: pg.PlotItem | None = None
         self.temperature: pg.PlotItem | None = None
 
         self.header = WrappingLabel("", justify="left")
         self.header.min_lines = 2
         self.addItem(self.header, row=0, col=0, colspan=3)
-        self.key = WrappingLabel("", justify="left")
+        self.key = KeyLabel(self.toggle_curve)
         self.addItem(self.key, row=1, col=0, colspan=3)
+        # each key entry is a link: a click hides or shows its curves (toggle_curve)
         # The loss, as wide and tall as the panel allows; three small plots a row under it, so that
         # at 1024×700 the loss still gets most of the height.
-        self.loss = self.addPlot(row=2, col=0, colspan=3)
-        self.metric = self.addPlot(row=3, col=0)
+        self.loss = self.addPlot(row=2, col=0, colspan=3, axisItems={"left": SparseLogAxis("left")})
+        self.metric_plot = self.addPlot(row=3, col=0)
         self.throughput = self.addPlot(row=3, col=1)
         self.lr = self.addPlot(row=3, col=2)
         self.util = self.addPlot(row=4, col=0)
@@ -99,7 +102,16 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             self.ci.layout.setRowStretchFactor(r, 2)
         self.plots: list[pg.PlotItem] = []
         self._lines = []
-        plots = [self.loss, self.metric, self.throughput, self.lr, self.util, self.memory, self.grad_norm, self.phases]
+        plots = [
+            self.loss,
+            self.metric_plot,
+            self.throughput,
+            self.lr,
+            self.util,
+            self.memory,
+            self.grad_norm,
+            self.phases,
+        ]
         for p, title in zip(plots, titles, strict=True):
             self._style_plot(p, title)
         self.util.setYRange(0, 100)
@@ -135,6 +147,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         # x follows the data in steps (_follow_x), not at every point: a changed range repaints
         # every axis of every plot, the largest part of a redraw
         p.enableAutoRange(axis="x", enable=False)
+        p.vb.setLimits(xMin=0.0)  # no step or second before the run's start: no panning there
         line = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen("#888", style=Qt.DashLine))
         line.setVisible(False)
         p.addItem(line, ignoreBounds=True)
@@ -158,25 +171,35 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self._ema.clear()
         self.overlays.clear()
         self._key_state = ()
-        self._compare_state = False
+        self._hidden.clear()
         self._tops.clear()
         self.data = data or RunData()
         self._x_span = None
+        self._clear_axes()
         self._dirty = True
         self.refresh()
+
+    def _clear_axes(self) -> None:
+        """Axes as for no data: a new run (or none) never shows the previous run's ranges and titles."""
+        self._set_span((0.0, 1.0))
+        self._x_span = None  # the first data sets the span afresh
+        for p in self.plots:
+            if p is self.util:
+                continue
+            p.setYRange(0.0, 1.0, padding=0)
+            if self.auto_x and p not in self.zero_based:
+                p.enableAutoRange(axis="y")
+        self._memory_title = ""
+        set_plot_title(self.memory, "Memory (MiB)")
 
     def add_record(self, rec: dict) -> None:
         self.data.add(rec)
         self._dirty = True
 
     def add_overlay(self, run: RunData) -> None:
-        """Compare with a past run: each run in its own colour, train loss solid, validation dashed."""
-        color = series_color(len(self.overlays) + 1)  # the shown run is the first colour
-        items = [
-            make_curve(self.loss, color, run.name, width=2),
-            make_curve(self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2),
-        ]
-        self.overlays.append((run, items))
+        """Compare with a past run: each run in its own colour in every panel, the settings that differ
+        between the runs in the key."""
+        self.overlays.append((run, []))  # its curves are made as its data is drawn (compare.py)
         self._x_span = None
         self._dirty = True
 
@@ -218,6 +241,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         if not self._dirty:
             return
         self._dirty = False
+        self._break_cache.clear()
         d = self.data
         tr, ev, te = d.train, d.eval, d.telemetry
         comparing = bool(self.overlays)
@@ -225,17 +249,24 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             ends = self._x_ends()
             if ends:
                 self._follow_x(*ends)
-        if tr.rows:
-            x = self._x(d, tr)
-            for dev in d.devices if not comparing else ():  # comparing: one curve per run
-                self._smoothed(f"loss/{dev}", self.loss, self._device_color(dev), dev, x, tr.get(f"loss/{dev}"), 1.5)
+        if comparing:  # one colour per run in every panel (compare.py); the shown run's own curves hidden
+            self._draw_comparison()
+        if tr.rows and not comparing:
+            x, br = self._x(d, tr), self._breaks(d, tr)
+            n = len(d.devices)
+            for i, dev in enumerate(d.devices):
+                width = device_width(i, n, 3.0, 1.5)
+                self._smoothed(
+                    f"loss/{dev}", self.loss, self._device_color(dev), dev, x, tr.get(f"loss/{dev}"), width, br
+                )
+                self._curves[f"loss/{dev}"].setZValue(1 + i)
             if "loss" in tr.columns:
-                color = series_color(0) if comparing else COMBINED
-                self._smoothed("loss", self.loss, color, "combined", x, tr.get("loss"), 2.5)
-                self._curves["loss"].setZValue(5)
+                # thin and on top: every device's colour shows around it (docs/app.md)
+                self._smoothed("loss", self.loss, COMBINED, "combined", x, tr.get("loss"), 1.0, br)
+                self._curves["loss"].setZValue(20)
             for key, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
                 if key in tr.columns:
-                    self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key))
+                    self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key), br)
             if "lr" in tr.columns:
                 self._from_zero(self.lr, [tr.get("lr")])
             # logged only where it costs nothing: when clipping computes it
@@ -243,11 +274,12 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             if title != self._grad_title:
                 self._grad_title = title
                 set_plot_title(self.grad_norm, title)
-            self._draw_stack(x, tr)
-        if ev.rows:
-            x = self._x(d, ev)
+            self._draw_stack(x, tr, br)
+        if ev.rows and not comparing:
+            x, br = self._x(d, ev), self._breaks(d, ev)
             val = self._item("val", self.loss, VALIDATION, "validation", width=2, style=Qt.DashLine)
-            val.setZValue(6)
+            val.setZValue(21)
+            val.keep_symbol = ev.rows <= 200
             if val.opts["symbol"] is None and ev.rows <= 200:
                 val.setSymbol("o")
                 val.setSymbolSize(6)
@@ -255,21 +287,23 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
                 val.setSymbolBrush(pg.mkBrush(VALIDATION))
             elif ev.rows > 200:
                 val.setSymbol(None)
-            self._show("val", val, x, ev.get("val_loss"))
+            self._show("val", val, x, ev.get("val_loss"), br)
             for i, m in enumerate(d.metric_names):
-                item = self._item(f"metric/{m}", self.metric, NEUTRAL if i == 0 else series_color(i), m, width=2)
-                self._show(f"metric/{m}", item, x, ev.get(f"metric/{m}"))
-        if te.rows:
+                item = self._item(f"metric/{m}", self.metric_plot, NEUTRAL if i == 0 else series_color(i), m, width=2)
+                self._show(f"metric/{m}", item, x, ev.get(f"metric/{m}"), br)
+        if te.rows and not comparing:
             self._draw_telemetry(te)
-        for k, (run, (loss_item, val_item)) in enumerate(self.overlays):
-            if run.train.rows:
-                self._show(f"overlay{k}:loss", loss_item, self._x(run, run.train), run.train.get("loss"))
-            if run.eval.rows:
-                self._show(f"overlay{k}:val", val_item, self._x(run, run.eval), run.eval.get("val_loss"))
-        if comparing != self._compare_state:
-            self._restyle(comparing)
+        self._set_metric_title()
+        self._apply_visibility()
         self._update_key()
         self._draw_pauses()
+
+    def _set_metric_title(self) -> None:
+        names = list(dict.fromkeys(m for r in (self.data, *(r for r, _ in self.overlays)) for m in r.metric_names))
+        title = metric_title(names)
+        if title != self._metric_title:
+            self._metric_title = title
+            set_plot_title(self.metric_plot, title)
 
     def _draw_telemetry(self, te: Series) -> None:
         d = self.data
@@ -283,8 +317,9 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             self.temperature = self.addPlot(row=6, col=1)
             self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.temperature, "Temperature (°C)")
-        for dev in names:
+        for j, dev in enumerate(names):
             color = self._device_color(dev)
+            width = device_width(j, len(names), 2.0, 1.0)  # equal lanes (or ranks) must not hide each other
             for prefix, plot, label, style in (
                 ("util", self.util, dev, Qt.SolidLine),
                 ("mem", self.memory, f"{dev} used", Qt.SolidLine),
@@ -294,12 +329,17 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             ):
                 key = f"{prefix}/{dev}"
                 if key in te.columns and plot is not None:
-                    self._show_finite(key, self._item(key, plot, color, label, style=style), x, te.get(key))
+                    item = self._item(key, plot, color, label, style=style, width=width)
+                    item.setZValue(j)
+                    self._show_finite(key, item, x, te.get(key))
         cpu_only = not te.names("mem/") and ("rss_mb" in te.columns or bool(te.names("rss/")))
         if cpu_only and te.names("rss/"):  # ddp on CPU: each rank is a process of its own
-            for key in te.names("rss/"):
+            ranks = te.names("rss/")
+            for j, key in enumerate(ranks):
                 dev = key.split("/", 1)[1]
-                item = self._item(key, self.memory, self._device_color(dev), f"{dev} RSS")
+                width = device_width(j, len(ranks), 2.0, 1.0)  # equal ranks: both colours show
+                item = self._item(key, self.memory, self._device_color(dev), f"{dev} RSS", width=width)
+                item.setZValue(j)
                 self._show_finite(key, item, x, te.get(key))
         elif cpu_only:  # CPU lanes: the process's memory
             self._show_finite("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
@@ -307,23 +347,5 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
             set_plot_title(self.memory, title)
-        keys = ["rss_mb"] if cpu_only else te.names("mem/") + te.names("alloc/")
+        keys = ["rss_mb", *te.names("rss/")] if cpu_only else te.names("mem/") + te.names("alloc/")
         self._from_zero(self.memory, [te.get(k) for k in keys])
-
-    def _restyle(self, comparing: bool) -> None:
-        """Comparing runs: one colour per run (the shown run first), its devices hidden."""
-        self._compare_state = comparing
-        for dev in self.data.devices:
-            for store in (self._curves, self._raw):
-                item = store.get(f"loss/{dev}")
-                if item is not None:
-                    item.setVisible(not comparing and (store is self._curves or self.smoothing > 0))
-        combined = self._curves.get("loss")
-        if combined is not None:
-            combined.setPen(pg.mkPen(series_color(0) if comparing else COMBINED, width=2 if comparing else 2.5))
-        val = self._curves.get("val")
-        if val is not None:
-            color = series_color(0) if comparing else VALIDATION
-            val.setPen(pg.mkPen(color, width=2, style=Qt.DashLine))
-            val.setSymbolPen(pg.mkPen(color))
-            val.setSymbolBrush(pg.mkBrush(color))

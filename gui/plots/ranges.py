@@ -79,6 +79,7 @@ class SharedXRange:
         return min(a for a, _ in ends), max(b for _, b in ends)
 
     def _set_span(self, new: tuple[float, float]) -> None:
+        new = (max(0.0, new[0]), max(new[1], max(0.0, new[0]) + 1e-9))  # the views' limit: nothing below 0
         self._x_span = new
         self._syncing = True
         try:

@@ -4,6 +4,7 @@ pause spans, curve names with units. No Qt, no matplotlib here."""
 from __future__ import annotations
 
 import numpy as np
+from multilane.engine.numbers import format_number
 from multilane.gui.runs.run_data import RunData, Series
 
 X_LABELS = {"step": "step", "time": "elapsed time (s)"}
@@ -56,13 +57,168 @@ def pause_spans(run: RunData) -> list[tuple[float, float, int]]:
     return spans
 
 
+def run_breaks(run: RunData) -> list[tuple[float, float, str, int]]:
+    """Each time the run did not train, as (start, end, what, step) in seconds since it began: a
+    pause ("paused", until it resumed), a stop ("stopped", until a resume started it again)."""
+    spans = [(a, b, "paused", s) for a, b, s in pause_spans(run)]
+    t0 = run.t0 or 0.0
+    stop: tuple[float, int] | None = None
+    for ev in run.events:
+        name, wall = ev.get("event"), float(ev.get("wall_time") or 0.0)
+        if name in ("stopped", "failed", "finished"):
+            stop = (wall - t0, int(ev.get("step") or 0))
+        elif name == "started" and ev.get("resumed_from_step") is not None and stop is not None:
+            spans.append((stop[0], max(stop[0], wall - t0), "stopped", int(ev["resumed_from_step"])))
+            stop = None
+    return sorted(spans)
+
+
+GAP_FACTOR = 10.0  # a wait this many times the usual interval between records is a gap, not a trend
+GAP_MIN_S = 10.0
+
+
+def gap_breaks(run: RunData, wall: np.ndarray, by_interval: bool = True) -> np.ndarray:
+    """Row positions where a curve's line must break (before that row): the first row after a pause,
+    a stop or a resume, and (``by_interval``) after a wait far longer than the usual interval. A line
+    across such a gap would draw a trend the data does not hold."""
+    n = len(wall)
+    if n < 2:
+        return np.empty(0, dtype=np.int64)
+    cuts = []
+    t0 = run.t0 or 0.0
+    for a, b, _what, _step in run_breaks(run):
+        # rows up to the pause (or stop) on one side, rows from the resume on the other
+        cuts.append(np.searchsorted(wall, [a + t0], side="right"))
+        cuts.append(np.searchsorted(wall, [b + t0], side="left"))
+    for ev in run.events:
+        if ev.get("event") == "started" and ev.get("resumed_from_step") is not None:
+            cuts.append(np.searchsorted(wall, [float(ev.get("wall_time") or 0.0)], side="left"))
+    if by_interval:
+        dt = np.diff(wall)
+        sample = dt[:: max(1, len(dt) // 10_000)]
+        sample = sample[np.isfinite(sample) & (sample > 0)]
+        if len(sample):
+            limit = max(GAP_FACTOR * float(np.median(sample)), GAP_MIN_S)
+            with np.errstate(invalid="ignore"):
+                cuts.append(np.flatnonzero(dt > limit) + 1)
+    if not cuts:
+        return np.empty(0, dtype=np.int64)
+    out = np.unique(np.concatenate(cuts).astype(np.int64))
+    return out[(out > 0) & (out < n)]
+
+
+def broken(x: np.ndarray, y: np.ndarray, idx: np.ndarray, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The samples at positions ``idx`` (sorted), with a NaN between two of them that a break separates."""
+    vx, vy = x[idx], y[idx]
+    if len(breaks) and len(idx) > 1:
+        side = np.searchsorted(breaks, idx, side="right")
+        cut = np.flatnonzero(np.diff(side)) + 1
+        if len(cut):
+            vx = np.insert(vx, cut, vx[cut - 1])
+            vy = np.insert(vy.astype(float), cut, np.nan)
+    return vx, vy
+
+
+METRIC_NAMES = {"bits_per_byte": "bits per byte", "r2": "R²", "rmse": "RMSE", "mae": "MAE", "bpb": "bits per byte"}
+
+
+def format_duration(seconds: float) -> str:
+    """``42.0`` → "42 s", ``300`` → "5 min 0 s"."""
+    if seconds < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def metric_label(name: str) -> str:
+    """A metric's name for people: ``bits_per_byte`` → "bits per byte", ``r2`` → "R²"."""
+    return METRIC_NAMES.get(name, name.replace("_", " "))
+
+
+def metric_title(names: list[str]) -> str:
+    """The metric panel's title: the metrics it shows, by name (not "Validation metric")."""
+    return " · ".join(metric_label(m) for m in names) if names else "Validation metric"
+
+
+# Settings that name or place a run rather than shape its training: never "what differs".
+_NOT_HYPERPARAMETERS = ("run.", "telemetry.", "train.checkpoint_", "train.log_every", "devices.collective_timeout_s")
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_settings(runs: list[RunData]) -> list[dict[str, str]]:
+    """For each run, the settings whose values differ between the runs (``{"optim.lr": "0.01"}``);
+    runs without a readable config get an empty dict."""
+    flats = [_flat(r.config) if isinstance(r.config, dict) else None for r in runs]
+    known = [f for f in flats if f is not None]
+    if len(known) < 2:
+        return [{} for _ in runs]
+    keys = sorted({k for f in known for k in f if not k.startswith(_NOT_HYPERPARAMETERS)})
+    differ = [k for k in keys if len({repr(f.get(k)) for f in known}) > 1]
+    return [{} if f is None else {k: _setting(f.get(k)) for k in differ} for f in flats]
+
+
+def _setting(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"  # a setting as the user typed it: 0.01, 3e-4
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return "—" if v is None else str(v)
+
+
+def settings_text(settings: dict[str, str]) -> str:
+    """``{"optim.lr": "0.01", "data.batch_size": "64"}`` → "lr 0.01, batch_size 64"."""
+    return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in settings.items())
+
+
+def step_total(series: Series) -> np.ndarray:
+    """A train series' step time (ms): its ``step_ms``, or the sum of its phases."""
+    if "step_ms" in series.columns:
+        return series.get("step_ms")
+    phases = [series.get(k) for k in series.names("phase/")]
+    if not phases:
+        return np.full(series.rows, np.nan)
+    stack = np.vstack(phases)
+    return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan)
+
+
+def device_mean(series: Series, prefix: str) -> np.ndarray:
+    """The mean over a telemetry series' devices of ``prefix`` (``util/``), NaN where none reported."""
+    cols = [series.get(k) for k in series.names(prefix)]
+    if not cols:
+        return np.full(series.rows, np.nan)
+    stack = np.vstack(cols)
+    have = np.isfinite(stack)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(have.any(axis=0), np.nansum(stack, axis=0) / have.sum(axis=0), np.nan)
+
+
+def run_memory(series: Series) -> tuple[np.ndarray, str]:
+    """One memory curve per run, for comparing runs: the GPUs' memory used, summed, else the process's."""
+    mem = series.names("mem/")
+    if mem:
+        stack = np.vstack([series.get(k) for k in mem])
+        return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan), "memory used (MiB)"
+    if series.names("rss/"):
+        stack = np.vstack([series.get(k) for k in series.names("rss/")])
+        return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan), "process RSS (MiB)"
+    return series.get("rss_mb"), "process RSS (MiB)"
+
+
 def describe(key: str) -> tuple[str, str]:
     """A column key as (name, unit) for people: ``util/cpu:0`` → ("cpu:0 utilization", "%")."""
     head, _, dev = key.partition("/")
     if head in ("loss",) and dev:
         return f"{dev} loss", ""
     if head == "metric" and dev:
-        return f"validation {dev}", ""
+        return f"validation {metric_label(dev)}", ""
     if dev and head in UNITS:
         name = LABELS.get(head, head).split(" (")[0]
         return f"{dev} {name}", UNITS[head]
@@ -92,6 +248,6 @@ def values_at(run: RunData, x: float, x_mode: str) -> str:
                 if unit in ("%", "W", "°C") or abs(v) >= 1000:
                     value = f"{v:,.0f}"
                 else:
-                    value = f"{v:,.1f}" if unit == "MiB" else f"{v:.4g}"
+                    value = f"{v:,.1f}" if unit == "MiB" else format_number(v)
                 parts.append(f"{name} {value}{'' if unit in ('', '%', '°C') else ' '}{unit}")
     return " · ".join(parts)

@@ -11,6 +11,7 @@ PHASES = ["data", "scatter", "replicate", "forward", "loss", "backward", "reduce
 # waiting for data in a neutral grey.
 PHASE_COLORS = ["#999999", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#CC79A7", "#D55E00"]
 PAUSE_BRUSH = (150, 150, 150, 50)
+STOP_BRUSH = (120, 120, 120, 80)  # a stop, until the resume: darker than a pause
 
 GRID_COLOR = "#e8e8e8"
 

@@ -7,6 +7,7 @@ metrics.jsonl); either way they land in the same columns, so the plots and the C
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -99,6 +100,7 @@ class RunData:
         self.t0: float | None = None
         self.last_step = 0
         self.skipped = 0  # unreadable lines of the run's metrics.jsonl, left out
+        self.config: dict[str, Any] | None = None  # the run's config.json, for what differs between runs
 
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("kind")
@@ -163,6 +165,11 @@ class RunData:
         for rec in metrics.records:
             data.add(rec)
         data.skipped = metrics.skipped
+        try:
+            config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+            data.config = config if isinstance(config, dict) else None
+        except (OSError, ValueError):  # no config, or a damaged one: the run is still shown
+            data.config = None
         return data
 
     @property

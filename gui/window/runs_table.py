@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from multilane.engine.errors import UserError
+from multilane.engine.numbers import format_number
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.runs.run_summary import fmt_duration
 from multilane.gui.window.runs_index import COLUMNS, RunSummary, list_runs, runs_signature
@@ -61,7 +62,7 @@ def _cell(row: RunSummary, key: str) -> _Item:
         elif key == "duration_s":
             text = fmt_duration(v)
         else:
-            text = f"{v:.4f}"
+            text = format_number(v)
         if key == "final_metric" and text:
             text = f"{row.metric_name} {text}"
         return _Item(text, v)

@@ -55,7 +55,7 @@ def test_a_zoomed_view_is_exact_at_its_edges_and_skips_nans():
 
 
 def test_the_incremental_ema_equals_the_ema_of_the_whole_column():
-    from multilane.gui.plots.smoothing import EmaCache, ema
+    from multilane.gui.plots.decimate import EmaCache, ema
 
     rng = np.random.default_rng(2)
     y = rng.standard_normal(5000)
@@ -75,7 +75,7 @@ def test_the_incremental_ema_equals_the_ema_of_the_whole_column():
 
 @pytest.mark.parametrize("alpha", [0.01, 0.3, 0.5, 0.9, 0.99])
 def test_the_numpy_ema_equals_the_recurrence_across_its_blocks(alpha):
-    from multilane.gui.plots.smoothing import ema_filter
+    from multilane.gui.plots.decimate import ema_filter
 
     rng = np.random.default_rng(3)
     x = np.abs(rng.standard_normal(3000)) * np.geomspace(1e-3, 1e6, 3000)  # losses of every size

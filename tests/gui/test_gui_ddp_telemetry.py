@@ -57,7 +57,7 @@ def test_the_csv_gives_every_row_each_ranks_latest_telemetry(ddp_run, tmp_path):
 
 
 def test_the_exported_figure_draws_every_ranks_utilization_and_memory(ddp_run):
-    from multilane.gui.plots.figures import overview_figure
+    from multilane.gui.plots.overview import overview_figure
 
     data = RunData.from_run_dir(ddp_run)
     fig = overview_figure(data)

@@ -62,11 +62,14 @@ def test_open_and_compare_name_each_run_in_its_own_colour(qtbot, window):
     assert Path(first).name in p.title_text and Path(second).name in p.title_text
     key = p.key.text
     assert Path(first).name in key and Path(second).name in key
-    ((_, (loss_item, val_item)),) = p.overlays
-    base, other = pen_color(p._curves["loss"]), pen_color(loss_item)
+    # each run in its own colour, and the settings that differ between them named in the key
+    assert "lr 0.02" in key and "lr 0.05" in key and "steps 6" in key and "steps 8" in key
+    loss_item, val_item = p._curves["cmp1:loss"], p._curves["cmp1:val"]
+    base, other = pen_color(p._curves["cmp0:loss"]), pen_color(loss_item)
     assert base == series_color(0).upper() and other == series_color(1).upper()
-    assert pen_color(val_item) == other and pen_color(p._curves["val"]) == base  # validation: its run's colour
+    assert pen_color(val_item) == other and pen_color(p._curves["cmp0:val"]) == base  # validation: its run's colour
     assert VALIDATION.upper() not in (base, other) and not p._curves["loss/cpu:0"].isVisible()
+    assert not p._curves["loss"].isVisible() and loss_item.isVisible()
     assert len(loss_item.yData) == 8
     text = p.show_values_at(3)
     assert text.startswith("step 3 ·") and "train loss" in text and "cpu:0 loss" in text

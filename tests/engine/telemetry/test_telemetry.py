@@ -32,7 +32,13 @@ def test_sampler_rate_and_record_shape_on_cpu_lanes():
 
     devices = parse_devices("cpu:0,cpu:1")
     s = TelemetrySampler(
-        devices, ["cpu:0", "cpu:1"], records.append, rate_hz=20, record_s=0.25, busy_seconds=busy_seconds
+        devices,
+        ["cpu:0", "cpu:1"],
+        records.append,
+        rate_hz=20,
+        record_s=0.25,
+        busy_seconds=busy_seconds,
+        warn_after_s=0.5,
     )
     s.start()
     time.sleep(1.3)
@@ -49,7 +55,71 @@ def test_sampler_rate_and_record_shape_on_cpu_lanes():
     walls = [r["wall_time"] for r in tele]
     assert walls == sorted(walls)
     warnings = [r for r in records if r.get("event") == "warning"]
-    assert len(warnings) == 1 and "cpu:1 is busy" in warnings[0]["message"]  # once, not every record
+    assert len(warnings) == 1 and "cpu:1 has been busy" in warnings[0]["message"]  # once, not every record
+
+
+def _lanes_with_sampler(record_s=0.2, warn_after_s=10.0):
+    from multilane.engine.parallel.cpu_lanes import CpuLanesBackend
+
+    devices = parse_devices("cpu:0,cpu:1")
+    backend = CpuLanesBackend(devices)
+    records: list[dict] = []
+    sampler = TelemetrySampler(
+        devices,
+        backend.lane_names,
+        records.append,
+        rate_hz=20,
+        record_s=record_s,
+        busy_seconds=backend.lane_busy_seconds,
+        warn_after_s=warn_after_s,
+    )
+    return backend, sampler, records
+
+
+def _work(seconds):
+    return lambda _x: time.sleep(seconds)  # a lane's work: its busy time is the time its function runs
+
+
+def test_a_step_longer_than_a_record_shows_its_lanes_busy_while_it_runs():
+    """charlm, imagefolder: a step of seconds read 0 % busy in every record it spanned."""
+    backend, sampler, records = _lanes_with_sampler(record_s=0.2)
+    sampler.start()
+    t0 = time.time()
+    backend.parallel_apply([_work(1.6), _work(1.6)], [0, 0], None, [0, 1])
+    t1 = time.time()
+    time.sleep(0.3)
+    sampler.stop()
+    backend.close()
+    inside = [r for r in records if r["kind"] == "telemetry" and t0 + 0.25 < r["wall_time"] < t1 - 0.05]
+    assert len(inside) >= 3
+    for r in inside:
+        for lane in ("cpu:0", "cpu:1"):
+            assert r["devices"][lane]["busy_pct"]["mean"] > 80, (lane, r["devices"])
+
+
+def test_equal_lanes_raise_no_imbalance_warning_and_an_uneven_split_does():
+    # Equal work that lands in different records (each lane in turn): no lane is idle over the run.
+    backend, sampler, records = _lanes_with_sampler(record_s=0.2, warn_after_s=2.0)
+    sampler.start()
+    end = time.monotonic() + 3.5
+    while time.monotonic() < end:
+        for lane in (0, 1):
+            backend.parallel_apply([_work(0.2)], [0], None, [lane])
+    sampler.stop()
+    backend.close()
+    tele = [r for r in records if r["kind"] == "telemetry"]
+    assert any(r["devices"]["cpu:0"]["busy_pct"]["mean"] > 90 for r in tele)  # one record did hold one lane
+    assert [r for r in records if r.get("event") == "warning"] == []
+    # Lane 1 with a third of lane 0's work, step after step: a real imbalance, named.
+    backend, sampler, records = _lanes_with_sampler(record_s=0.2, warn_after_s=1.0)
+    sampler.start()
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        backend.parallel_apply([_work(0.3), _work(0.1)], [0, 0], None, [0, 1])
+    sampler.stop()
+    backend.close()
+    warnings = [r["message"] for r in records if r.get("event") == "warning"]
+    assert len(warnings) == 1 and warnings[0].startswith("cpu:1 has been busy"), warnings
 
 
 def test_aggregate_keeps_mean_min_max_for_rates_and_the_last_level():
