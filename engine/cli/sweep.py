@@ -79,12 +79,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from multilane.engine.sweep.study import Sweep
 
     if args.resume:
-        given = [f for f in ("task", "param", "config", "storage", "name", "sampler", "pruner", "seed", "objective")
+        given = [f for f in ("task", "param", "config", "storage", "name", "sampler", "seed", "objective")
                  if getattr(args, f)]  # fmt: skip
         if given:
             raise UserError(f"--resume takes the sweep's own settings; --{given[0]} cannot change them")
         sweep = Sweep.open(args.resume)
         target = args.trials or sweep.spec.trials
+        if args.pruner:  # how unfinished trials are judged may change; what was searched may not
+            from multilane.engine.sweep.study import make_pruner
+
+            sweep.spec.pruner = args.pruner
+            sweep.study.pruner = make_pruner(sweep.spec)
     else:
         spec = build_spec(args)
         split_slots(args.devices or "auto", spec.per_trial)  # bad devices: one line before the folder exists

@@ -132,10 +132,11 @@ def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) 
         done = proc.proc.poll() is not None
         for step, v in proc.new_values(objective):
             last = v
-            if pruned or stopping or not math.isfinite(v):
+            if pruned or stopping:
                 continue
-            trial.report(v, step)
-            if trial.should_prune():
+            if math.isfinite(v):
+                trial.report(v, step)
+            if not math.isfinite(v) or trial.should_prune():  # a diverged trial is pruned, whatever the pruner
                 pruned = True
                 trial.set_user_attr("pruned_at_step", step)
                 proc.stop()
