@@ -37,9 +37,10 @@ def trial_rows(study: Any, steps: dict[int, int] | None = None) -> list[dict[str
         start = t.datetime_start.timestamp() if t.datetime_start else None
         end = t.datetime_complete.timestamp() if t.datetime_complete else None
         run_dir = t.user_attrs.get("run_dir")
-        step = (steps or {}).get(t.number) or t.user_attrs.get("last_step") or _status_step(run_dir)
-        if step is None and t.intermediate_values:
-            step = max(t.intermediate_values)
+        # The freshest of what is known: the live follower's, the recorded last, status.json's, the last report.
+        known = [(steps or {}).get(t.number), t.user_attrs.get("last_step"), _status_step(run_dir)]
+        known.append(max(t.intermediate_values) if t.intermediate_values else None)
+        step = max((k for k in known if isinstance(k, int)), default=None)
         rows.append(
             {
                 "number": t.number,

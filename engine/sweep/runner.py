@@ -22,7 +22,6 @@ class Live:
 
     process: TrialProcess
     devices: str
-    pruned: bool = False
 
 
 @dataclass
@@ -70,11 +69,12 @@ class SweepRunner:
 
     def stop_trial(self, number: int, prune: bool = False) -> bool:
         """Stop (or prune) one trial this process runs; False if it is not running here."""
+        from multilane.engine.sweep.trial_run import request_trial
+
         live = self.live.get(number)
         if live is None:
             return False
-        live.pruned = prune
-        live.process.stop()
+        request_trial(live.process.run_dir, "prune" if prune else "stop")
         return True
 
     # -- one slot -------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class SweepRunner:
                 return
 
     def _run(self, trial: Any, proc: TrialProcess, devices: str) -> None:
-        live = self.live[trial.number] = Live(proc, devices)
+        self.live[trial.number] = Live(proc, devices)
         ts = optuna().trial.TrialState
         lock = self._lock
 
@@ -126,8 +126,6 @@ class SweepRunner:
         outcome = run_trial(Locked(), proc, self.sweep.spec.objective, self._stop.is_set)
         with self._lock:
             trial.set_user_attr("last_step", proc.step)
-            if live.pruned and outcome.state in ("complete", "failed", "interrupted"):
-                outcome.state = "pruned"  # pruned by hand from the table
             if outcome.state == "complete":
                 self.sweep.study.tell(trial, outcome.value)
             elif outcome.state == "pruned":

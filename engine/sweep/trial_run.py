@@ -29,6 +29,27 @@ from multilane.engine.rundir.runlog import CONFIG, STATUS
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 CONSOLE = "console.log"
 POLL_S = 0.25
+REQUEST = "sweep_request.json"  # "prune" or "stop" asked from outside (the app's trials table)
+
+
+def request_trial(run_dir: str | Path, action: str) -> None:
+    """Prune or stop one running trial from another process: the sweep that runs it records it as asked
+    (pruned, or failed "stopped by hand"); the trial itself stops through its control file."""
+    if action not in ("prune", "stop"):
+        raise ValueError(action)
+    folder = Path(run_dir)
+    tmp = folder / f".{REQUEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"action": action, "time": time.time()}) + "\n")
+    os.replace(tmp, folder / REQUEST)
+    write_control(folder, "stop")
+
+
+def requested(run_dir: Path) -> str | None:
+    try:
+        action = json.loads((run_dir / REQUEST).read_text(encoding="utf-8")).get("action")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return action if action in ("prune", "stop") else None
 
 
 @dataclass
@@ -146,8 +167,11 @@ def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) 
             stopping = True
             proc.stop()
         time.sleep(POLL_S)
-    if pruned:
+    asked = requested(proc.run_dir)
+    if pruned or asked == "prune":
         return TrialOutcome("pruned", last)
+    if asked == "stop":
+        return TrialOutcome("failed", last, "stopped by hand")
     if stopping:
         return TrialOutcome("interrupted", last, "the sweep was stopped")
     state = proc.status().get("state")
