@@ -23,6 +23,7 @@ class SweepPlots(QWidget):
         self.bars = pg.PlotWidget(background="w")
         self.bars.setTitle("Parameter importance", color="#333", size="9pt")
         self.bars.setMouseEnabled(False, False)
+        self.bars.getAxis("left").setWidth(96)  # room for the parameter names, whatever was drawn before
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.coords, 3)

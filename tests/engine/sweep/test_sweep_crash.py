@@ -28,8 +28,8 @@ def test_kill_9_mid_sweep_then_resume_reaches_the_count_with_no_trial_left_runni
     import optuna
 
     ts = optuna.trial.TrialState
-    # One slot, 20-step trials: trial 0 finishes, trial 1 is mid-run when the sweep is killed.
-    args = [*TINY, "--steps", "20", "--devices", "cpu:0", "--trials", "3", "--seed", "1"]
+    # One slot, 200-step trials: trial 0 finishes, trial 1 is mid-run when the sweep is killed.
+    args = [*TINY, "--steps", "200", "--devices", "cpu:0", "--trials", "3", "--seed", "1"]
     proc = subprocess.Popen(
         [*CLI, "sweep", *args, "--param", "optim.lr=log:1e-3:1e-2", "--sweeps-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL,
