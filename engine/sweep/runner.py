@@ -93,7 +93,12 @@ class SweepRunner:
                     trial.set_user_attr("run_dir", str(folder))
                     trial.set_user_attr("devices", devices)
                     spec = self.sweep.spec
-                    config = trial_config(spec.base, params, spec.task, devices, self.sweep.folder, trial.number)
+                    try:
+                        config = trial_config(spec.base, params, spec.task, devices, self.sweep.folder, trial.number)
+                    except UserError as e:  # a combination the config refuses (sgd nesterov with momentum 0)
+                        trial.set_user_attr("error", str(e))
+                        self.sweep.study.tell(trial, state=optuna().trial.TrialState.FAIL)
+                        continue
                     proc = TrialProcess(config, folder, self._threads_per_trial)
                 self._run(trial, proc, devices)
             except UserError as e:

@@ -40,6 +40,7 @@ class Sweep:
     def create(cls, spec: SweepSpec, sweeps_dir: str | Path, storage_url: str | None = None) -> Sweep:
         """A new sweep folder ``<sweeps_dir>/<timestamp>-<name>`` and its study (in the folder's journal, or at ``storage_url``)."""
         root = Path(sweeps_dir).expanduser()
+        rdb = rdb_storage(storage_url) if storage_url else None  # a bad URL is one line before any folder exists
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -54,7 +55,7 @@ class Sweep:
                 continue
         else:
             raise UserError(f"--sweeps-dir {root}: too many sweeps named {spec.name!r} this second")
-        storage = _storage(folder, storage_url)
+        storage = rdb if rdb is not None else _storage(folder, None)
         mod = optuna()
         try:
             study = mod.create_study(
@@ -65,6 +66,7 @@ class Sweep:
                 pruner=make_pruner(spec),
             )
         except mod.exceptions.DuplicatedStudyError:
+            folder.rmdir()
             raise UserError(f"--storage already holds a study named {spec.name!r}; pick another --name") from None
         study.set_user_attr(SPEC_ATTR, spec.to_dict())
         (folder / SWEEP_JSON).write_text(

@@ -4,7 +4,7 @@ same parameters (real Optuna samplers, asked directly: no training needed to see
 import pytest
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.space import parse_param
-from sweep_helpers import sweep_cli
+from sweep_helpers import sweep_cli, sweep_folder
 
 
 @pytest.mark.parametrize(
@@ -89,3 +89,16 @@ def test_the_same_seed_proposes_the_same_parameters(tmp_path, sampler):
     c = _proposals(tmp_path, sampler, 4, "c")
     assert a == b
     assert a != c
+
+
+def test_a_combination_the_config_refuses_is_a_failed_trial_not_a_stuck_sweep(tmp_path):
+    # Each value is valid alone; with the base's SGD + Nesterov, momentum 0 is refused for that trial only.
+    r = sweep_cli(
+        "sweep", "--devices", "cpu:0", "--trials", "2", "--sweeps-dir", str(tmp_path), "--set", "optim.name=sgd",
+        "--set", "optim.nesterov=true", "--param", "optim.momentum=choice:0.0", timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("failed") >= 2 and "nesterov needs momentum > 0" in r.stdout
+    assert "2 of 2 trials done" in r.stdout
+    folder = sweep_folder(tmp_path)
+    assert not list(folder.glob("trial-*"))  # no process started for a config that cannot run
