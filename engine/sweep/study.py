@@ -69,6 +69,8 @@ class Sweep:
             folder.rmdir()
             raise UserError(f"--storage already holds a study named {spec.name!r}; pick another --name") from None
         study.set_user_attr(SPEC_ATTR, spec.to_dict())
+        if spec.sampler == "grid":
+            enqueue_grid(study, spec)
         (folder / SWEEP_JSON).write_text(
             json.dumps({"study": spec.name, "storage": storage_url, **spec.to_dict()}, indent=2) + "\n"
         )
@@ -170,8 +172,22 @@ def make_sampler(spec: SweepSpec) -> Any:
     if spec.sampler == "random":
         return mod.samplers.RandomSampler(seed=spec.seed)
     if spec.sampler == "grid":
-        return mod.samplers.GridSampler({p.key: p.grid() for p in spec.params}, seed=spec.seed)
+        # Optuna's GridSampler calls study.stop() when the grid is done, which only works inside
+        # study.optimize; slots ask and tell. So the grid is enqueued whole (enqueue_grid) when the
+        # sweep is made, and an enqueued trial takes its params from the queue, whatever the sampler.
+        return mod.samplers.RandomSampler(seed=spec.seed)
     return mod.samplers.TPESampler(seed=spec.seed)
+
+
+def enqueue_grid(study: Any, spec: SweepSpec) -> None:
+    """Every combination of the grid, in an order shuffled by the seed (as Optuna's GridSampler picks), queued."""
+    import itertools
+    import random
+
+    combos = list(itertools.product(*(p.grid() for p in spec.params)))
+    random.Random(spec.seed).shuffle(combos)
+    for values in combos:
+        study.enqueue_trial({p.key: v for p, v in zip(spec.params, values, strict=True)})
 
 
 def make_pruner(spec: SweepSpec) -> Any:

@@ -102,3 +102,20 @@ def test_a_combination_the_config_refuses_is_a_failed_trial_not_a_stuck_sweep(tm
     assert "2 of 2 trials done" in r.stdout
     folder = sweep_folder(tmp_path)
     assert not list(folder.glob("trial-*"))  # no process started for a config that cannot run
+
+
+def test_a_grid_sweep_visits_every_combination_once_through_ask_and_tell(tmp_path):
+    # Optuna's GridSampler stops the study when the grid is done, which fails outside study.optimize:
+    # the sweep's slots ask and tell, so the grid is enqueued whole.
+    from multilane.engine.sweep.space import parse_params
+    from multilane.engine.sweep.spec import SweepSpec
+    from multilane.engine.sweep.study import Sweep
+
+    params = parse_params(["optim.name=choice:sgd,adam", "task.params.hidden=int:8:10"], "digits")
+    sweep = Sweep.create(SweepSpec(task="digits", params=params, trials=6, sampler="grid", seed=0), tmp_path)
+    seen = []
+    for _ in range(6):
+        trial = sweep.study.ask()
+        seen.append(tuple(p.suggest(trial) for p in params))
+        sweep.study.tell(trial, 1.0)
+    assert sorted(seen) == sorted((a, b) for a in ("sgd", "adam") for b in (8, 9, 10))
