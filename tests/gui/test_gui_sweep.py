@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(1800)
 
 
 def _select(tab, number):
@@ -44,12 +44,12 @@ def _prune_stop_compare_export(w, tab, qtbot, tmp_path):
         rows = {r["number"]: r for r in tab._rows}
         return len(rows) == 2 and all(r["state"] == "running" and (r["step"] or 0) >= 5 for r in rows.values())
 
-    qtbot.waitUntil(both_training, timeout=180_000)
+    qtbot.waitUntil(both_training, timeout=600_000)
     _select(tab, 1)
     assert tab.request_selected("prune") == [1]
     _select(tab, 0)
     assert tab.request_selected("stop") == [0]
-    qtbot.waitUntil(lambda: (tab.poll(), not tab.running())[1], timeout=120_000)
+    qtbot.waitUntil(lambda: (tab.poll(), not tab.running())[1], timeout=600_000)
     tab.poll()
     states = {r["number"]: r["state"] for r in tab._rows}
     assert states == {0: "failed", 1: "pruned"}

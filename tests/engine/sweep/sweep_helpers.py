@@ -12,7 +12,7 @@ from helpers import CLI
 TINY = ["--task", "digits", "--steps", "10", "--set", "train.eval_every=5", "--set", "train.log_every=5"]
 
 
-def sweep_cli(*args: str, timeout: float = 240, **kwargs) -> subprocess.CompletedProcess:
+def sweep_cli(*args: str, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 

@@ -10,7 +10,7 @@ from postgres import pg_bin, postgres_server
 from sweep_helpers import TINY
 
 pytestmark = [
-    pytest.mark.timeout(400),
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(pg_bin("initdb") is None, reason="PostgreSQL not installed (.ci/run installs it)"),
 ]
 
@@ -24,16 +24,16 @@ def test_two_workers_in_separate_processes_share_one_study_in_postgresql(tmp_pat
              "--param", "optim.lr=log:1e-3:1e-2", "--pruner", "none", "--sweeps-dir", str(tmp_path / "a")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        end = time.monotonic() + 120
+        end = time.monotonic() + 600
         while "pg" not in optuna.get_all_study_names(url):
             assert time.monotonic() < end and first.poll() is None, first.communicate()
             time.sleep(0.5)
         second = subprocess.run(
             [*CLI, "sweep-worker", "--storage", url, "--study", "pg", "--devices", "cpu:1", "--sweeps-dir",
              str(tmp_path / "b")],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True, text=True, timeout=900,
         )  # fmt: skip
-        out, err = first.communicate(timeout=300)
+        out, err = first.communicate(timeout=900)
         assert first.returncode == 0, err + out
         assert second.returncode == 0, second.stderr + second.stdout
         study = optuna.load_study(study_name="pg", storage=url)

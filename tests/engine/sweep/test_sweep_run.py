@@ -6,7 +6,7 @@ import json
 import pytest
 from sweep_helpers import TINY, last_step, load_journal, sweep_cli, sweep_folder
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")

@@ -55,12 +55,12 @@ def test_good_specs_take_the_schema_types():
 
 def test_bad_specs_on_the_command_line_are_one_line_and_exit_2(tmp_path):
     for args in (["--param", "optim.lr=log:0:1"], ["--param", "x=1"], []):
-        r = sweep_cli("sweep", "--devices", "cpu:0", "--sweeps-dir", str(tmp_path), *args, timeout=120)
+        r = sweep_cli("sweep", "--devices", "cpu:0", "--sweeps-dir", str(tmp_path), *args, timeout=600)
         assert r.returncode == 2
         assert r.stderr.startswith("multilane: error: ") and r.stderr.count("\n") == 1, r.stderr
     assert not any(tmp_path.iterdir())  # nothing made for a sweep that never started
     r = sweep_cli("sweep", "--devices", "cpu:0,cpu:1,cpu:2", "--per-trial", "2", "--param", "optim.lr=log:1e-3:1e-2",
-                  "--sweeps-dir", str(tmp_path), timeout=120)  # fmt: skip
+                  "--sweeps-dir", str(tmp_path), timeout=600)  # fmt: skip
     assert r.returncode == 2 and "left over" in r.stderr
 
 
@@ -95,7 +95,7 @@ def test_a_combination_the_config_refuses_is_a_failed_trial_not_a_stuck_sweep(tm
     # Each value is valid alone; with the base's SGD + Nesterov, momentum 0 is refused for that trial only.
     r = sweep_cli(
         "sweep", "--devices", "cpu:0", "--trials", "2", "--sweeps-dir", str(tmp_path), "--set", "optim.name=sgd",
-        "--set", "optim.nesterov=true", "--param", "optim.momentum=choice:0.0", timeout=180,
+        "--set", "optim.nesterov=true", "--param", "optim.momentum=choice:0.0", timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("failed") >= 2 and "nesterov needs momentum > 0" in r.stdout
