@@ -1,4 +1,4 @@
-"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``; with no arguments,
+"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``, ``sweep``; with no arguments,
 the desktop app. This module dispatches; each command lives in its own module (train, monitor),
 except ``export`` and the app, the two that reach into ``multilane.gui`` (lazily, inside the function)."""
 
@@ -117,6 +117,10 @@ def _main(argv: list[str] | None) -> int:
             return cmd_control(args)
         if args.command == "devices":
             return cmd_devices(args)
+        if args.command in ("sweep", "sweep-worker"):
+            from multilane.engine.cli.sweep import cmd_sweep, cmd_sweep_worker
+
+            return cmd_sweep(args) if args.command == "sweep" else cmd_sweep_worker(args)
         if args.command == "export":
             return cmd_export(args)
         return cmd_app()

@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--x", choices=["step", "time"], default="step", help="x axis: optimizer step or elapsed time")
     e.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
 
+    _add_sweep_parsers(sub, d0)
+
     w = sub.add_parser("watch", help="follow a run another process is writing: its live progress line")
     w.add_argument("run_dir", metavar="RUN_DIR", help="a run folder here, or HOST:RUN_DIR on a host over SSH")
     w.add_argument(
@@ -246,3 +248,49 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
     _remote_options(d, "list the devices of this host over SSH")
     return p
+
+
+def _add_sweep_parsers(sub: Any, d0: Any) -> None:
+    """``multilane sweep`` and ``multilane sweep-worker`` (engine/sweep/, on Optuna)."""
+    s = sub.add_parser(
+        "sweep",
+        help="a hyperparameter sweep on Optuna: trials in parallel, one per slot of devices, pruned early",
+        description="Run a hyperparameter sweep: each trial is an ordinary run folder inside the sweep folder; "
+        "the study is Optuna's (study.journal, or --storage), so optuna.load_study and optuna-dashboard open it.",
+    )
+    s.add_argument("--resume", metavar="SWEEP_DIR", help="carry on a sweep to its asked count (or --trials)")
+    s.add_argument("--task", metavar="NAME|FILE", help=f"as for train (default: {d0.task.name})")
+    s.add_argument("--config", metavar="FILE", help="TOML or JSON config every trial starts from")
+    s.add_argument("--devices", metavar="LIST", help="the devices to split into slots (default: auto)")
+    s.add_argument("--trials", type=_positive_int, metavar="N", help="trials to finish (default 10)")
+    s.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",
+                   help="a searched key: KEY=log:LOW:HIGH, float:LOW:HIGH, int:LOW:HIGH or choice:A,B,C "
+                   "(e.g. optim.lr=log:1e-4:1e-1, task.params.hidden=int:16:256); repeat for more")  # fmt: skip
+    s.add_argument("--per-trial", type=_positive_int, metavar="K", help="devices per trial (default 1)")
+    s.add_argument("--objective", metavar="M:min|max", help="a logged metric and its direction (default val_loss:min)")
+    s.add_argument("--sampler", choices=["tpe", "random", "grid"], help="Optuna sampler (default tpe)")
+    s.add_argument("--pruner", choices=["median", "halving", "none"], help="Optuna pruner (default median)")
+    s.add_argument("--seed", type=_seed, metavar="S", help="the sampler's seed: the same seed proposes the same params")
+    s.add_argument("--sweeps-dir", metavar="DIR", help="where sweep folders go (default: ./sweeps)")
+    s.add_argument("--name", metavar="NAME", help="the sweep's (and study's) name (default: sweep)")
+    s.add_argument("--storage", metavar="URL", help="an Optuna RDB storage (postgresql://...) that workers share")
+    budget = s.add_mutually_exclusive_group()
+    budget.add_argument("--epochs", type=_positive_int, metavar="N", help="each trial's epochs")
+    budget.add_argument("--steps", type=_positive_int, metavar="N", help="each trial's optimizer steps")
+    s.add_argument("--batch-size", type=_positive_int, metavar="N", help="each trial's global batch")
+    s.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="any config value every trial shares"
+    )
+    s.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")
+
+    w = sub.add_parser(
+        "sweep-worker",
+        help="add this machine's slots to a sweep whose study is in a shared --storage",
+        description="Run trials of a study another `multilane sweep --storage` made, on this machine's devices.",
+    )
+    w.add_argument("--storage", required=True, metavar="URL", help="the study's Optuna RDB storage")
+    w.add_argument("--study", required=True, metavar="NAME", help="the study's name (the sweep's --name)")
+    w.add_argument("--devices", metavar="LIST", help="this machine's devices to split into slots (default: auto)")
+    w.add_argument("--per-trial", type=_positive_int, metavar="K", help="devices per trial (default: the sweep's)")
+    w.add_argument("--sweeps-dir", metavar="DIR", help="where this worker's trial run folders go (default: ./sweeps)")
+    w.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")

@@ -55,7 +55,7 @@ class RunFilesMixin:
 
     def _tab_changed(self, index: int) -> None:
         """The runs table wants room for its columns: the left side widens while it is shown."""
-        if self.tabs.widget(index) is self.runs_table:
+        if self.tabs.widget(index) in (self.runs_table, getattr(self, "sweep_tab", None)):
             self.refresh_runs()
             self._setup_sizes = self.splitter.sizes()
             total = sum(self._setup_sizes)

@@ -11,6 +11,7 @@ from multilane.gui.plots.panel import PlotPanel
 from multilane.gui.runs.redraw_pace import REDRAW_MS, RedrawPace
 from multilane.gui.runs.run_mode import SeparateProcessOption
 from multilane.gui.runs.worker import RunHandle
+from multilane.gui.sweep.tab import SweepTab
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
@@ -93,6 +94,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(scroll, "Setup")
         self.tabs.addTab(self.runs_table, "Runs")
+        self.sweep_tab = SweepTab(self)
+        self.tabs.addTab(self.sweep_tab, "Sweep")
         self.tabs.currentChanged.connect(self._tab_changed)
         self._setup_sizes: list[int] | None = None
         left_layout.addWidget(self.tabs, 1)

@@ -1,0 +1,16 @@
+"""Hyperparameter sweeps on Optuna: the search space, the study and its storage, device slots, the trial runner and the sweep loop."""
+
+from multilane.engine.exports import lazy_exports
+
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "ParamSpec": "space",
+        "parse_param": "space",
+        "SweepSpec": "spec",
+        "Sweep": "study",
+        "split_slots": "slots",
+        "SweepRunner": "runner",
+        "trial_rows": "rows",
+    },
+)

@@ -1,0 +1,199 @@
+"""A sweep's Optuna study and its storage: the sweep folder (``study.journal``, ``sweep.json`` and one run
+folder per trial), or an RDB storage (``--storage URL``) that workers on several machines share.
+
+Trials are Optuna trials; each one's run folder, devices, host and worker pid are its user attributes.
+A trial whose worker process is gone (a kill -9) is still RUNNING in the storage: ``recover_lost``
+records it FAIL (``lost``) and enqueues its parameters again, so the sweep re-runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from multilane.engine.errors import UserError
+from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_storage
+from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
+
+JOURNAL = "study.journal"
+SWEEP_JSON = "sweep.json"
+# The median pruner waits for this many finished trials before it compares (Optuna's default is 5:
+# a sweep of a handful of trials would never prune).
+PRUNE_STARTUP = 2
+
+
+class Sweep:
+    """One sweep: its folder on this machine (trial run folders go there), its spec and its study."""
+
+    def __init__(self, folder: Path, spec: SweepSpec, study: Any, storage_url: str | None) -> None:
+        self.folder = folder
+        self.spec = spec
+        self.study = study
+        self.storage_url = storage_url
+
+    # -- opening -------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, spec: SweepSpec, sweeps_dir: str | Path, storage_url: str | None = None) -> Sweep:
+        """A new sweep folder ``<sweeps_dir>/<timestamp>-<name>`` and its study (in the folder's journal, or at ``storage_url``)."""
+        root = Path(sweeps_dir).expanduser()
+        rdb = rdb_storage(storage_url) if storage_url else None  # a bad URL is one line before any folder exists
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--sweeps-dir {root}: cannot create it ({e.strerror or e})") from None
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for i in range(1000):
+            folder = root / (f"{stamp}-{spec.name}" if i == 0 else f"{stamp}-{spec.name}-{i + 1}")
+            try:
+                folder.mkdir()
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise UserError(f"--sweeps-dir {root}: too many sweeps named {spec.name!r} this second")
+        storage = rdb if rdb is not None else _storage(folder, None)
+        mod = optuna()
+        try:
+            study = mod.create_study(
+                study_name=spec.name,
+                storage=storage,
+                direction=spec.direction,
+                sampler=make_sampler(spec),
+                pruner=make_pruner(spec),
+            )
+        except mod.exceptions.DuplicatedStudyError:
+            folder.rmdir()
+            raise UserError(f"--storage already holds a study named {spec.name!r}; pick another --name") from None
+        study.set_user_attr(SPEC_ATTR, spec.to_dict())
+        if spec.sampler == "grid":
+            enqueue_grid(study, spec)
+        (folder / SWEEP_JSON).write_text(
+            json.dumps({"study": spec.name, "storage": storage_url, **spec.to_dict()}, indent=2) + "\n"
+        )
+        return cls(folder, spec, study, storage_url)
+
+    @classmethod
+    def open(cls, folder: str | Path) -> Sweep:
+        """Reopen a sweep folder (``--resume``): its study from its journal or the storage it names."""
+        path = Path(folder).expanduser()
+        try:
+            saved = json.loads((path / SWEEP_JSON).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"--resume {path}: not a sweep folder (no {SWEEP_JSON})") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"--resume {path}: {SWEEP_JSON} cannot be read ({e})") from None
+        if not isinstance(saved, dict):
+            raise UserError(f"--resume {path}: {SWEEP_JSON} is not a sweep's description")
+        return cls.join(saved.get("storage"), str(saved.get("study")), path)
+
+    @classmethod
+    def join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
+        """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in ``folder``."""
+        path = Path(folder).expanduser()
+        storage = _storage(path, storage_url)
+        mod = optuna()
+        try:
+            probe = mod.load_study(study_name=study_name, storage=storage)
+        except KeyError:
+            raise UserError(f"no study named {study_name!r} in the storage") from None
+        spec = SweepSpec.from_dict(probe.user_attrs.get(SPEC_ATTR) or {})
+        study = mod.load_study(
+            study_name=study_name, storage=storage, sampler=make_sampler(spec), pruner=make_pruner(spec)
+        )
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path, spec, study, storage_url)
+
+    # -- counting and recovery ------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Trials by how far they got: ``done`` (complete, pruned, failed on their own), ``running``, ``lost``."""
+        ts = optuna().trial.TrialState
+        c = {"done": 0, "running": 0, "lost": 0, "waiting": 0}
+        for t in self.study.get_trials(deepcopy=False):
+            if t.state == ts.RUNNING:
+                c["running"] += 1
+            elif t.state == ts.WAITING:
+                c["waiting"] += 1
+            elif t.state == ts.FAIL and t.user_attrs.get("lost"):
+                c["lost"] += 1
+            else:
+                c["done"] += 1
+        return c
+
+    def recover_lost(self) -> list[int]:
+        """Trials RUNNING in the storage whose worker on this machine is gone: recorded failed (``lost``)
+        and their parameters enqueued again. Returns their numbers."""
+        ts = optuna().trial.TrialState
+        lost = []
+        host = socket.gethostname()
+        for t in self.study.get_trials(deepcopy=False, states=(ts.RUNNING,)):
+            a = t.user_attrs
+            if a.get("host", host) != host or _alive(a.get("worker_pid"), a.get("worker_started")):
+                continue  # another machine's trial, or a live worker's: not ours to judge
+            self.fail_and_requeue(t, "its worker process is gone (killed?)")
+            lost.append(t.number)
+        return lost
+
+    def fail_and_requeue(self, trial: Any, why: str) -> None:
+        """Record a trial that did not end on its own as failed (``lost``), and enqueue its parameters again."""
+        storage = self.study._storage
+        storage.set_trial_user_attr(trial._trial_id, "lost", why)
+        storage.set_trial_state_values(trial._trial_id, optuna().trial.TrialState.FAIL)
+        if trial.params:
+            self.study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
+
+
+def worker_identity() -> dict[str, Any]:
+    """Who runs a trial: this host and process (its start time, so a reused pid is not taken for it)."""
+    return {"host": socket.gethostname(), "worker_pid": os.getpid(), "worker_started": psutil.Process().create_time()}
+
+
+def _alive(pid: Any, started: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        p = psutil.Process(pid)
+        return started is None or abs(p.create_time() - float(started)) < 1.0
+    except (psutil.Error, ValueError, TypeError):
+        return False
+
+
+def _storage(folder: Path, storage_url: str | None) -> Any:
+    if storage_url:
+        return rdb_storage(storage_url)
+    return journal_storage(str(folder / JOURNAL))
+
+
+def make_sampler(spec: SweepSpec) -> Any:
+    mod = optuna()
+    if spec.sampler == "random":
+        return mod.samplers.RandomSampler(seed=spec.seed)
+    if spec.sampler == "grid":
+        # Optuna's GridSampler calls study.stop() when the grid is done, which only works inside
+        # study.optimize; slots ask and tell. So the grid is enqueued whole (enqueue_grid) when the
+        # sweep is made, and an enqueued trial takes its params from the queue, whatever the sampler.
+        return mod.samplers.RandomSampler(seed=spec.seed)
+    return mod.samplers.TPESampler(seed=spec.seed)
+
+
+def enqueue_grid(study: Any, spec: SweepSpec) -> None:
+    """Every combination of the grid, in an order shuffled by the seed (as Optuna's GridSampler picks), queued."""
+    import itertools
+    import random
+
+    combos = list(itertools.product(*(p.grid() for p in spec.params)))
+    random.Random(spec.seed).shuffle(combos)
+    for values in combos:
+        study.enqueue_trial({p.key: v for p, v in zip(spec.params, values, strict=True)})
+
+
+def make_pruner(spec: SweepSpec) -> Any:
+    mod = optuna()
+    if spec.pruner == "none":
+        return mod.pruners.NopPruner()
+    if spec.pruner == "halving":
+        return mod.pruners.SuccessiveHalvingPruner()
+    return mod.pruners.MedianPruner(n_startup_trials=PRUNE_STARTUP, n_warmup_steps=0)

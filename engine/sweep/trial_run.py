@@ -1,0 +1,194 @@
+"""One trial in one slot: an ordinary ``multilane train`` process with the trial's config, on the slot's
+devices only, writing an ordinary run folder inside the sweep folder.
+
+The trial process knows nothing of Optuna. This side follows its ``metrics.jsonl``, reports each
+evaluation's objective to the study (``trial.report``) and, when the pruner says so, stops it through
+its control file (the run ends "stopped" with a checkpoint, like any stopped run) and records it pruned.
+One place speaks to the storage, so a trial process needs no database driver and no Optuna."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from multilane.engine.config import build_config, merge
+from multilane.engine.distributed import RUN_DIR_ENV
+from multilane.engine.rundir.control_file import write_control
+from multilane.engine.rundir.follow import MetricsTail
+from multilane.engine.rundir.runlog import CONFIG, STATUS
+
+TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
+CONSOLE = "console.log"
+POLL_S = 0.25
+REQUEST = "sweep_request.json"  # "prune" or "stop" asked from outside (the app's trials table)
+
+
+def request_trial(run_dir: str | Path, action: str) -> None:
+    """Prune or stop one running trial from another process: the sweep that runs it records it as asked
+    (pruned, or failed "stopped by hand"); the trial itself stops through its control file."""
+    if action not in ("prune", "stop"):
+        raise ValueError(action)
+    folder = Path(run_dir)
+    tmp = folder / f".{REQUEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"action": action, "time": time.time()}) + "\n")
+    os.replace(tmp, folder / REQUEST)
+    write_control(folder, "stop")
+
+
+def requested(run_dir: Path) -> str | None:
+    try:
+        action = json.loads((run_dir / REQUEST).read_text(encoding="utf-8")).get("action")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return action if action in ("prune", "stop") else None
+
+
+@dataclass
+class TrialOutcome:
+    state: str  # "complete", "pruned", "failed", "interrupted"
+    value: float | None = None
+    message: str | None = None
+
+
+def objective_value(record: dict[str, Any], name: str) -> float | None:
+    """The objective in one metrics record: a top-level field (val_loss, loss) or one of the task's metrics."""
+    if record.get("kind") not in ("eval", "train"):
+        return None
+    v = record.get(name)
+    if v is None and isinstance(record.get("metrics"), dict):
+        v = record["metrics"].get(name)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def trial_config(
+    base: dict[str, Any], params: dict[str, Any], task: str, devices: str, folder: Path, number: int
+) -> Any:
+    """The trial's config: the sweep's base config (nested), the trial's params (dotted keys), its slot's
+    devices, its run folder's name."""
+    overrides = {"task.name": task, **params, "devices.use": devices}
+    overrides["run.runs_dir"] = str(folder)
+    overrides["run.name"] = f"trial-{number:04d}"
+    return build_config(merge(base, overrides), f"trial {number}")
+
+
+class TrialProcess:
+    """A running trial: its process, its run folder and the metrics read so far."""
+
+    def __init__(self, config: Any, run_dir: Path, threads: int | None = None) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / CONFIG).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        env = {**os.environ, RUN_DIR_ENV: str(run_dir)}
+        if threads:  # CPU slots share the cores instead of each taking them all
+            env["OMP_NUM_THREADS"] = str(threads)
+        with open(run_dir / CONSOLE, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*TRAIN, "--config", str(run_dir / CONFIG)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        self.tail = MetricsTail(run_dir / "metrics.jsonl")
+        self.step = 0
+        self.started = time.time()
+
+    def new_values(self, objective: str) -> list[tuple[int, float]]:
+        """(step, value) of the objective in the records written since the last call."""
+        out = []
+        for rec in self.tail.read():
+            step = rec.get("step")
+            if isinstance(step, int):
+                self.step = max(self.step, step)
+            v = objective_value(rec, objective)
+            if v is not None and isinstance(step, int):
+                out.append((step, v))
+        return out
+
+    def stop(self) -> None:
+        """Ask the trial to stop after its step (a checkpoint is written, as for any stopped run)."""
+        if self.proc.poll() is None:
+            write_control(self.run_dir, "stop")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def status(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.run_dir / STATUS).read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def error_line(self) -> str:
+        s = self.status()
+        msg = s.get("message") or ""
+        if not msg:
+            try:
+                lines = (self.run_dir / CONSOLE).read_text(errors="replace").strip().splitlines()
+                msg = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "")
+            except OSError:
+                msg = ""
+        return f"{s.get('state', 'exited')} (exit {self.proc.returncode}){': ' + msg if msg else ''}"[:300]
+
+
+def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) -> TrialOutcome:
+    """Follow ``proc`` to its end: report each evaluation to ``trial``, prune when the pruner says so,
+    stop when ``should_stop()`` turns true (the sweep is stopping)."""
+    last: float | None = None
+    pruned = stopping = False
+    while True:
+        done = proc.proc.poll() is not None
+        for step, v in proc.new_values(objective):
+            last = v
+            if pruned or stopping:
+                continue
+            if math.isfinite(v):
+                trial.report(v, step)
+            if not math.isfinite(v) or trial.should_prune():  # a diverged trial is pruned, whatever the pruner
+                pruned = True
+                trial.set_user_attr("pruned_at_step", step)
+                proc.stop()
+        if done:
+            break
+        if not stopping and should_stop():
+            stopping = True
+            proc.stop()
+        time.sleep(POLL_S)
+    asked = requested(proc.run_dir)
+    if pruned or asked == "prune":
+        return TrialOutcome("pruned", last)
+    if asked == "stop":
+        return TrialOutcome("failed", last, "stopped by hand")
+    if stopping:
+        return TrialOutcome("interrupted", last, "the sweep was stopped")
+    state = proc.status().get("state")
+    if state != "finished" or proc.proc.returncode != 0:
+        return TrialOutcome("failed", last, proc.error_line())
+    if last is None:
+        return TrialOutcome("failed", None, f"the run logged no {objective!r}")
+    if not math.isfinite(last):
+        return TrialOutcome("failed", last, f"{objective} is {last}")
+    return TrialOutcome("complete", last)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep process dies (even by kill -9), so no trial
+    outlives its sweep and holds its slot's devices (Linux; elsewhere the trial runs to its end)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
