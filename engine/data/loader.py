@@ -156,11 +156,15 @@ class _LoaderOptions:
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker leaves SIGTERM and SIGINT to the process that reads from it, which stops
-    the run at a step with a checkpoint and then ends its workers. A signal sent to the whole process
+    """A DataLoader worker leaves the stop signals to the process that reads from it, which stops the
+    run at a step with a checkpoint and then ends its workers. A signal sent to the whole process
     group (the ddp launcher's, torch's elastic agent's, a terminal's Ctrl+C) would otherwise kill a
-    worker first, and the run would fail on the lost worker instead of stopping."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker first, and the run would fail on the lost worker instead of stopping. So the worker leaves
+    that group (its own process group) rather than ignoring SIGTERM: a SIGTERM sent to the worker
+    itself (multiprocessing's ``terminate()`` at the reader's exit, after a failed run) still ends it;
+    ignored, the reader's exit waited for it for ever. A worker whose reader dies is ended by torch's
+    watchdog, as before."""
+    os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
