@@ -161,7 +161,7 @@ def test_imagefolder_refuses_bad_folders_in_one_line(tmp_path):
 
 def test_imagefolder_without_torchvision_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # what Python does when it is not installed
-    with pytest.raises(UserError, match=r'pip install -e "\.\[vision\]"'):
+    with pytest.raises(UserError, match=r'pip install "torch==[^"]+" -e "\.\[vision\]"'):
         make_task("imagefolder", {"root": "."}).build_model()
 
 
