@@ -11,6 +11,7 @@ much slower aliases; 5 Hz is the default.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -84,6 +85,9 @@ class TelemetrySampler:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+            if not self._samples:  # a run shorter than one sampling period still gets its one reading
+                with contextlib.suppress(Exception):
+                    self._samples.append(self.sample())
         if self._samples:
             self._emit()
         if self.nvml is not None:
