@@ -75,7 +75,7 @@ class Trainer:
             self._configure(config, overrides or {}, task)
             if self._resume_dir is None and self._made_run_dir is None:
                 # now, not after set-up (data, model: seconds to minutes), which RunDir.create follows
-                check_writable(Path(self.config.run.runs_dir).expanduser())
+                check_writable(Path(self.config.run.runs_dir).expanduser(), create=False)
         except BaseException:
             if self._resume_dir is not None:
                 self._resume_dir.close_refused()

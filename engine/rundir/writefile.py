@@ -76,23 +76,37 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def check_writable(folder: Path, what: str = "runs folder") -> None:
+def check_writable(folder: Path, what: str = "runs folder", create: bool = True) -> None:
     """Refuse early, with a clear line, a folder that cannot be created or written (4 KiB probe).
 
     The probe is a fresh temporary file (O_EXCL | O_NOFOLLOW, by ``tempfile``): a symlink planted in
-    the folder is never followed, and the probe never writes into an existing file.
+    the folder is never followed, and the probe never writes into an existing file. ``create=False``
+    (a check before a run's set-up, which may still be interrupted) makes nothing: a folder that is
+    not there yet is judged by the nearest folder above it that is, where it would be created.
     """
+    probe_dir = folder
+    if not create:
+        try:
+            target = folder
+            while not target.exists() and target != target.parent:
+                target = target.parent
+        except ValueError as e:  # an embedded NUL
+            raise UserError(f"{what} {folder!r}: not a usable path ({e})") from None
+        if target != folder:
+            if not target.is_dir():
+                raise UserError(f"{what} {folder}: not writable (cannot create it: {target} is not a folder)")
+            probe_dir = target
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        probe_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"{what} {folder}: not writable (cannot create it: {describe_os_error(e)})") from None
     except ValueError as e:  # an embedded NUL
         raise UserError(f"{what} {folder!r}: not a usable path ({e})") from None
-    if not folder.is_dir():
+    if not probe_dir.is_dir():
         raise UserError(f"{what} {folder}: not a folder")
     probe = None
     try:
-        fd, name = tempfile.mkstemp(prefix=".multilane-write-test-", dir=folder)
+        fd, name = tempfile.mkstemp(prefix=".multilane-write-test-", dir=probe_dir)
         probe = Path(name)
         try:
             write_all(fd, b"x" * 4096)
@@ -108,7 +122,7 @@ def check_writable(folder: Path, what: str = "runs folder") -> None:
         if probe is not None:
             remove_quietly(probe)
     try:
-        st = os.statvfs(folder)
+        st = os.statvfs(probe_dir)
     except OSError:
         return
     free = st.f_bavail * st.f_frsize

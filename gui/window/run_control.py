@@ -88,7 +88,7 @@ class RunControlMixin:
                 return False
         if config is not None:
             try:  # at Start, not after the run's set-up (imports, data, model: seconds to minutes)
-                check_writable(Path(config.run.runs_dir).expanduser())
+                check_writable(Path(config.run.runs_dir).expanduser(), create=False)
             except UserError as e:
                 self._resume_from = None
                 self._on_finished(_rejected(str(e)))
