@@ -52,6 +52,9 @@ class RemoteFollowWorker(FollowWorker):
             self._connect()
         except UserError as e:  # no answer, a refused key, no multilane there: said, nothing started
             return {"status": "rejected", "message": str(e), "step": 0, "run_dir": ""}
+        # the window learns the mirror now: the first ``started`` named the local runs folder (nothing
+        # was connected yet), and the next comes only once the run's status gives its step count
+        self.started.emit(self._info())
         return super()._loop()
 
     def _connect(self) -> None:
