@@ -92,6 +92,8 @@ def check_writable(folder: Path, what: str = "runs folder", create: bool = True)
                 target = target.parent
         except ValueError as e:  # an embedded NUL
             raise UserError(f"{what} {folder!r}: not a usable path ({e})") from None
+        except OSError as e:  # a name too long, a folder that cannot be searched
+            raise UserError(f"{what} {folder}: not writable ({describe_os_error(e)})") from None
         if target != folder:
             if not target.is_dir():
                 raise UserError(f"{what} {folder}: not writable (cannot create it: {target} is not a folder)")
