@@ -32,6 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu_checks"))
+sys.path.insert(1, str(HERE))  # bench/timing.py
 
 # name -> (module, argument, needs a GPU, timeout in seconds on a GPU / in the dry run)
 CHECKS: dict[str, tuple[str, str | None, bool, tuple[int, int]]] = {

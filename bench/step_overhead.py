@@ -10,10 +10,9 @@ all alike. The ratio is median engine step time / median plain step time; the ta
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 
+import timing
 import torch
 from multilane.engine.config import build_config
 from multilane.engine.run.energy import EnergyMeter
@@ -79,18 +78,8 @@ def time_block(fn, steps: int) -> float:
 
 
 def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict[str, float]:
-    """Median step time of each function, stepping them in turn (shuffled order every round), so
-    that whatever else the machine does lands on all of them alike."""
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for _ in range(rounds):
-        rng.shuffle(names)
-        for k in names:
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+    """``timing.interleaved`` in milliseconds."""
+    return {k: v * 1000 for k, v in timing.interleaved(fns, rounds, seed).items()}
 
 
 def main() -> None:

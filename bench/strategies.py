@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from multilane.engine.parallel import PersistentReplicas, chunk_sizes, make_back
 from multilane.engine.parallel.coalesced import copy_into
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.telemetry.devices import parse_devices
+from timing import interleaved
 from torch import nn
 from torch.nn import functional as F
 
@@ -161,19 +161,6 @@ def data_parallel_loop(build: Callable[[], nn.Module], x, y, devices):
         sync(dev)
 
     return step, lambda: None
-
-
-def interleaved(fns: dict[str, Callable[[], None]], steps: int, seed: int = 0) -> dict[str, float]:
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for _ in range(steps):
-        rng.shuffle(names)
-        for k in names:
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 # -- keeping replicas equal: every device steps its own, or one steps and the others copy ---------------

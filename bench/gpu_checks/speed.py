@@ -9,7 +9,6 @@ one GPU: NCCL where it accepts two ranks on one device, Gloo otherwise (the row 
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import INFO, PASS, SKIP, Context, Row
 from environment import bf16_peak
+from timing import interleaved
 from torch import nn
 from torch.nn import functional as F
 
@@ -135,19 +135,6 @@ def engine(strategy_name: str, devices: str, build: Callable[[], nn.Module], x, 
         sync(backend.model_device)
 
     return step, lambda: (strategy.close(), backend.close())
-
-
-def interleaved(fns: dict[str, Callable[[], None]], steps: int) -> dict[str, float]:
-    rng = random.Random(0)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for _ in range(steps):
-        rng.shuffle(names)
-        for k in names:
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _ddp_rank(rank: int, device: str, backend: str, port: int, model: str, mode: str, steps: int, q) -> None:
