@@ -10,6 +10,10 @@ from pathlib import Path
 import torch
 
 OOM_HINT = " (hint: a smaller batch, fewer replicas per GPU, or an uneven split)"
+CPU_OOM_HINT = " (hint: a smaller batch, fewer lanes or DataLoader workers, or more free memory on this machine)"
+# torch's CPU allocator raises a plain RuntimeError, worded for its own developers.
+CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+REPLICA = re.compile(r"^Caught \w+ (in replica \d+ on device \S+?)\.")
 
 
 def one_line(e: BaseException) -> str:
@@ -27,6 +31,23 @@ def where(e: BaseException) -> str:
     """`` at file.py:LINE`` of the innermost frame, or nothing."""
     frames = traceback.extract_tb(e.__traceback__)
     return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
+def cpu_out_of_memory(e: BaseException) -> str | None:
+    """ "out of CPU memory (tried to allocate 1.5 GiB) in replica i on device d", if ``e`` is torch's
+    CPU allocator failing (in a lane or not); else None."""
+    text = str(e)
+    m = CPU_OOM.search(text)
+    if m is None:
+        return None
+    size = float(m.group(1))
+    unit = "bytes"
+    for name in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, name
+    replica = REPLICA.match(text)
+    return f"out of CPU memory (tried to allocate {size:,.1f} {unit})" + (f" {replica.group(1)}" if replica else "")
 
 
 def release_cuda_memory() -> None:
@@ -65,6 +86,9 @@ def outcome(
         name = re.sub(r"^\.(.+)\.\d+\.tmp$", r"\1", Path(e.filename).name) if e.filename else "a file"
         where = f" in {run_dir}" if run_dir is not None else ""
         return "failed", f"no room to write {name}{where}: {full} ({e.strerror}); {kept}; free space, then resume"
+    cpu_oom = cpu_out_of_memory(e)
+    if cpu_oom is not None:
+        return "failed", f"task {task}, step {step}: {cpu_oom}{CPU_OOM_HINT}; {kept}"
     message = f"task {task}, step {step}: {one_line(e)}"
     if isinstance(e, torch.OutOfMemoryError):
         message += OOM_HINT

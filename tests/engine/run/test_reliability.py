@@ -223,3 +223,25 @@ def test_two_runs_at_once_never_share_a_folder(tmp_path):
         events = [r for r in read_metrics(f) if r["kind"] == "event" and r["event"] == "started"]
         assert len(events) == 1  # one run's records per folder
         assert [r["step"] for r in read_metrics(f) if r["kind"] == "train"][-1] == 30
+
+
+@pytest.mark.parametrize("devices", ["cpu:0", "cpu:0,cpu:1"])
+def test_running_out_of_cpu_memory_is_one_readable_line_with_a_hint(tmp_path, make_config, devices):
+    # A real allocation torch's CPU allocator refuses (256 TiB), in the model's forward on every lane.
+    task = tmp_path / "cpuoom.py"
+    task.write_text(
+        "import torch\nfrom multilane.engine.tasks.builtin import LinearTask\n"
+        "class CpuOom(LinearTask):\n    name = 'cpuoom'\n"
+        "    def build_model(self):\n"
+        "        class M(torch.nn.Linear):\n"
+        "            def forward(self, x):\n"
+        "                torch.empty(2**48, dtype=torch.uint8)\n"
+        "                return super().forward(x)\n"
+        "        return M(10, 1)\n"
+    )
+    result = Trainer(make_config(task__name=str(task), train__steps=3, devices__use=devices)).run()
+    assert result.status == "failed"
+    assert result.message.startswith("task cpuoom, step 1: out of CPU memory (tried to allocate 256.0 TiB)")
+    assert "hint: a smaller batch" in result.message and "enforce fail" not in result.message
+    if "," in devices:
+        assert "in replica " in result.message and "on device cpu:" in result.message
