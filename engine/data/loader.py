@@ -14,27 +14,20 @@ micro-batches the run will take.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
-import signal
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from multilane.engine.data.order import Batches, eval_batches, split_data, split_indices
 from multilane.engine.data.sampling import (
-    Collate,
     DataError,
     EvalBatchSampler,
     RunBatchSampler,
     SeededReader,
     batch_size_of,
-    clean_worker_error,
-    quiet_sigchld,
-    worker_death,
 )
+from multilane.engine.data.workers import LoaderOptions, next_batch
 from multilane.engine.errors import UserError
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.tasks.base import ArrayData, Task
@@ -87,7 +80,7 @@ def build_loader(task: Task, cfg: Any, device: torch.device | None) -> Loader:
     data = task.data()
     seed, bs, frac = cfg.train.seed, cfg.data.batch_size, cfg.data.val_fraction
     workers = default_workers() if cfg.data.workers is None else cfg.data.workers
-    opts = _LoaderOptions(task, workers, cfg.data.prefetch, device)
+    opts = LoaderOptions(task, workers, cfg.data.prefetch, device)
     if isinstance(data, ArrayData):
         train, val = split_data(data, frac, seed)
         return ArrayLoader(_non_empty(train, task), val, bs, seed, device)
@@ -124,80 +117,6 @@ def _check_dataset(task: Task, obj: Any, what: str) -> None:
             f"task {task.name}: {what} is a {type(obj).__name__}; data() returns ArrayData, a torch Dataset "
             "(map-style or IterableDataset), or a pair (train, validation) of them"
         )
-
-
-class _LoaderOptions:
-    def __init__(self, task: Task, workers: int, prefetch: int, device: torch.device | None) -> None:
-        self.task, self.workers, self.prefetch, self.device = task, workers, prefetch, device
-        self.pin = device is not None and device.type == "cuda"
-
-    def collate(self, what: str) -> Collate:
-        return Collate(self.task.collate, what)
-
-    def dataloader(self, dataset: Any, persistent: bool, seed: int, **kw: Any) -> DataLoader:
-        extra: dict[str, Any] = {}
-        if self.workers > 0:
-            extra = {"prefetch_factor": self.prefetch, "persistent_workers": persistent}
-            extra["worker_init_fn"] = _ignore_stop_signals
-        return DataLoader(
-            dataset,
-            num_workers=self.workers,
-            pin_memory=self.pin,
-            # Worker seeds (torch, random, numpy) follow from the run's seed, not from the global RNG.
-            generator=torch.Generator().manual_seed(seed),
-            **extra,
-            **kw,
-        )
-
-    def to_device(self, inputs: Any, target: Any) -> tuple[Any, Any]:
-        if self.device is None:
-            return inputs, target
-        return move_tree(inputs, self.device, non_blocking=self.pin), move_tree(target, self.device, self.pin)
-
-
-def _ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker leaves the stop signals to the process that reads from it, which stops the
-    run at a step with a checkpoint and then ends its workers. A signal sent to the whole process
-    group (the ddp launcher's, torch's elastic agent's, a terminal's Ctrl+C) would otherwise kill a
-    worker first, and the run would fail on the lost worker instead of stopping. So the worker leaves
-    that group (its own process group) rather than ignoring SIGTERM: a SIGTERM sent to the worker
-    itself (multiprocessing's ``terminate()`` at the reader's exit, after a failed run) still ends it;
-    ignored, the reader's exit waited for it for ever. A worker whose reader dies is ended by torch's
-    watchdog, as before."""
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def _keep_rng(active: bool):
-    """Read in the main process (no workers): the per-batch seeding must not touch the run's generators."""
-    if not active:
-        yield
-        return
-    state = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state[0])
-        random.setstate(state[1])
-        np.random.set_state(state[2])
-
-
-def _next(it: Iterator[Any], workers: int) -> Any:
-    if workers > 0:
-        quiet_sigchld()  # set by torch as the iterator started its workers
-    try:
-        with _keep_rng(workers == 0):
-            return next(it)
-    except DataError as e:
-        if workers > 0:
-            raise DataError(clean_worker_error(e)) from e
-        raise
-    except (RuntimeError, OSError, EOFError) as e:  # a worker that died: torch's words, or a reset pipe
-        death = worker_death(it) if workers > 0 else None
-        if death is None:
-            raise
-        raise DataError(death) from e
 
 
 class _Epochs:
@@ -250,7 +169,7 @@ class _DataLoaderReader(_Epochs):
     """What the two DataLoader-backed loaders share: a batch's size and device copy, and evaluation.
     Subclasses set ``opts``, ``seed``, ``batch_size``, ``_val`` and ``_val_loader``."""
 
-    opts: _LoaderOptions
+    opts: LoaderOptions
     seed: int
     batch_size: int
     _val: Any
@@ -278,7 +197,7 @@ class DatasetLoader(_DataLoaderReader):
         val_idx: list[int] | None,
         batch_size: int,
         seed: int,
-        opts: _LoaderOptions,
+        opts: LoaderOptions,
     ) -> None:
         self.opts, self.seed, self.batch_size = opts, seed, batch_size
         self.workers = opts.workers
@@ -302,7 +221,7 @@ class DatasetLoader(_DataLoaderReader):
     def next(self) -> Batch:
         assert self._it is not None, "start() first"
         try:
-            inputs, target = _next(self._it, self.workers)
+            inputs, target = next_batch(self._it, self.workers)
         except StopIteration:
             raise RuntimeError("the run asked for more micro-batches than it planned") from None
         return self._batch(inputs, target)
@@ -312,7 +231,7 @@ class DatasetLoader(_DataLoaderReader):
         self._val_loader = None
 
 
-def _eval_loader(val: Any, batch_size: int, seed: int, opts: _LoaderOptions) -> DataLoader:
+def _eval_loader(val: Any, batch_size: int, seed: int, opts: LoaderOptions) -> DataLoader:
     if isinstance(val, IterableDataset):
         return opts.dataloader(
             _CountedStream(val, "validation"), False, seed, batch_size=batch_size, collate_fn=opts.collate("validation")
@@ -322,11 +241,11 @@ def _eval_loader(val: Any, batch_size: int, seed: int, opts: _LoaderOptions) -> 
     return opts.dataloader(val, True, seed, batch_sampler=sampler, collate_fn=opts.collate("validation"))
 
 
-def _eval_iter(loader: DataLoader, opts: _LoaderOptions) -> Iterator[Batch]:
+def _eval_iter(loader: DataLoader, opts: LoaderOptions) -> Iterator[Batch]:
     it = iter(loader)
     while True:
         try:
-            inputs, target = _next(it, opts.workers)
+            inputs, target = next_batch(it, opts.workers)
         except StopIteration:
             return
         size = batch_size_of(target, inputs)
@@ -363,7 +282,7 @@ class StreamLoader(_DataLoaderReader):
     n = None
     per_epoch = None
 
-    def __init__(self, train: IterableDataset, val: Any, batch_size: int, seed: int, opts: _LoaderOptions) -> None:
+    def __init__(self, train: IterableDataset, val: Any, batch_size: int, seed: int, opts: LoaderOptions) -> None:
         self.opts, self.seed, self.batch_size = opts, seed, batch_size
         self.workers = opts.workers
         self.has_val = val is not None
@@ -390,7 +309,7 @@ class StreamLoader(_DataLoaderReader):
         assert self._it is not None, "start() first"
         for attempt in range(2):
             try:
-                return _next(self._it, self.workers)
+                return next_batch(self._it, self.workers)
             except StopIteration:
                 if attempt:
                     break

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from multilane.engine.data.loader import ArrayLoader, DatasetLoader, Loader, StreamLoader, _eval_iter, _next
+from multilane.engine.data.loader import ArrayLoader, DatasetLoader, Loader, StreamLoader, _eval_iter
 from multilane.engine.data.sampling import EvalBatchSampler, RunBatchSampler, SeededReader
+from multilane.engine.data.workers import next_batch
 from multilane.engine.parallel.tree import scatter_tree
 from torch.utils.data import IterableDataset
 
@@ -111,7 +112,7 @@ class RankLoader:
             bs = min(base.batch_size, base.n)
             size = min(bs, base.n - (m % base.per_epoch) * bs)
             try:
-                inputs, target = _next(self._it, base.workers)
+                inputs, target = next_batch(self._it, base.workers)
             except StopIteration:
                 raise RuntimeError("the run asked for more micro-batches than it planned") from None
             inputs, target, _ = base._batch(inputs, target)
