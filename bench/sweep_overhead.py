@@ -1,12 +1,15 @@
 """What a sweep costs over running the same configs by hand, and what a second slot buys.
 
-    python bench/sweep_overhead.py [--steps 100] [--trials 4] [--task digits]
+    python bench/sweep_overhead.py [--steps 100] [--trials 4] [--task digits] [--rounds 3]
 
 1. The same ``--trials`` configs (learning rates on a grid) run one after another with ``multilane
    train`` on one CPU lane, then as ``multilane sweep --sampler grid`` on that one lane: the sweep's
    overhead per trial is (sweep wall time - the train runs' wall time) / trials, shown beside the
    mean trial length (the issue's goal: <= 5 % on 30-second trials: pass --steps to reach that length).
 2. Trials per hour of the same sweep on 1 slot (cpu:0) and 2 slots (cpu:0,cpu:1).
+
+``--rounds R`` repeats the pair (by hand, 1-slot sweep) R times, in alternating order, and reports the
+median of each and of their per-round ratio: a load that changes during the bench then lands on both.
 
 Wall times include each process's start-up (imports, data, model), as a user's sweep does; on a shared
 or small machine two CPU slots share the cores, so the 2-slot rate depends on free cores.
@@ -15,6 +18,7 @@ or small machine two CPU slots share the cores, so the 2-slot rate depends on fr
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--task", default="digits")
+    ap.add_argument("--rounds", type=int, default=1, help="pairs (by hand, 1-slot sweep), alternating order")
     a = ap.parse_args()
     lrs = [f"{1e-3 * (1 + i):.4g}" for i in range(a.trials)]
     common = ["--task", a.task, "--steps", str(a.steps), "--set", "train.eval_every=25", "--set", "train.log_every=5"]
@@ -44,14 +49,28 @@ def main() -> None:
              "--param", f"optim.lr=choice:{','.join(lrs)}"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        by_hand = sum(
-            timed(["train", *common, "--devices", "cpu:0", "--lr", lr, "--runs-dir", str(root / "runs")]) for lr in lrs
-        )
-        one_slot = timed([*sweep, "--devices", "cpu:0", "--sweeps-dir", str(root / "s1")])
+        hand_times, sweep_times = [], []
+        for r in range(a.rounds):
+
+            def hand(r: int = r) -> float:
+                runs = ["--runs-dir", str(root / f"runs{r}")]
+                return sum(timed(["train", *common, "--devices", "cpu:0", "--lr", lr, *runs]) for lr in lrs)
+
+            def swept(r: int = r) -> float:
+                return timed([*sweep, "--devices", "cpu:0", "--sweeps-dir", str(root / f"s1-{r}")])
+
+            if r % 2 == 0:
+                hand_times.append(hand())
+                sweep_times.append(swept())
+            else:
+                sweep_times.append(swept())
+                hand_times.append(hand())
         two_slots = timed([*sweep, "--devices", "cpu:0,cpu:1", "--sweeps-dir", str(root / "s2")])
+    by_hand, one_slot = statistics.median(hand_times), statistics.median(sweep_times)
+    ratio = statistics.median(s / h for s, h in zip(sweep_times, hand_times, strict=True))
     per_trial = by_hand / a.trials
     overhead = (one_slot - by_hand) / a.trials
-    print(f"{a.trials} trials of {a.task}, {a.steps} steps each, on CPU lanes\n")
+    print(f"{a.trials} trials of {a.task}, {a.steps} steps each, on CPU lanes; medians of {a.rounds} round(s)\n")
     print("| how | wall time (s) | per trial (s) |")
     print("| --- | ---: | ---: |")
     print(f"| `multilane train`, one after another (cpu:0) | {by_hand:.1f} | {per_trial:.1f} |")
@@ -60,6 +79,8 @@ def main() -> None:
     print(
         f"\nsweep overhead per trial: {overhead:+.2f} s = {100 * overhead / per_trial:+.1f} % of a {per_trial:.1f} s trial"
     )
+    print(f"per-round ratio sweep / by hand (median): {ratio:.3f}; rounds: "
+          + ", ".join(f"{h:.1f} / {s:.1f} s" for h, s in zip(hand_times, sweep_times, strict=True)))  # fmt: skip
     print(f"trials per hour: 1 slot {3600 * a.trials / one_slot:.0f}, 2 slots {3600 * a.trials / two_slots:.0f} "
           f"(x{one_slot / two_slots:.2f})")  # fmt: skip
 
