@@ -138,7 +138,7 @@ def test_ctrl_c_stops_every_node_through_the_control_file_on_the_first_host(sshd
     run = Path(nodes[0]["path"])
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "stopped" and json.loads((mirror / "status.json").read_text())["state"] == "stopped"
-    gone, alive = psutil.wait_procs(running, timeout=60)  # every launcher and rank, on both hosts
+    _, alive = psutil.wait_procs(running, timeout=60)  # every launcher and rank, on both hosts
     assert not alive and not processes_of(rdzv), [p.pid for p in alive]
     assert all(not psutil.pid_exists(n["pid"]) or psutil.Process(n["pid"]).status() == "zombie" for n in nodes)
     ck = run / "checkpoints" / "last.pt"
