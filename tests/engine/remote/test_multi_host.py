@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import CLI
-from sshd_server import MULTILANE
+from sshd_server import MULTILANE, add_host_alias
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -28,15 +28,9 @@ def two_hosts(sshd):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
+    add_host_alias(sshd, "hostb")
     cfg = sshd.home / ".ssh" / "config"
-    text = cfg.read_text()
-    block = text[text.index("Host testhost") : text.index("Host wrongkey")]
-    cfg.write_text(
-        text
-        + "\n"
-        + block.replace("Host testhost", "Host hostb")
-        + f"\nHost deadhost\n  HostName 127.0.0.1\n  Port {dead}\n  ConnectTimeout 3\n"
-    )
+    cfg.write_text(cfg.read_text() + f"\nHost deadhost\n  HostName 127.0.0.1\n  Port {dead}\n  ConnectTimeout 3\n")
     a, b = sshd.runs / "host-a", sshd.runs / "host-b"
     a.mkdir()
     b.mkdir()
