@@ -44,3 +44,7 @@ class MultiHostFollowWorker(RemoteFollowWorker):
         mirror = RemoteMirror(conns[0], run.path, mirror_folder(self.local_runs, conns[0].spec.label, run.path), run)
         self.run_dir = mirror.local
         self.follower = RemoteFollower(mirror)
+
+    def _info(self) -> dict[str, Any]:
+        """The title names every host's devices (the run's config.json holds the first host's only)."""
+        return {**super()._info(), "devices": [f"{host} {devices}" for host, devices, _, _ in self.nodes]}

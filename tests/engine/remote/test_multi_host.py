@@ -181,3 +181,19 @@ def test_bad_host_lists_are_one_line(sshd, two_hosts, tmp_path):
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith("multilane: error:") and words in line, (args, line)
     assert (run_folders(a), run_folders(b)) == before  # no run folder appears for a refused list
+
+
+def test_a_launcher_that_cannot_start_on_the_second_host_kills_the_first_and_removes_its_folder(
+    sshd, two_hosts, tmp_path
+):
+    a, _ = two_hosts
+    b = tmp_path / "runs-b"
+    b.mkdir()
+    (b / ".multilane-nodes").write_text("a file where host b's node folders would go")
+    before = run_folders(a)
+    p = cli(sshd.env(), *across(a, b, tmp_path / "local"), *LONG, timeout=120)
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("multilane: error: hostb: cannot make") and ".multilane-nodes" in line, line
+    assert run_folders(a) == before  # the first host's folder, made for a run that never began, is gone
+    assert not [q for q in psutil.process_iter(["cmdline"]) if "--node-rank" in " ".join(q.info["cmdline"] or [])]
