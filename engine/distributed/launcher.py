@@ -93,6 +93,8 @@ def launch(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
     nproc = processes_per_node(config)
     run_dir: Path | None = Path(resume_from) if resume_from else None
     if nnodes == 1:
@@ -110,8 +112,6 @@ def launch(
         if not rdzv_endpoint:
             raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
         endpoint = "{}:{}".format(*parse_endpoint(rdzv_endpoint))
-        if node_rank is not None and not 0 <= node_rank < nnodes:
-            raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
         if run_dir is None and node_rank == 0 and os.environ.get(RUN_DIR_ENV):  # made by multi_host.py
             run_dir = Path(os.environ[RUN_DIR_ENV])
     if not config.devices.use.startswith("cuda"):
