@@ -197,3 +197,19 @@ def test_a_launcher_that_cannot_start_on_the_second_host_kills_the_first_and_rem
     assert line.startswith("multilane: error: hostb: cannot make") and ".multilane-nodes" in line, line
     assert run_folders(a) == before  # the first host's folder, made for a run that never began, is gone
     assert not [q for q in psutil.process_iter(["cmdline"]) if "--node-rank" in " ".join(q.info["cmdline"] or [])]
+
+
+def test_a_first_host_known_by_a_loopback_name_is_refused_as_the_rendezvous_of_other_machines(sshd, ssh_home):
+    from multilane.engine.errors import UserError
+    from multilane.engine.remote.connection import Connection
+    from multilane.engine.remote.multi_host import Node, rendezvous_address
+
+    add_host_alias(sshd, "hostb")
+    cfg = ssh_home / ".ssh" / "config"
+    cfg.write_text(cfg.read_text() + "\nHost farhost\n  HostName 192.0.2.7\n")  # resolved, never connected to
+    here, far, also_here = Connection("testhost"), Connection("farhost"), Connection("hostb")
+    assert rendezvous_address([Node(here, "cpu:0"), Node(also_here, "cpu:0")]) == "127.0.0.1"  # one machine
+    assert rendezvous_address([Node(far, "cpu:0"), Node(here, "cpu:0")]) == "192.0.2.7"
+    with pytest.raises(UserError, match=r"127\.0\.0\.1.*loopback.*--rdzv-endpoint ADDR"):
+        rendezvous_address([Node(here, "cpu:0"), Node(far, "cpu:0")])
+    assert rendezvous_address([Node(here, "cpu:0"), Node(far, "cpu:0")], "10.0.0.5") == "10.0.0.5"  # the override
