@@ -176,3 +176,14 @@ def ssh_home(sshd, monkeypatch):
     monkeypatch.setenv("HOME", str(sshd.home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     return sshd.home
+
+
+def add_host_alias(server: SshServer, alias: str) -> None:
+    """Another ``Host`` alias of this same server in ``~/.ssh/config``: a second "host" for the tests of a
+    run across hosts (each alias gets its own runs folder there)."""
+    cfg = server.home / ".ssh" / "config"
+    text = cfg.read_text()
+    if f"Host {alias}\n" in text:
+        return
+    block = text[text.index("Host testhost\n") : text.index("Host wrongkey\n")]
+    cfg.write_text(text + "\n" + block.replace("Host testhost\n", f"Host {alias}\n"))

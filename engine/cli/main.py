@@ -77,7 +77,11 @@ def _remote(args: argparse.Namespace) -> int | None:
         return None
     from multilane.engine.cli import remote
 
-    return remote.cmd_remote_train(args) if args.command == "train" else remote.cmd_remote_devices(args)
+    if args.command == "train":  # --host repeats: one host, or one ddp run across several
+        from multilane.engine.cli.multi_host import cmd_train_hosts
+
+        return cmd_train_hosts(args)
+    return remote.cmd_remote_devices(args)
 
 
 MAX_LINE = 1000

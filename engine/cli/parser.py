@@ -82,6 +82,10 @@ def _positive_int(text: str) -> int:
     return _whole(text, 1)
 
 
+def _nonnegative_int(text: str) -> int:
+    return _whole(text, 0, 1_000_000)
+
+
 def _seed(text: str) -> int:
     return _whole(text, 0, 2**32 - 1)
 
@@ -97,10 +101,15 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
 
 
-def _remote_options(p: argparse.ArgumentParser, host_help: str | None) -> None:
-    """The options of a command that can act on a host over SSH."""
+def _remote_options(p: argparse.ArgumentParser, host_help: str | None, many: bool = False) -> None:
+    """The options of a command that can act on a host over SSH (``many``: ``--host`` may repeat)."""
     if host_help:
-        p.add_argument("--host", metavar="HOST", help=f"an ssh config alias or [user@]host[:port]: {host_help}")
+        p.add_argument(
+            "--host",
+            metavar="HOST[=DEVICES]" if many else "HOST",
+            action="append" if many else "store",
+            help=f"an ssh config alias or [user@]host[:port]: {host_help}",
+        )
     p.add_argument("--remote-command", metavar="PATH", help="multilane's command on the host (default: multilane)")
     p.add_argument(
         "--trust-host-key",
@@ -189,10 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
     dd.add_argument(
-        "--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT", help="the rendezvous (default: a free local port)"
+        "--rdzv-endpoint",
+        type=_endpoint,
+        metavar="HOST:PORT",
+        help="the rendezvous (default: a free local port; with several --host: the first host's HostName "
+        "and a port free there, or ADDR[:PORT] as the other hosts reach it)",
     )
     dd.add_argument(
         "--rdzv-id", type=_rdzv_id, metavar="ID", help="run id, the same on every node (default: multilane)"
+    )
+    dd.add_argument(
+        "--node-rank",
+        type=_nonnegative_int,
+        metavar="R",
+        help="this node's place, 0 to N-1 (node 0 holds the rendezvous and the run folder); "
+        "default: the nodes are ordered by host name",
     )
     dd.add_argument(
         "--rdzv-timeout",
@@ -201,9 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait for every node, 1 to 86400 (default 60)",
     )
-    _remote_options(t, "train on this host over SSH, mirroring its run folder here (see docs/remote.md)")
+    _remote_options(
+        t,
+        "train on this host over SSH, mirroring its run folder here; repeat it for one ddp run across "
+        "several hosts, HOST=DEVICES giving a host its own devices (see docs/remote.md)",
+        many=True,
+    )
     t.add_argument(
-        "--remote-runs-dir", metavar="DIR", help="the host's runs folder (default: runs, in the login's home)"
+        "--remote-runs-dir",
+        metavar="DIR",
+        action="append",
+        help="the host's runs folder (default: runs, in the login's home); once for every host, or once per --host",
     )
     t.add_argument("--detach", action="store_true", help="with --host: start the run and print its folder there")
     t.add_argument(

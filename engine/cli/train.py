@@ -102,7 +102,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.tasks import make_task
 
         make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
-        return launch(argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id)
+        return launch(
+            argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
+        )
     if in_worker():
         raise UserError("started by torchrun: add --strategy ddp (each process is one rank of a ddp run)")
     from rich.console import Console

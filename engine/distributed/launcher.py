@@ -80,13 +80,21 @@ def launch(
     rdzv_endpoint: str | None = None,
     rdzv_timeout_s: float = 60.0,
     rdzv_id: str | None = None,
+    node_rank: int | None = None,
 ) -> int:
-    """Run ``multilane train ARGV`` as ``nproc`` ranks on this node (of ``nnodes``); the exit status."""
+    """Run ``multilane train ARGV`` as ``nproc`` ranks on this node (of ``nnodes``); the exit status.
+
+    ``node_rank``: this node's place, fixed (torch's static rendezvous: node 0 holds the store at the
+    endpoint, and global rank 0, the run folder's writer, is its first rank). Without it the c10d
+    rendezvous orders the nodes by host name, so rank 0 may land on any of them."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
     nproc = processes_per_node(config)
     run_dir: Path | None = Path(resume_from) if resume_from else None
     if nnodes == 1:
@@ -104,6 +112,8 @@ def launch(
         if not rdzv_endpoint:
             raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
         endpoint = "{}:{}".format(*parse_endpoint(rdzv_endpoint))
+        if run_dir is None and node_rank == 0 and os.environ.get(RUN_DIR_ENV):  # made by multi_host.py
+            run_dir = Path(os.environ[RUN_DIR_ENV])
     if not config.devices.use.startswith("cuda"):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     quiet_torch_loggers()  # the launcher reports outcomes itself
@@ -112,9 +122,13 @@ def launch(
         max_nodes=nnodes,
         nproc_per_node=nproc,
         run_id=rdzv_id or (f"multilane-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "multilane"),
-        rdzv_backend="c10d",
+        rdzv_backend="c10d" if node_rank is None else "static",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": int(rdzv_timeout_s), "read_timeout": int(rdzv_timeout_s)},
+        rdzv_configs=(
+            {"join_timeout": int(rdzv_timeout_s), "read_timeout": int(rdzv_timeout_s)}
+            if node_rank is None
+            else {"rank": node_rank, "timeout": int(rdzv_timeout_s)}
+        ),
         max_restarts=0,
         monitor_interval=0.1,
     )
@@ -154,15 +168,30 @@ def launch(
         state = _state(run_dir)
         print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
         return 0 if state == "stopped" else 1
-    except RendezvousError as e:
-        raise UserError(
+    except (RendezvousError, DistError) as e:  # DistError: the static rendezvous's store timed out
+        message = (
             f"rendezvous at {endpoint} failed for {what} within {rdzv_timeout_s:g} s "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        )
+        _record_unmet(run_dir if nnodes > 1 and node_rank == 0 else None, message)
+        raise UserError(message) from None
     finally:
         watchdog.cancel()
         shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
+
+
+def _record_unmet(run_dir: Path | None, message: str) -> None:
+    """Node 0 of several, in the folder made for it (``remote/multi_host.py``): the run never began;
+    its status says so, so the folder does not look like a run that is about to start."""
+    if run_dir is None or not run_dir.is_dir() or (run_dir / STATUS).exists():
+        return
+    try:
+        rd = RunDir(run_dir)
+        rd.set_status("failed", message, step=0)
+        rd.close()
+    except (OSError, UserError):
+        pass
 
 
 def _stopped_by_engine(run_dir: Path | None) -> bool:

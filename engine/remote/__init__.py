@@ -10,6 +10,7 @@ __getattr__, __all__ = lazy_exports(
         "Connection": "connection",
         "connect": "connection",
         "launch_run": "launch",
+        "launch_multi_host": "multi_host",
         "RemoteFollower": "mirror",
         "RemoteMirror": "mirror",
     },

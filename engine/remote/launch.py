@@ -12,7 +12,7 @@ import json
 import posixpath
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from multilane.engine.distributed import RUN_DIR_ENV
@@ -31,6 +31,7 @@ class RemoteRun:
     path: str
     pid: int | None = None
     remote_command: str = "multilane"
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # a run across hosts: each node's launcher
 
 
 def remote_runs_folder(conn: Connection, runs_dir: str | None) -> str:

@@ -59,6 +59,8 @@ class RemoteMirror:
         self.pid = run.pid if run is not None else info.get("pid")
         if run is not None or not info:
             body = {"host": conn.name, "path": remote_dir, "remote_command": conn.remote_command, "pid": self.pid}
+            if run is not None and run.nodes:  # a run across hosts: every node's launcher (multi_host.py)
+                body["nodes"] = run.nodes
             _atomic_write(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
         self._stamps: dict[str, tuple[int, int]] = {}
 

@@ -214,6 +214,8 @@ class RemoteRunsMixin:
 
     def start_remote(self, config: Any) -> bool:
         """Start the run on the picked host; the window follows it through its mirror."""
+        if self.host_picks.across():  # devices picked on several hosts: one ddp run across them
+            return self.host_picks.start(self, config)
         worker = RemoteFollowWorker(
             self.hosts.host,
             self._runs_dir(),

@@ -15,6 +15,7 @@ from multilane.gui.sweep.tab import SweepTab
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
+from multilane.gui.window.host_picks import HostPicks
 from multilane.gui.window.hosts import HostBar, RemoteRunsMixin
 from multilane.gui.window.run_control import RunControlMixin
 from multilane.gui.window.runs_table import RunsTable
@@ -65,6 +66,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
         lv.addWidget(self.devices_label)
         lv.addWidget(self.hosts)
         lv.addWidget(self.devices)
+        self.host_picks = HostPicks(self.hosts, self.devices, self)  # picks on several hosts: one ddp run
+        lv.addWidget(self.host_picks.widget)
         lv.addWidget(self.form)
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)

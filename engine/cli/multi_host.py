@@ -1,0 +1,98 @@
+"""``multilane train --host A --host B ...``: one host as ``train --host`` always did, or one ddp run
+across several (``remote/multi_host.py``), followed through host 0's run folder like a run on one host.
+
+``--host HOST=DEVICES`` gives a host its own devices; ``--devices`` is the list of every host named
+without ``=``. ``--remote-runs-dir`` once is every host's, or once per ``--host`` in the same order.
+``--rdzv-endpoint ADDR[:PORT]`` names where the other hosts reach the first (default: the first host's
+HostName and a port found free there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from multilane.engine.errors import UserError
+
+
+def cmd_train_hosts(args: argparse.Namespace) -> int:
+    from multilane.engine.cli import remote
+    from multilane.engine.remote.multi_host import parse_host_devices
+
+    pairs = [parse_host_devices(h, args.devices) for h in args.host]
+    runs_dirs = list(args.remote_runs_dir or [])
+    if len(runs_dirs) not in (0, 1, len(pairs)):
+        raise UserError(
+            f"--remote-runs-dir is given {len(runs_dirs)} times for {len(pairs)} hosts: give it once (every host's) "
+            "or once per --host"
+        )
+    if len(pairs) == 1:  # one host: `train --host` as before
+        args.host, args.devices = pairs[0]
+        args.remote_runs_dir = runs_dirs[0] if runs_dirs else None
+        return remote.cmd_remote_train(args)
+    return _train_across(args, pairs, runs_dirs)
+
+
+def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]], runs_dirs: list[str]) -> int:
+    from multilane.engine.cli import remote
+    from multilane.engine.cli.train import _overrides, _run_config
+    from multilane.engine.remote.multi_host import Node, launch_multi_host, node_counts
+
+    hosts = [h for h, _ in pairs]
+    if args.resume:
+        raise UserError("--resume with several --host: resuming a run across hosts is not supported yet")
+    if args.strategy not in (None, "ddp"):
+        raise UserError(f"several --host make one ddp run; --strategy {args.strategy} cannot span hosts")
+    if args.nnodes not in (1, len(pairs)):
+        raise UserError(f"--nnodes {args.nnodes} with {len(pairs)} --host: the hosts are the nodes; leave it out")
+    if args.node_rank is not None:
+        raise UserError("--node-rank with several --host: the order of --host gives each node its place")
+    for host, devices in pairs:
+        if not devices:
+            raise UserError(f"{host}: name its devices, with --devices LIST or --host {host}=LIST")
+    addr, port = _endpoint(args.rdzv_endpoint)
+    overrides = _overrides(args)
+    overrides.pop("run.runs_dir", None)  # --runs-dir is where the mirror goes here
+    overrides["devices.strategy"] = "ddp"
+    configs = []
+    for _, devices in pairs:  # each host's device list checked here, before anything starts anywhere
+        overrides["devices.use"] = devices
+        configs.append(_run_config(argparse.Namespace(**{**vars(args), "resume": None}), dict(overrides)))
+    config = configs[0]
+    conns: list[Any] = []
+    try:
+        for host in hosts:  # every host answers before anything starts
+            conns.append(remote.open_connection(args, host))
+        nodes = [
+            Node(c, devices or "", runs_dirs[k] if len(runs_dirs) > 1 else (runs_dirs or [None])[0])
+            for k, (c, (_, devices)) in enumerate(zip(conns, pairs, strict=True))
+        ]
+        launched = launch_multi_host(nodes, config.to_dict(), addr, port, args.rdzv_timeout)
+        where = f"{launched.run.host}:{launched.run.path}"
+        if args.detach:
+            print(where)
+            return 0
+        across = node_counts([(h, d or "") for h, d in pairs])
+        print(
+            f"training on {where}: one ddp run across {across}, rendezvous at {launched.endpoint}; Ctrl+C stops it",
+            file=sys.stderr,
+        )
+        local_runs = args.runs_dir or config.run.runs_dir
+        return remote._follow(conns[0], launched.run.path, local_runs, getattr(args, "interval", 0.5), launched.run)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def _endpoint(text: str | None) -> tuple[str | None, int | None]:
+    """``ADDR`` or ``ADDR:PORT`` (IPv6 in brackets): where the other hosts reach the first."""
+    if not text:
+        return None, None
+    addr, sep, port = text.rpartition(":")
+    if not sep or (addr.count(":") and not addr.endswith("]")):  # no port (a bare IPv6 address is all address)
+        addr, port = text, ""
+    addr = addr.strip("[]")
+    if not addr or (port and (not port.isdigit() or not 0 < int(port) < 65536)):
+        raise UserError(f"--rdzv-endpoint {text!r}: expected ADDR or ADDR:PORT, the first host as the others reach it")
+    return addr, int(port) if port else None
