@@ -10,6 +10,7 @@ the run's control file there, also from a thread of their own. No Qt here beyond
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,13 @@ class RemoteFollowWorker(FollowWorker):
         remote_runs: str | None = None,
         mirror: str | Path | None = None,
         resume: str | None = None,
+        ask: Callable[[str], str | None] | None = None,
     ) -> None:
         # QObject's own __init__ first: a Qt object is set up before anything is stored on it
         super().__init__(Path(mirror) if mirror else Path(local_runs), follower=_Pending())
         self.host, self.remote_command = host, remote_command
         self.config, self.remote_runs, self.resume_dir = config, remote_runs, resume
+        self.ask = ask  # a password or passphrase, asked in the window (gui/runs/host_secrets.py)
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None
@@ -58,13 +61,20 @@ class RemoteFollowWorker(FollowWorker):
         return super()._loop()
 
     def _connect(self) -> None:
-        conn = Connection(self.host, remote_command=self.remote_command)
+        conn = Connection(self.host, remote_command=self.remote_command, ask=self.ask)
+        done = getattr(self.ask, "done", None)  # the window keeps a secret that connected, for reconnects
+        try:
+            conn.connect()
+        except UserError:
+            if done is not None:
+                done(False)
+            raise
+        if done is not None:
+            done(True)
         info = read_remote_json(self.mirror_dir) if self.mirror_dir else None
         if info is not None and not self.resume_dir:  # a run still training there: reattach
-            conn.connect()
             mirror = RemoteMirror(conn, info["path"], self.mirror_dir)
         else:
-            conn.connect()
             if self.resume_dir:
                 run = resume_run(conn, self.resume_dir)
             else:
@@ -72,9 +82,9 @@ class RemoteFollowWorker(FollowWorker):
             local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, run.path)
             mirror = RemoteMirror(conn, run.path, local, run)
         self.run_dir = mirror.local
+        # a resumed run's earlier records are read too (the window shows its curves so far, as a local
+        # resume does); its "started" record cuts those the checkpoint superseded
         self.follower = RemoteFollower(mirror)
-        if self.resume_dir:
-            self.follower.skip_existing()
 
     def _poll(self) -> None:
         super()._poll()
