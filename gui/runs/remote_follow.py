@@ -9,6 +9,9 @@ the run's control file there, also from a thread of their own. No Qt here beyond
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +20,8 @@ from typing import Any
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run, resume_run
-from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
+from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
+from multilane.engine.remote.remote_runs import refuse_live
 from multilane.gui.runs.follow import FollowWorker
 from PySide6.QtCore import Signal
 
@@ -74,17 +78,40 @@ class RemoteFollowWorker(FollowWorker):
         info = read_remote_json(self.mirror_dir) if self.mirror_dir else None
         if info is not None and not self.resume_dir:  # a run still training there: reattach
             mirror = RemoteMirror(conn, info["path"], self.mirror_dir)
+        elif self.resume_dir:
+            self._resume(conn)
+            return
         else:
-            if self.resume_dir:
-                run = resume_run(conn, self.resume_dir)
-            else:
-                run = launch_run(conn, self.config or {}, self.remote_runs)
+            run = launch_run(conn, self.config or {}, self.remote_runs)
             local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, run.path)
             mirror = RemoteMirror(conn, run.path, local, run)
         self.run_dir = mirror.local
-        # a resumed run's earlier records are read too (the window shows its curves so far, as a local
-        # resume does); its "started" record cuts those the checkpoint superseded
         self.follower = RemoteFollower(mirror)
+
+    def _resume(self, conn: Connection) -> None:
+        """Resume the host's run folder there. Its mirror is brought up to date first, and its old final
+        status set aside: the follower reads every record (the window shows the curves so far, as a
+        local resume does; the "started" record cuts those the checkpoint superseded) and ends with the
+        new process's final status, not the old one."""
+        refuse_live(conn, self.resume_dir)  # before a mirror is made here for it
+        local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, self.resume_dir)
+        made = not local.exists()
+        mirror = RemoteMirror(conn, self.resume_dir, local)
+        try:
+            mirror.sync()
+            follower = RemoteFollower(mirror)
+            follower.local.skip_status()
+            run = resume_run(conn, self.resume_dir)
+        except UserError:
+            if made:
+                shutil.rmtree(local, ignore_errors=True)
+            raise
+        mirror.pid = run.pid  # the new process: the follower checks it is alive
+        body = {"host": conn.name, "path": run.path, "remote_command": conn.remote_command, "pid": run.pid}
+        tmp = local / f".{REMOTE}.tmp"
+        tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, local / REMOTE)
+        self.run_dir, self.follower = local, follower
 
     def _poll(self) -> None:
         super()._poll()
