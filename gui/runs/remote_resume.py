@@ -20,6 +20,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
+    QHeaderView,
     QLabel,
     QTreeWidget,
     QTreeWidgetItem,
@@ -47,7 +48,7 @@ class RemoteRunsDialog(QDialog):
         super().__init__(parent)
         self.setObjectName("remote_resume")
         self.setWindowTitle(f"Resume a run on {host}")
-        self.resize(720, 360)
+        self.resize(820, 380)
         self.host = host
         self.rows: list[Any] | None = None
         layout = QVBoxLayout(self)
@@ -57,7 +58,11 @@ class RemoteRunsDialog(QDialog):
         self.tree = QTreeWidget()
         self.tree.setHeaderLabels(COLUMNS)
         self.tree.setRootIsDecorated(False)
-        self.tree.setColumnWidth(0, 300)
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(0, QHeaderView.Stretch)  # the run's name takes what the others leave
+        for c in range(1, len(COLUMNS)):
+            header.setSectionResizeMode(c, QHeaderView.ResizeToContents)
         layout.addWidget(self.tree, 1)
         self.buttons = QDialogButtonBox()
         self.resume_btn = self.buttons.addButton("Resume there", QDialogButtonBox.AcceptRole)
