@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multilane.engine.remote.connection import RemoteError
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Qt, QThread, Signal
 from PySide6.QtWidgets import QInputDialog, QLineEdit, QWidget
 
 WAIT_SLICE_S = 0.5  # how often a waiting worker thread checks that the window is still there
@@ -59,6 +59,8 @@ class HostSecrets(QObject):
 
     # -- worker threads ----------------------------------------------------------------------------
     def _ask(self, host: str, prompt: str) -> str:
+        if QThread.currentThread() is self.thread():  # the box needs this thread's event loop: never block it
+            raise NotGiven(f"{host}: a password or passphrase is needed, and cannot be asked from the GUI thread")
         with self._one_box:
             with self._lock:
                 known = self._known.get(host)  # given meanwhile in another box

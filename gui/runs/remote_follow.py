@@ -23,6 +23,7 @@ from multilane.engine.remote.launch import launch_run, resume_run
 from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
 from multilane.engine.remote.remote_runs import refuse_live
 from multilane.gui.runs.follow import FollowWorker
+from multilane.gui.runs.host_secrets import NotGiven
 from PySide6.QtCore import Signal
 
 
@@ -58,7 +59,8 @@ class RemoteFollowWorker(FollowWorker):
         try:
             self._connect()
         except UserError as e:  # no answer, a refused key, no multilane there: said, nothing started
-            return {"status": "rejected", "message": str(e), "step": 0, "run_dir": ""}
+            cancelled = isinstance(e, NotGiven)  # the user cancelled the password box: the line is enough
+            return {"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "cancelled": cancelled}
         # the window learns the mirror now: the first ``started`` named the local runs folder (nothing
         # was connected yet), and the next comes only once the run's status gives its step count
         self.started.emit(self._info())

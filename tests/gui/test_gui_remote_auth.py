@@ -68,6 +68,14 @@ def test_a_passphrase_is_asked_in_the_window_connects_and_is_written_nowhere(
     mirror = Path(w.shown_run_dir)
     assert (mirror / "remote.json").exists()
 
+    # Start when the secret is not known (say, a window opened later): asked; Cancel is one line, no box
+    w.hosts.secrets.forget(host)
+    assert w.start()
+    the_box(qtbot, w).reject()
+    qtbot.waitUntil(lambda: not w.is_running(), timeout=60_000)
+    line = f"Not started: {host}: no password or passphrase given; not connected"
+    assert w.status_label.text() == line and getattr(w, "error_box", None) is None and w.hosts.secrets.asked == 2
+
     w.settings.sync()
     secret = PASSPHRASE.encode()
     assert secret not in (tmp_path / "settings.ini").read_bytes()
