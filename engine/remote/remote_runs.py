@@ -94,6 +94,21 @@ def refuse_live(conn: Connection, folder: str) -> None:
         )
 
 
+def runs_folder_there(conn: Connection, runs_dir: str | None) -> str | None:
+    """The host's runs folder as an absolute path, or None when it does not exist (a listing makes
+    nothing there, unlike a launch)."""
+    from multilane.engine.remote.launch import DEFAULT_REMOTE_RUNS
+
+    runs = runs_dir or DEFAULT_REMOTE_RUNS
+    if runs == "~":
+        runs = "."
+    elif runs.startswith("~/"):  # the home is where ssh starts; quoting would keep "~" literal
+        runs = runs[2:] or "."
+    code, out, _ = conn.run(f"cd -- {shlex.quote(runs)} 2>/dev/null && pwd -P", login=False)
+    path = out.strip().splitlines()[-1] if code == 0 and out.strip() else ""
+    return path if path.startswith("/") else None
+
+
 def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
     """The run folders (those with a ``config.json``) in the host's ``runs`` folder, newest first."""
     rows: list[RemoteRunRow] = []

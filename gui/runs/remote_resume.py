@@ -51,6 +51,7 @@ class RemoteRunsDialog(QDialog):
         self.resize(820, 380)
         self.host = host
         self.rows: list[Any] | None = None
+        self.where = runs_dir or "runs"
         layout = QVBoxLayout(self)
         self.message = QLabel(f"reading the runs on {host}…")
         self.message.setWordWrap(True)
@@ -80,8 +81,7 @@ class RemoteRunsDialog(QDialog):
 
     def _read(self, remote_command: str, runs_dir: str | None, ask: Any) -> None:
         from multilane.engine.remote.connection import Connection
-        from multilane.engine.remote.launch import remote_runs_folder
-        from multilane.engine.remote.remote_runs import list_runs
+        from multilane.engine.remote.remote_runs import list_runs, runs_folder_there
         from multilane.gui.runs.host_secrets import attempt_done
 
         try:
@@ -93,7 +93,9 @@ class RemoteRunsDialog(QDialog):
                 raise
             attempt_done(ask, True)
             with conn:
-                rows = list_runs(conn, remote_runs_folder(conn, runs_dir))
+                runs = runs_folder_there(conn, runs_dir)
+                rows = list_runs(conn, runs) if runs is not None else []
+            self.where = runs or runs_dir or "runs"
             self.listed.emit(rows, None)
         except UserError as e:
             self.listed.emit(None, str(e))
@@ -104,7 +106,8 @@ class RemoteRunsDialog(QDialog):
             self.message.setText(error)
             self.message.setStyleSheet("color: #d62728;")
             return
-        self.message.setText(f"{len(rows)} run folders on {self.host}, newest first" if rows else "no runs there")
+        where = f"{self.host}:{self.where}"
+        self.message.setText(f"{len(rows)} run folders in {where}, newest first" if rows else f"no runs in {where}")
         for r in rows:
             state = r.state or "?"
             if r.live:

@@ -48,3 +48,13 @@ def test_train_host_resume_of_a_live_run_is_one_line_and_the_list_marks_it(sshd,
     finally:
         live.terminate()
         live.wait(60)
+
+
+def test_listing_a_runs_folder_that_is_not_there_makes_nothing(sshd, ssh_home):
+    from multilane.engine.remote.connection import connect
+    from multilane.engine.remote.remote_runs import runs_folder_there
+
+    with connect("testhost", remote_command=MULTILANE) as conn:
+        assert runs_folder_there(conn, str(sshd.runs / "not yet")) is None
+        assert runs_folder_there(conn, str(sshd.runs)) == str(sshd.runs.resolve())
+    assert not (sshd.runs / "not yet").exists()
