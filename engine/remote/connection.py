@@ -158,6 +158,8 @@ class Connection:
                 answer = self.ask(f"password or key passphrase for {self.user}@{self.hostname}")
                 if answer:
                     return self._open(answer)
+            if password is not None:  # a wrong passphrase, or a password the host refused
+                raise RemoteError(f"{where}: the password or passphrase was not accepted") from None
             raise RemoteError(
                 f"{where}: authentication failed ({_first_line(e)}); add your public key to the host's "
                 "~/.ssh/authorized_keys or name the key with IdentityFile in ~/.ssh/config"
@@ -173,6 +175,8 @@ class Connection:
             late = time.monotonic() - started >= self.timeout_s * 0.9
             if late or "banner" in text.lower() or "timed out" in text.lower():
                 raise Disconnected(f"{where}: no answer within {self.timeout_s:g} s") from None
+            if password is not None:  # paramiko's "Invalid key": the passphrase did not open the key
+                raise RemoteError(f"{where}: the password or passphrase was not accepted") from None
             raise Disconnected(f"{where}: SSH failed ({text})") from None
         except OSError as e:
             client.close()

@@ -95,8 +95,12 @@ def launch_run(conn: Connection, config: dict[str, Any], runs_dir: str | None = 
 
 
 def resume_run(conn: Connection, folder: str, overrides: dict[str, Any] | None = None) -> RemoteRun:
-    """Continue the run in the host's ``folder`` from its last checkpoint."""
+    """Continue the run in the host's ``folder`` from its last checkpoint (refused while it is live there:
+    the launcher there would refuse it too, but only into its console.log, detached)."""
+    from multilane.engine.remote.remote_runs import refuse_live
+
     conn.check_multilane()
+    refuse_live(conn, folder)
     args = ["--resume", folder]
     for key, value in (overrides or {}).items():
         args += ["--set", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]

@@ -135,6 +135,11 @@ class RunFollower:
         self.metrics.skip_existing()
         self._status_stamp = self._stamp()
 
+    def skip_status(self) -> None:
+        """Ignore the status.json there now (a resumed run's old, final one) but read every record: a
+        window that resumes a run shows its curves so far, and follows until the new process ends."""
+        self._status_stamp = self._stamp()
+
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.run_dir / STATUS)

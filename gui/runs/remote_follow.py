@@ -9,15 +9,21 @@ the run's control file there, also from a thread of their own. No Qt here beyond
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run, resume_run
-from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
+from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
+from multilane.engine.remote.remote_runs import refuse_live
 from multilane.gui.runs.follow import FollowWorker
+from multilane.gui.runs.host_secrets import NotGiven
 from PySide6.QtCore import Signal
 
 
@@ -35,11 +41,13 @@ class RemoteFollowWorker(FollowWorker):
         remote_runs: str | None = None,
         mirror: str | Path | None = None,
         resume: str | None = None,
+        ask: Callable[[str], str | None] | None = None,
     ) -> None:
         # QObject's own __init__ first: a Qt object is set up before anything is stored on it
         super().__init__(Path(mirror) if mirror else Path(local_runs), follower=_Pending())
         self.host, self.remote_command = host, remote_command
         self.config, self.remote_runs, self.resume_dir = config, remote_runs, resume
+        self.ask = ask  # a password or passphrase, asked in the window (gui/runs/host_secrets.py)
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None
@@ -51,30 +59,61 @@ class RemoteFollowWorker(FollowWorker):
         try:
             self._connect()
         except UserError as e:  # no answer, a refused key, no multilane there: said, nothing started
-            return {"status": "rejected", "message": str(e), "step": 0, "run_dir": ""}
+            cancelled = isinstance(e, NotGiven)  # the user cancelled the password box: the line is enough
+            return {"status": "rejected", "message": str(e), "step": 0, "run_dir": "", "cancelled": cancelled}
         # the window learns the mirror now: the first ``started`` named the local runs folder (nothing
         # was connected yet), and the next comes only once the run's status gives its step count
         self.started.emit(self._info())
         return super()._loop()
 
     def _connect(self) -> None:
-        conn = Connection(self.host, remote_command=self.remote_command)
+        conn = Connection(self.host, remote_command=self.remote_command, ask=self.ask)
+        done = getattr(self.ask, "done", None)  # the window keeps a secret that connected, for reconnects
+        try:
+            conn.connect()
+        except UserError:
+            if done is not None:
+                done(False)
+            raise
+        if done is not None:
+            done(True)
         info = read_remote_json(self.mirror_dir) if self.mirror_dir else None
         if info is not None and not self.resume_dir:  # a run still training there: reattach
-            conn.connect()
             mirror = RemoteMirror(conn, info["path"], self.mirror_dir)
+        elif self.resume_dir:
+            self._resume(conn)
+            return
         else:
-            conn.connect()
-            if self.resume_dir:
-                run = resume_run(conn, self.resume_dir)
-            else:
-                run = launch_run(conn, self.config or {}, self.remote_runs)
+            run = launch_run(conn, self.config or {}, self.remote_runs)
             local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, run.path)
             mirror = RemoteMirror(conn, run.path, local, run)
         self.run_dir = mirror.local
         self.follower = RemoteFollower(mirror)
-        if self.resume_dir:
-            self.follower.skip_existing()
+
+    def _resume(self, conn: Connection) -> None:
+        """Resume the host's run folder there. Its mirror is brought up to date first, and its old final
+        status set aside: the follower reads every record (the window shows the curves so far, as a
+        local resume does; the "started" record cuts those the checkpoint superseded) and ends with the
+        new process's final status, not the old one."""
+        refuse_live(conn, self.resume_dir)  # before a mirror is made here for it
+        local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, self.resume_dir)
+        made = not local.exists()
+        mirror = RemoteMirror(conn, self.resume_dir, local)
+        try:
+            mirror.sync()
+            follower = RemoteFollower(mirror)
+            follower.local.skip_status()
+            run = resume_run(conn, self.resume_dir)
+        except UserError:
+            if made:
+                shutil.rmtree(local, ignore_errors=True)
+            raise
+        mirror.pid = run.pid  # the new process: the follower checks it is alive
+        body = {"host": conn.name, "path": run.path, "remote_command": conn.remote_command, "pid": run.pid}
+        tmp = local / f".{REMOTE}.tmp"
+        tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, local / REMOTE)
+        self.run_dir, self.follower = local, follower
 
     def _poll(self) -> None:
         super()._poll()

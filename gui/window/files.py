@@ -122,6 +122,9 @@ class RunFilesMixin:
             self.open_run(path, compare=True)
 
     def resume_dialog(self) -> None:
+        if self.hosts.host is not None:  # a host is picked: its run folders, listed over SSH
+            self.remote_resume_dialog()
+            return
         path = QFileDialog.getExistingDirectory(self, "Resume run folder", self._runs_dir())
         if path:
             self.resume(path)

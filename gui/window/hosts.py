@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
+from multilane.gui.runs.host_secrets import HostSecrets, attempt_done
 from multilane.gui.runs.remote_follow import RemoteFollowWorker, unfinished_mirrors
 from multilane.gui.runs.worker import RunHandle
 from PySide6.QtCore import QSettings, Signal
@@ -43,6 +44,7 @@ class HostBar(QWidget):
     def __init__(self, settings: QSettings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.settings = settings
+        self.secrets = HostSecrets(self)  # passwords and passphrases: asked here, kept in memory only
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         row = QHBoxLayout()
@@ -155,12 +157,19 @@ class HostBar(QWidget):
     def read_devices(self, host: str, trust: str | None = None) -> None:
         """``multilane devices --json`` on ``host``, in a thread; ``devicesRead`` or ``untrusted`` comes back."""
         command = self.remote_command
+        ask = self.secrets.asker(host)
 
         def work() -> None:
             from multilane.engine.remote.connection import Connection, UnknownHostKey
 
             try:
-                with Connection(host, remote_command=command, trust=trust) as conn:
+                try:
+                    conn = Connection(host, remote_command=command, trust=trust, ask=ask).connect()
+                except UserError:
+                    attempt_done(ask, False)
+                    raise
+                attempt_done(ask, True)
+                with conn:
                     conn.check_multilane()
                     code, out, err = conn.multilane("devices --json")
                 rows = json.loads(out) if code == 0 else None
@@ -222,6 +231,7 @@ class RemoteRunsMixin:
             self.hosts.remote_command,
             config=config.to_dict(),
             remote_runs=self.hosts.remote_runs,
+            ask=self.hosts.secrets.asker(self.hosts.host),
         )
         self._begin_remote(worker, config)
         self.settings.setValue("last_config", json.dumps(config.to_dict()))  # as a local Start does
@@ -234,8 +244,13 @@ class RemoteRunsMixin:
         if self.is_running():
             return False
         info = read_remote_json(mirror) or {}
+        host = info.get("host", "")
         worker = RemoteFollowWorker(
-            info.get("host", ""), Path(mirror).parent, info.get("remote_command") or "multilane", mirror=mirror
+            host,
+            Path(mirror).parent,
+            info.get("remote_command") or "multilane",
+            mirror=mirror,
+            ask=self.hosts.secrets.asker(host),
         )
         self._resume_from = None
         self._begin_remote(worker, None)

@@ -9,6 +9,7 @@ from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.gui.plots.panel import PlotPanel
 from multilane.gui.runs.redraw_pace import REDRAW_MS, RedrawPace
+from multilane.gui.runs.remote_resume import RemoteResumeMixin
 from multilane.gui.runs.run_mode import SeparateProcessOption
 from multilane.gui.runs.worker import RunHandle
 from multilane.gui.sweep.tab import SweepTab
@@ -39,7 +40,7 @@ from PySide6.QtWidgets import (
 )
 
 
-class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
+class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMixin, QMainWindow):
     def __init__(self, settings: QSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or QSettings("Multilane", "Multilane")
@@ -173,6 +174,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
         self.hosts.hostChanged.connect(self._host_changed)
+        self.hosts.hostChanged.connect(self._resume_action_text)  # a host picked: resume a run there
         self.hosts.devicesRead.connect(self._host_devices)
 
         self.redraw_pace = RedrawPace()
@@ -218,7 +220,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
         self.start_action = act(r, "Start", self.start, "Ctrl+Return", "action.start")
         self.pause_action = act(r, "Pause / Resume", self.toggle_pause, "Ctrl+P", "action.pause")
         self.stop_action = act(r, "Stop", self.stop, "Ctrl+.", "action.stop")
-        act(r, "Resume from run folder…", self.resume_dialog, "Ctrl+Shift+R")
+        self.resume_action = act(r, "Resume from run folder…", self.resume_dialog, "Ctrl+Shift+R", "action.resume")
         r.addSeparator()
         self.hold_action = QAction("Smooth window (training yields while plots redraw)", self)
         self.hold_action.setObjectName("action.hold")
@@ -342,6 +344,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, QMainWindow):
         if not self.close_run():
             event.ignore()
             return
+        self.hosts.secrets.close()  # a worker thread waiting on a password box: not connected; secrets go
         if self.run is not None:
             self.run.thread.wait(10_000)
         self.remember_form()

@@ -223,8 +223,9 @@ class RunControlMixin:
             self._ask_to_run_changed_task_file(self._resume_from, result)
         elif status == "rejected":
             self.status_label.setText(f"Not started: {result['message']}")
-            self.error_box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
-            self.error_box.open()
+            if not result.get("cancelled"):  # the user's own Cancel (a password box) needs no warning box
+                self.error_box = QMessageBox(QMessageBox.Warning, "Cannot start", result["message"], parent=self)
+                self.error_box.open()
         elif status == "failed":
             # The message names the step that failed (the one after the last completed step).
             self.status_label.setText(f"Failed: {result['message']}")
