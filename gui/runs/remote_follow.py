@@ -22,8 +22,8 @@ from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run, resume_run
 from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
 from multilane.engine.remote.remote_runs import refuse_live
+from multilane.gui.hosts.secrets import NotGiven
 from multilane.gui.runs.follow import FollowWorker
-from multilane.gui.runs.host_secrets import NotGiven
 from PySide6.QtCore import Signal
 
 
@@ -47,7 +47,7 @@ class RemoteFollowWorker(FollowWorker):
         super().__init__(Path(mirror) if mirror else Path(local_runs), follower=_Pending())
         self.host, self.remote_command = host, remote_command
         self.config, self.remote_runs, self.resume_dir = config, remote_runs, resume
-        self.ask = ask  # a password or passphrase, asked in the window (gui/runs/host_secrets.py)
+        self.ask = ask  # a password or passphrase, asked in the window (gui/hosts/secrets.py)
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None

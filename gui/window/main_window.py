@@ -7,17 +7,17 @@ from typing import Any
 
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
+from multilane.gui.hosts.host_bar import HostBar, RemoteRunsMixin
+from multilane.gui.hosts.host_picks import HostPicks
+from multilane.gui.hosts.remote_resume import RemoteResumeMixin
 from multilane.gui.plots.panel import PlotPanel
 from multilane.gui.runs.redraw_pace import REDRAW_MS, RedrawPace
-from multilane.gui.runs.remote_resume import RemoteResumeMixin
 from multilane.gui.runs.run_mode import SeparateProcessOption
 from multilane.gui.runs.worker import RunHandle
 from multilane.gui.sweep.tab import SweepTab
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
-from multilane.gui.window.host_picks import HostPicks
-from multilane.gui.window.hosts import HostBar, RemoteRunsMixin
 from multilane.gui.window.run_control import RunControlMixin
 from multilane.gui.window.runs_table import RunsTable
 from multilane.gui.window.summary_view import SummaryView

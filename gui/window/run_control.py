@@ -93,7 +93,7 @@ class RunControlMixin:
                 self._resume_from = None
                 self._on_finished(_rejected(str(e)))
                 return False
-            if self.hosts.host is not None:  # on a host over SSH (gui/window/hosts.py)
+            if self.hosts.host is not None:  # on a host over SSH (gui/hosts/host_bar.py)
                 return self.start_remote(config)
         if self.in_child_process(config, resume_from):
             try:  # the child process trains; this one follows its run folder

@@ -82,7 +82,7 @@ class RemoteRunsDialog(QDialog):
     def _read(self, remote_command: str, runs_dir: str | None, ask: Any) -> None:
         from multilane.engine.remote.connection import Connection
         from multilane.engine.remote.remote_runs import list_runs, runs_folder_there
-        from multilane.gui.runs.host_secrets import attempt_done
+        from multilane.gui.hosts.secrets import attempt_done
 
         try:
             conn = Connection(self.host, remote_command=remote_command, ask=ask)

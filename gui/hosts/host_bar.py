@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.gui.runs.host_secrets import HostSecrets, attempt_done
+from multilane.gui.hosts.secrets import HostSecrets, attempt_done
 from multilane.gui.runs.remote_follow import RemoteFollowWorker, unfinished_mirrors
 from multilane.gui.runs.worker import RunHandle
 from PySide6.QtCore import QSettings, Signal
