@@ -33,6 +33,7 @@ class SweepRunner:
     target: int
     live: dict[int, Live] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    worker: str | None = None  # the name its trials record as their host (sweep-worker --worker-name)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one thread talks to the storage at a time
@@ -87,7 +88,7 @@ class SweepRunner:
                         return
                     trial = self.sweep.study.ask()
                     params = {p.key: p.suggest(trial) for p in self.sweep.spec.params}
-                    for k, v in worker_identity().items():
+                    for k, v in worker_identity(self.worker).items():
                         trial.set_user_attr(k, v)
                     folder = self.sweep.folder / f"trial-{trial.number:04d}"
                     trial.set_user_attr("run_dir", str(folder))
