@@ -5,6 +5,7 @@ leaves no process of it and its running trial recorded failed and re-queued, nev
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -126,9 +127,8 @@ def _session_alive(sid: int) -> bool:
 
 
 def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_trial(sshd, ssh_home, tmp_path):
+    """Without --detach the command shows the worker's log; Ctrl+C stops the worker there."""
     import optuna
-    from multilane.engine.remote.connection import Connection
-    from multilane.engine.remote.sweep_worker import start_worker, stop_worker, worker_running
     from multilane.engine.sweep.space import parse_params
     from multilane.engine.sweep.spec import SweepSpec
     from multilane.engine.sweep.study import Sweep
@@ -139,20 +139,31 @@ def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_
         spec = SweepSpec("digits", parse_params(["optim.lr=log:1e-3:1e-2"], "digits"), 2, base, pruner="none",
                          name="long")  # fmt: skip
         Sweep.create(spec, tmp_path / "here", url)  # the study, as `multilane sweep --storage` makes it
-        with Connection("testhost", remote_command=MULTILANE) as conn:
-            w = start_worker(conn, url, "long", "cpu:0", sweeps_dir=str(sshd.runs))
-            assert worker_running(conn, w.pid)
-            study = optuna.load_study(study_name="long", storage=plain)
+        cli = subprocess.Popen(
+            [*CLI, "sweep-worker", "--host", "testhost", "--remote-command", MULTILANE, "--storage", "-",
+             "--study", "long", "--devices", "cpu:0", "--sweeps-dir", str(sshd.runs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=sshd.env(),
+        )  # fmt: skip
+        cli.stdin.write(url + "\n")
+        cli.stdin.close()
+        first = cli.stdout.readline()
+        m = re.search(r"sweep-worker on testhost: pid (\d+) · console log testhost:(\S+)", first)
+        assert m, first + cli.stdout.read()
+        pid, log = int(m[1]), m[2]
+        study = optuna.load_study(study_name="long", storage=plain)
 
-            def training():
-                running = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
-                return running and running[0].intermediate_values and running[0]
+        def training():
+            running = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+            return running and running[0].intermediate_values and running[0]
 
-            trial = wait_for(training, 600, "the remote trial to report an evaluation")
-            assert trial.user_attrs["worker"] == "testhost"
-            assert stop_worker(conn, w.pid)
-            assert not worker_running(conn, w.pid)
-        assert not _session_alive(w.pid)  # the worker and its trial process: gone
+        trial = wait_for(training, 600, "the remote trial to report an evaluation")
+        assert trial.user_attrs["worker"] == "testhost" and _session_alive(pid)
+        cli.send_signal(signal.SIGINT)
+        out, _ = cli.communicate(timeout=300)
+        assert cli.returncode == 130, out
+        assert f"sweep-worker {pid} on testhost: stopped" in out
+        assert "sweep-worker long · trial folders in" in out  # the worker's log, shown as it grew
+        assert not _session_alive(pid)  # the worker and its trial process: gone
         trials = {t.number: t for t in study.get_trials()}
         stopped = trials[trial.number]
         assert stopped.state == optuna.trial.TrialState.FAIL and stopped.user_attrs["lost"]
@@ -160,8 +171,13 @@ def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_
         (again,) = [t for t in trials.values() if t.state == optuna.trial.TrialState.WAITING]
         assert again.system_attrs["fixed_params"] == stopped.params  # Optuna's enqueued parameters
         assert again.user_attrs["requeued_from"] == trial.number
-        text = Path(w.log).read_text(encoding="utf-8")
-        assert PASSWORD not in text and "stopping the sweep" in text
+        text = Path(log).read_text(encoding="utf-8")
+        assert PASSWORD not in text + out and "stopping the sweep" in text
+        r = subprocess.run(
+            [*CLI, "sweep-worker", "--host", "testhost", "--remote-command", MULTILANE, "--stop", str(pid)],
+            capture_output=True, text=True, timeout=120, env=sshd.env(),
+        )  # fmt: skip
+        assert r.returncode == 0 and f"sweep-worker {pid} on testhost: stopped" in r.stdout, r.stderr
 
 
 @pytest.mark.parametrize(
@@ -177,3 +193,25 @@ def test_a_study_in_a_local_file_cannot_go_to_a_host_one_line(storage, what, tmp
     (line,) = r.stderr.splitlines()
     assert line.startswith("multilane: error: a worker on a host needs the sweep's study in an RDB storage")
     assert what in line and "postgresql" in line
+
+
+def test_a_workers_folder_holding_an_earlier_studys_trial_of_the_same_name_keeps_both(tmp_path):
+    # A worker's trial folders go in <sweeps-dir>/<study>: a later study of the same name meets the earlier
+    # one's trial-0000 there. It runs beside it, and a trial that cannot start is never left "running".
+    from multilane.engine.sweep.runner import SweepRunner
+    from multilane.engine.sweep.space import parse_params
+    from multilane.engine.sweep.spec import SweepSpec
+    from multilane.engine.sweep.study import Sweep
+
+    base = {"task": {"name": "digits"}, "train": {"steps": 5, "log_every": 5, "eval_every": 5}}
+    spec = SweepSpec("digits", parse_params(["optim.lr=log:1e-3:1e-2"], "digits"), 1, base, pruner="none")
+    sweep = Sweep.create(spec, tmp_path)
+    earlier = sweep.folder / "trial-0000"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}\n")
+    runner = SweepRunner(sweep, ["cpu:0"], 1)
+    runner.start()
+    assert runner.wait(600) and runner.errors == []
+    (trial,) = sweep.study.trials
+    assert trial.state.name == "COMPLETE" and trial.user_attrs["run_dir"] == str(sweep.folder / "trial-0000-2")
+    assert (earlier / "config.json").read_text() == "{}\n"  # the earlier study's folder, untouched
