@@ -23,11 +23,13 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
     QFileDialog,
+    QFrame,
     QGridLayout,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QSplitter,
     QTableWidget,
@@ -117,10 +119,16 @@ class SweepTab(QWidget):
         mv.setContentsMargins(0, 0, 0, 0)
         mv.addWidget(self.table, 1)
         mv.addLayout(trial_bar)
+        self.scroll = scroll = (
+            QScrollArea()
+        )  # the settings scroll, so that the trials table keeps its rows on a small screen
+        scroll.setWidget(top)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.NoFrame)
         split = QSplitter(Qt.Vertical)
-        for w in (top, mid, self.plots):
+        for w in (scroll, mid, self.plots):
             split.addWidget(w)
-        split.setSizes([260, 300, 230])
+        split.setSizes([330, 260, 200])
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(split)

@@ -57,7 +57,8 @@ class HostWorkers(QWidget):
         self.stop_btn = QPushButton("Stop worker")
         self.stop_btn.setToolTip("Stop the selected worker: its running trials stop and are re-queued")
         self.list = QListWidget()
-        self.list.setMaximumHeight(54)
+        self.list.setMaximumHeight(44)  # the trials table below needs the height
+        self.list.setVisible(False)  # until a worker is started
         self.message = QLabel()
         self.message.setWordWrap(True)
         self.message.setStyleSheet("color: #555;")
@@ -215,7 +216,7 @@ class HostWorkers(QWidget):
         if what == "started" and entry is not None:
             self.entries.append(entry)
             w = entry["worker"]
-            self._say(f"worker started on {w.host} (pid {w.pid}); its console log there: {w.log}")
+            self._say(f"worker started on {w.host} (pid {w.pid}); its console log there is in the list's tooltip")
         elif what == "stopped" and entry is not None:
             entry["state"] = "stopped"
             entry["conn"].close()
@@ -238,6 +239,8 @@ class HostWorkers(QWidget):
         for e in self.entries:
             w = e["worker"]
             self.list.addItem(f"{w.host} · {w.devices} · pid {w.pid} · {e['state']}")
+            self.list.item(self.list.count() - 1).setToolTip(f"console log on {w.host}: {w.log}")
+        self.list.setVisible(bool(self.entries))
         if self.entries:
             self.list.setCurrentRow(row if 0 <= row < len(self.entries) else len(self.entries) - 1)
         self.refresh()

@@ -159,6 +159,7 @@ def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_
         trial = wait_for(training, 600, "the remote trial to report an evaluation")
         assert trial.user_attrs["worker"] == "testhost" and _session_alive(pid)
         cli.send_signal(signal.SIGINT)
+        cli.stdin = None  # written and closed above
         out, _ = cli.communicate(timeout=300)
         assert cli.returncode == 130, out
         assert f"sweep-worker {pid} on testhost: stopped" in out
