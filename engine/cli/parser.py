@@ -301,7 +301,12 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
     s.add_argument("--seed", type=_seed, metavar="S", help="the sampler's seed: the same seed proposes the same params")
     s.add_argument("--sweeps-dir", metavar="DIR", help="where sweep folders go (default: ./sweeps)")
     s.add_argument("--name", metavar="NAME", help="the sweep's (and study's) name (default: sweep)")
-    s.add_argument("--storage", metavar="URL", help="an Optuna RDB storage (postgresql://...) that workers share")
+    s.add_argument(
+        "--storage",
+        metavar="URL",
+        help="an Optuna RDB storage (postgresql://...) that workers share; "
+        "- reads it from standard input (no password on the command line)",
+    )
     budget = s.add_mutually_exclusive_group()
     budget.add_argument("--epochs", type=_positive_int, metavar="N", help="each trial's epochs")
     budget.add_argument("--steps", type=_positive_int, metavar="N", help="each trial's optimizer steps")
@@ -316,9 +321,13 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
         help="add this machine's slots to a sweep whose study is in a shared --storage",
         description="Run trials of a study another `multilane sweep --storage` made, on this machine's devices.",
     )
-    w.add_argument("--storage", required=True, metavar="URL", help="the study's Optuna RDB storage")
-    w.add_argument("--study", required=True, metavar="NAME", help="the study's name (the sweep's --name)")
+    w.add_argument("--storage", metavar="URL", help="the study's Optuna RDB storage; - reads it from standard input")
+    w.add_argument("--study", metavar="NAME", help="the study's name (the sweep's --name)")
     w.add_argument("--devices", metavar="LIST", help="this machine's devices to split into slots (default: auto)")
     w.add_argument("--per-trial", type=_positive_int, metavar="K", help="devices per trial (default: the sweep's)")
     w.add_argument("--sweeps-dir", metavar="DIR", help="where this worker's trial run folders go (default: ./sweeps)")
     w.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")
+    w.add_argument("--worker-name", metavar="NAME", help="the name its trials record as their host (default: hostname)")
+    _remote_options(w, "start the worker on this host over SSH, in its own session there (see docs/sweeps.md)")
+    w.add_argument("--detach", action="store_true", help="with --host: start it, print its pid and log, return")
+    w.add_argument("--stop", type=_positive_int, metavar="PID", help="with --host: stop the worker of this pid there")

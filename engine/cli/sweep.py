@@ -78,6 +78,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from multilane.engine.sweep.slots import split_slots
     from multilane.engine.sweep.study import Sweep
 
+    args.storage = _storage(args)
     if args.resume:
         given = [f for f in ("task", "param", "config", "storage", "name", "sampler", "seed", "objective")
                  if getattr(args, f)]  # fmt: skip
@@ -106,20 +107,42 @@ def cmd_sweep_worker(args: argparse.Namespace) -> int:
     from multilane.engine.sweep.slots import split_slots
     from multilane.engine.sweep.study import Sweep
 
+    if args.host or args.stop:
+        from multilane.engine.cli.sweep_host import cmd_sweep_worker_host
+
+        return cmd_sweep_worker_host(args)
+    if args.detach:
+        raise UserError("sweep-worker --detach starts a worker on a host: name it with --host HOST")
+    storage = _storage(args)
+    if not storage:
+        raise UserError("sweep-worker: give --storage URL (the study's RDB storage) and --study NAME")
+    if not args.study:
+        raise UserError("sweep-worker: give --study NAME (the sweep's --name)")
     folder = Path(args.sweeps_dir or "sweeps") / args.study
-    sweep = Sweep.join(args.storage, args.study, folder)
+    sweep = Sweep.join(storage, args.study, folder)
     slots = split_slots(args.devices or "auto", args.per_trial or sweep.spec.per_trial)
     print(f"sweep-worker {args.study} · trial folders in {folder} · {len(slots)} slot(s): {' | '.join(slots)}")
-    return _run(sweep, slots, sweep.spec.trials, args.no_table)
+    return _run(sweep, slots, sweep.spec.trials, args.no_table, args.worker_name)
 
 
-def _run(sweep: Any, slots: list[str], target: int, no_table: bool) -> int:
+def _storage(args: argparse.Namespace) -> str | None:
+    """--storage; ``-`` reads the URL from standard input, so that its password is on no command line
+    (how the app and ``sweep-worker --host`` pass it)."""
+    if args.storage != "-":
+        return args.storage or None
+    url = sys.stdin.readline().strip()
+    if not url:
+        raise UserError("--storage -: no URL on standard input")
+    return url
+
+
+def _run(sweep: Any, slots: list[str], target: int, no_table: bool, worker: str | None = None) -> int:
     from multilane.engine.sweep.rows import trial_rows
     from multilane.engine.sweep.runner import SweepRunner
     from rich.console import Console
     from rich.live import Live
 
-    runner = SweepRunner(sweep, slots, target)
+    runner = SweepRunner(sweep, slots, target, worker=worker)
     console = Console()
     if not console.is_terminal:  # a pipe or a log file: the whole table, not 80 columns of ellipses
         console = Console(width=200)
@@ -164,8 +187,9 @@ def _table(sweep: Any, runner: Any) -> Any:
     rows = trial_rows(sweep.study, steps)
     keys = [p.key for p in sweep.spec.params]
     t = Table(title=f"{sweep.spec.name}: {sweep.spec.objective} ({sweep.spec.direction})", expand=False)
-    for col in ("#", "state", *keys, sweep.spec.objective, "best so far", "step", "time", "devices"):
-        t.add_column(col, justify="right" if col not in ("state", "devices") else "left")
+    hosts = ("host",) if sweep.storage_url else ()  # a shared study: workers on several machines
+    for col in ("#", "state", *keys, sweep.spec.objective, "best so far", "step", "time", "devices", *hosts):
+        t.add_column(col, justify="right" if col not in ("state", "devices", "host") else "left")
     colours = {"complete": "green", "pruned": "yellow", "failed": "red", "lost": "magenta", "running": "cyan"}
     for r in rows:
         mark = " ★" if r["is_best"] else ""
@@ -178,6 +202,7 @@ def _table(sweep: Any, runner: Any) -> Any:
             "" if r["step"] is None else str(r["step"]),
             "" if r["duration_s"] is None else f"{r['duration_s']:.0f} s",
             r["devices"],
+            *([r["host"]] if hosts else []),
         )
     return t
 

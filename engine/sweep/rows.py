@@ -9,7 +9,7 @@ from typing import Any
 
 from multilane.engine.sweep.optuna_lib import optuna
 
-COLUMNS = ("number", "state", "value", "best", "step", "duration_s", "devices", "run_dir")
+COLUMNS = ("number", "state", "value", "best", "step", "duration_s", "devices", "host", "run_dir")
 
 
 def trial_rows(study: Any, steps: dict[int, int] | None = None) -> list[dict[str, Any]]:
@@ -52,6 +52,7 @@ def trial_rows(study: Any, steps: dict[int, int] | None = None) -> list[dict[str
                 "step": step,
                 "duration_s": (end or now) - start if start else None,
                 "devices": t.user_attrs.get("devices", ""),
+                "host": t.user_attrs.get("worker") or t.user_attrs.get("host", ""),
                 "run_dir": run_dir or "",
                 "error": t.user_attrs.get("error") or t.user_attrs.get("lost") or "",
             }
@@ -84,12 +85,14 @@ def rows_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
     p = Path(path)
     with open(p, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["number", "state", *keys, "value", "best", "is_best", "step", "duration_s", "devices", "run_dir"])
+        w.writerow(
+            ["number", "state", *keys, "value", "best", "is_best", "step", "duration_s", "devices", "host", "run_dir"]
+        )
         for r in rows:
             w.writerow(
                 [r["number"], r["state"], *(r["params"].get(k, "") for k in keys), _num(r["value"]), _num(r["best"]),
                  int(r["is_best"]), r["step"] if r["step"] is not None else "", _num(r["duration_s"]), r["devices"],
-                 r["run_dir"]]
+                 r["host"], r["run_dir"]]
             )  # fmt: skip
     return p
 

@@ -33,6 +33,7 @@ class SweepRunner:
     target: int
     live: dict[int, Live] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    worker: str | None = None  # the name its trials record as their host (sweep-worker --worker-name)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one thread talks to the storage at a time
@@ -86,21 +87,13 @@ class SweepRunner:
                     if c["done"] + c["running"] >= self.target:
                         return
                     trial = self.sweep.study.ask()
-                    params = {p.key: p.suggest(trial) for p in self.sweep.spec.params}
-                    for k, v in worker_identity().items():
-                        trial.set_user_attr(k, v)
-                    folder = self.sweep.folder / f"trial-{trial.number:04d}"
-                    trial.set_user_attr("run_dir", str(folder))
-                    trial.set_user_attr("devices", devices)
-                    spec = self.sweep.spec
                     try:
-                        config = trial_config(spec.base, params, spec.task, devices, self.sweep.folder, trial.number)
-                    except UserError as e:  # a combination the config refuses (sgd nesterov with momentum 0)
-                        trial.set_user_attr("error", str(e))
-                        self.sweep.study.tell(trial, state=optuna().trial.TrialState.FAIL)
-                        continue
-                    proc = TrialProcess(config, folder, self._threads_per_trial)
-                self._run(trial, proc, devices)
+                        proc = self._begin(trial, devices)
+                    except Exception as e:  # the trial never ran: not left "running", its params re-queued
+                        self.sweep.fail_and_requeue(trial, f"could not start it: {str(e).splitlines()[0][:200]}")
+                        raise
+                if proc is not None:
+                    self._run(trial, proc, devices)
             except UserError as e:
                 self.errors.append(str(e))
                 self._stop.set()
@@ -109,6 +102,27 @@ class SweepRunner:
                 self.errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 self._stop.set()
                 return
+
+    def _begin(self, trial: Any, devices: str) -> TrialProcess | None:
+        """The asked trial's params, who runs it, and its process; None when its config is refused."""
+        params = {p.key: p.suggest(trial) for p in self.sweep.spec.params}
+        for k, v in worker_identity(self.worker).items():
+            trial.set_user_attr(k, v)
+        folder = self.sweep.folder / f"trial-{trial.number:04d}"
+        for i in range(2, 1000):  # a worker's folder may hold an earlier study's trials of the same name
+            if not folder.exists():
+                break
+            folder = self.sweep.folder / f"trial-{trial.number:04d}-{i}"
+        trial.set_user_attr("run_dir", str(folder))
+        trial.set_user_attr("devices", devices)
+        spec = self.sweep.spec
+        try:
+            config = trial_config(spec.base, params, spec.task, devices, self.sweep.folder, trial.number)
+        except UserError as e:  # a combination the config refuses (sgd nesterov with momentum 0)
+            trial.set_user_attr("error", str(e))
+            self.sweep.study.tell(trial, state=optuna().trial.TrialState.FAIL)
+            return None
+        return TrialProcess(config, folder, self._threads_per_trial)
 
     def _run(self, trial: Any, proc: TrialProcess, devices: str) -> None:
         self.live[trial.number] = Live(proc, devices)

@@ -74,6 +74,8 @@ class Sweep:
         (folder / SWEEP_JSON).write_text(
             json.dumps({"study": spec.name, "storage": storage_url, **spec.to_dict()}, indent=2) + "\n"
         )
+        if storage_url and "@" in storage_url:  # the URL may hold the database's password: its owner's eyes only
+            (folder / SWEEP_JSON).chmod(0o600)
         return cls(folder, spec, study, storage_url)
 
     @classmethod
@@ -146,9 +148,16 @@ class Sweep:
             self.study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
 
 
-def worker_identity() -> dict[str, Any]:
-    """Who runs a trial: this host and process (its start time, so a reused pid is not taken for it)."""
-    return {"host": socket.gethostname(), "worker_pid": os.getpid(), "worker_started": psutil.Process().create_time()}
+def worker_identity(name: str | None = None) -> dict[str, Any]:
+    """Who runs a trial: this host and process (its start time, so a reused pid is not taken for it), and
+    the worker's name as the user knows the machine (``--worker-name``: the app passes the SSH host's name)."""
+    host = socket.gethostname()
+    return {
+        "host": host,
+        "worker": name or host,
+        "worker_pid": os.getpid(),
+        "worker_started": psutil.Process().create_time(),
+    }
 
 
 def _alive(pid: Any, started: Any) -> bool:

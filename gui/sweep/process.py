@@ -21,13 +21,22 @@ SWEEP = [sys.executable, "-m", "multilane.engine.cli", "sweep", "--no-table"]
 class SweepProcess:
     """One ``multilane sweep`` process and the folder it writes into."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, storage: str | None = None) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
+        if storage:  # its password on no command line: `--storage -` reads it from standard input
+            args = [*args, "--storage", "-"]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*SWEEP, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [*SWEEP, *args],
+                stdin=subprocess.PIPE if storage else subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        if storage and self.proc.stdin is not None:
+            with self.proc.stdin:
+                self.proc.stdin.write((storage + "\n").encode())
 
     @classmethod
     def start(
@@ -46,7 +55,7 @@ class SweepProcess:
             args += ["--seed", str(settings["seed"])]
         for p in params:
             args += ["--param", p]
-        return cls(args, root / f".app-sweep-{time.time_ns()}.log")
+        return cls(args, root / f".app-sweep-{time.time_ns()}.log", settings.get("storage"))
 
     @classmethod
     def resume(cls, folder: str, devices: str) -> SweepProcess:

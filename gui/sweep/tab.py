@@ -15,6 +15,7 @@ from multilane.engine.errors import UserError
 from multilane.gui.sweep.live_plots import SweepPlots
 from multilane.gui.sweep.process import SweepProcess, check_params
 from multilane.gui.sweep.space_editor import SpaceEditor
+from multilane.gui.sweep.workers import HostWorkers
 from multilane.gui.window.runs_table import _Item
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QFont
@@ -22,11 +23,13 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
     QFileDialog,
+    QFrame,
     QGridLayout,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QSplitter,
     QTableWidget,
@@ -99,6 +102,7 @@ class SweepTab(QWidget):
             trial_bar.addWidget(b)
         trial_bar.addStretch(1)
         self.plots = SweepPlots()
+        self.workers = HostWorkers(self)  # the storage, and workers started on SSH hosts
 
         top = QWidget()
         tv = QVBoxLayout(top)
@@ -106,6 +110,7 @@ class SweepTab(QWidget):
         tv.addWidget(QLabel("<b>Parameters to vary</b> (everything else comes from the Setup tab)"))
         tv.addWidget(self.space)
         tv.addLayout(form)
+        tv.addWidget(self.workers)
         tv.addWidget(self.why)
         tv.addLayout(buttons)
         tv.addWidget(self.state)
@@ -114,10 +119,16 @@ class SweepTab(QWidget):
         mv.setContentsMargins(0, 0, 0, 0)
         mv.addWidget(self.table, 1)
         mv.addLayout(trial_bar)
+        self.scroll = scroll = (
+            QScrollArea()
+        )  # the settings scroll, so that the trials table keeps its rows on a small screen
+        scroll.setWidget(top)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.NoFrame)
         split = QSplitter(Qt.Vertical)
-        for w in (top, mid, self.plots):
+        for w in (scroll, mid, self.plots):
             split.addWidget(w)
-        split.setSizes([260, 300, 230])
+        split.setSizes([330, 260, 200])
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(split)
@@ -163,6 +174,7 @@ class SweepTab(QWidget):
             "pruner": self.pruner.currentText(),
             "seed": int(seed) if seed.isdigit() else None,
             "name": self.name.text().strip() or "sweep",
+            "storage": self.workers.storage.text().strip() or None,
         }
 
     def start(self) -> bool:
@@ -216,15 +228,27 @@ class SweepTab(QWidget):
         self.seed.setText("" if spec.seed is None else str(spec.seed))
         self.name.setText(spec.name)
         self.folder.setText(str(self.sweep.folder.parent))
+        self.workers.storage.setText(self.sweep.storage_url or "")
 
     def _resumable(self) -> bool:
         if self.sweep is None or self.running():
             return False
-        c = self.sweep.counts()
+        try:
+            c = self.sweep.counts()
+        except Exception:  # its database does not answer (poll says so)
+            return False
         return c["running"] == 0 and c["done"] < self.sweep.spec.trials
 
     # -- following -------------------------------------------------------------------------------------
     def poll(self) -> None:
+        try:
+            self._poll()
+        except Exception as e:  # a shared study's database that stopped answering: the table stays as it was
+            if self.sweep is None or not self.sweep.storage_url:
+                raise
+            self.state.setText(f"Cannot read the study from its storage: {(str(e).splitlines() or [''])[0][:200]}")
+
+    def _poll(self) -> None:
         if self.sweep is None and self.process is not None:
             folder = self.process.folder()
             if folder is not None and (folder / "sweep.json").exists():
@@ -261,6 +285,7 @@ class SweepTab(QWidget):
                 self.sweep.study, keys, self._log_keys(), spec.objective, spec.direction == "maximize"
             )
         self.validate()
+        self.workers.refresh()
 
     def _log_keys(self) -> set[str]:
         return {p.key for p in self.sweep.spec.params if p.kind == "log"}
@@ -269,7 +294,7 @@ class SweepTab(QWidget):
         spec = self.sweep.spec
         keys = [p.key for p in spec.params]
         headers = ["#", "state", *(k.removeprefix("task.params.") for k in keys), spec.objective, "best so far",
-                   "step", "duration (s)", "devices"]  # fmt: skip
+                   "step", "duration (s)", "devices", "host"]  # fmt: skip
         selected = set(self.selected_numbers())
         self.table.setSortingEnabled(False)
         self.table.setColumnCount(len(headers))
@@ -287,6 +312,7 @@ class SweepTab(QWidget):
             cells += [
                 _value_item(None if r["duration_s"] is None else round(r["duration_s"], 1)),
                 _Item(r["devices"], r["devices"]),
+                _Item(r["host"], r["host"]),
             ]
             for j, cell in enumerate(cells):
                 if r["is_best"]:
