@@ -82,3 +82,11 @@ def start_long_cli_run(runs_dir: Path, *settings: str, **popen_kwargs) -> subpro
     for setting in settings:
         args += ["--set", setting]
     return subprocess.Popen(args, **popen_kwargs)
+
+
+def run_folders(runs: Path) -> list[Path]:
+    """The run folders in a runs folder, without the hidden write probe a starting run makes there for
+    an instant (`check_writable`): a test polling a runs folder must not take the probe for a run."""
+    if not runs.is_dir():
+        return []
+    return sorted(p for p in runs.iterdir() if p.is_dir() and not p.name.startswith("."))

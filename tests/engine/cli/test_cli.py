@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLI, start_long_cli_run
+from helpers import CLI, run_folders, start_long_cli_run
 from multilane.engine.rundir.runlog import read_metrics
 
 
@@ -112,7 +112,7 @@ def test_ctrl_c_stops_gracefully_with_a_checkpoint(tmp_path):
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
-            runs = list(tmp_path.iterdir())
+            runs = run_folders(tmp_path)
             if runs and any(r["kind"] == "train" for r in read_metrics(runs[0])):
                 break
             time.sleep(0.2)

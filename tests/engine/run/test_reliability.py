@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import CLI, start_long_cli_run
+from helpers import CLI, run_folders, start_long_cli_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multilane.engine.config import RunConfig, build_config
@@ -164,12 +164,12 @@ def test_sigkill_at_any_moment_loses_nothing_already_written(tmp_path, delay):
         stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 60
-    while time.time() < deadline and not (runs.exists() and any(runs.iterdir())):
+    while time.time() < deadline and not run_folders(runs):
         time.sleep(0.05)
     time.sleep(delay)
     p.send_signal(signal.SIGKILL)
     p.wait(30)
-    (run,) = list(runs.iterdir())
+    (run,) = run_folders(runs)
     raw = (run / "metrics.jsonl").read_bytes() if (run / "metrics.jsonl").exists() else b""
     lines = [ln for ln in raw.split(b"\n") if ln.strip()]
     parsed = list(iter_metrics(run / "metrics.jsonl"))
