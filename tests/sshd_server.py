@@ -187,3 +187,15 @@ def add_host_alias(server: SshServer, alias: str) -> None:
         return
     block = text[text.index("Host testhost\n") : text.index("Host wrongkey\n")]
     cfg.write_text(text + "\n" + block.replace("Host testhost\n", f"Host {alias}\n"))
+
+
+def remote_window(make_window, qtbot, runs: Path, host: str = "testhost"):
+    """A main window (tests/gui) with ``host`` picked, its command and runs folder set, its devices read."""
+    w = make_window()
+    w.hosts.combo.setCurrentText(host)
+    w.hosts.command.setText(MULTILANE)
+    w.hosts.runs.setText(str(runs))
+    w.hosts.command.editingFinished.emit()
+    w.hosts.read_devices(host)  # again, now with the command set
+    qtbot.waitUntil(lambda: w.hosts.message.text() == f"devices of {host}", timeout=240_000)
+    return w

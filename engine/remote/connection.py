@@ -201,15 +201,23 @@ class Connection:
         self.close()
 
     # -- commands ------------------------------------------------------------------------------------
-    def run(self, command: str, timeout_s: float = COMMAND_TIMEOUT_S, login: bool = True) -> tuple[int, str, str]:
+    def run(
+        self, command: str, timeout_s: float = COMMAND_TIMEOUT_S, login: bool = True, stdin: str | None = None
+    ) -> tuple[int, str, str]:
         """Run ``command`` (one shell line, every user value already quoted) on the host: (exit code,
-        stdout, stderr). ``login``: through ``sh -l``, so the login PATH applies (pip --user installs)."""
+        stdout, stderr). ``login``: through ``sh -l``, so the login PATH applies (pip --user installs).
+        ``stdin``: written to the command's standard input, then closed (a secret that must appear on no
+        command line)."""
         line = f"sh -lc {shlex.quote(command)}" if login else command
         pm = paramiko()
         with self._lock:
             client = self.connect()._client
         try:
-            _, out, err = client.exec_command(line, timeout=timeout_s)
+            into, out, err = client.exec_command(line, timeout=timeout_s)
+            if stdin is not None:
+                into.write(stdin)
+                into.flush()
+                into.channel.shutdown_write()
             stdout = out.read().decode("utf-8", "replace")
             stderr = err.read().decode("utf-8", "replace")
             code = out.channel.recv_exit_status()

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from multilane.engine.errors import UserError
-from multilane.engine.remote.connection import COMMAND_TIMEOUT_S, Connection, Disconnected, RemoteError
+from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.remote.launch import remote_runs_folder
-from multilane.engine.remote.ssh import paramiko
 
 DEFAULT_SWEEPS = "sweeps"  # on the host, in the login's home: the worker's trial folders go in <it>/<study>
 STOP_GRACE_S = 120.0  # running trials finish their step and write a checkpoint before the worker exits
@@ -102,7 +101,7 @@ def start_worker(
         f"printf '%s\\n' \"$u\" | exec setsid {q(conn.remote_command)} {' '.join(q(a) for a in args)}"
         f" >> {q(log)} 2>&1 & echo $!"
     )
-    code, out, err = _run_with_input(conn, line, url + "\n")
+    code, out, err = conn.run(line, stdin=url + "\n")
     pid = out.strip().splitlines()[-1] if out.strip() else ""
     if code != 0 or not pid.isdigit():
         raise RemoteError(f"{conn.name}: could not start the sweep-worker ({redact(_line(err), url) or code})")
@@ -143,25 +142,6 @@ def read_log(conn: Connection, path: str, offset: int = 0) -> tuple[str, int]:
         except FileNotFoundError:
             return "", offset
     return data.decode("utf-8", "replace"), offset + len(data)
-
-
-def _run_with_input(conn: Connection, command: str, data: str) -> tuple[int, str, str]:
-    """``conn.run`` with ``data`` written to the command's standard input (then closed)."""
-    pm = paramiko()
-    with conn.lock:
-        client = conn.connect()._client
-    try:
-        stdin, out, err = client.exec_command(f"sh -lc {shlex.quote(command)}", timeout=COMMAND_TIMEOUT_S)
-        stdin.write(data)
-        stdin.flush()
-        stdin.channel.shutdown_write()
-        stdout = out.read().decode("utf-8", "replace")
-        stderr = err.read().decode("utf-8", "replace")
-        code = out.channel.recv_exit_status()
-    except (OSError, EOFError, pm.SSHException) as e:
-        conn.close()
-        raise Disconnected(f"{conn.name}: the connection dropped ({type(e).__name__})") from None
-    return code, stdout, stderr
 
 
 def _line(text: str) -> str:

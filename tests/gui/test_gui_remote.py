@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from sshd_server import MULTILANE
+from sshd_server import remote_window
 
 
 def configure(w, task: str, steps: int, log_every: int, eval_every: int) -> None:
@@ -19,17 +19,6 @@ def configure(w, task: str, steps: int, log_every: int, eval_every: int) -> None
 
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def remote_window(make_window, qtbot, runs: Path, host: str = "testhost"):
-    w = make_window()
-    w.hosts.combo.setCurrentText(host)
-    w.hosts.command.setText(MULTILANE)
-    w.hosts.runs.setText(str(runs))
-    w.hosts.command.editingFinished.emit()
-    w.hosts.read_devices(host)  # again, now with the command set
-    qtbot.waitUntil(lambda: w.hosts.message.text() == f"devices of {host}", timeout=240_000)
-    return w
 
 
 def test_the_hosts_list_holds_ssh_config_aliases_and_remembers_added_hosts(ssh_home, make_window, qtbot):

@@ -12,22 +12,11 @@ from pathlib import Path
 import pytest
 from helpers import CLI
 from multilane.engine.rundir.runlog import load_metrics, read_metrics
-from sshd_server import MULTILANE
+from sshd_server import remote_window
 
 pytestmark = pytest.mark.timeout(900)
 STEPS, LOG_EVERY, EVAL_EVERY = 3000, 5, 500
 SAME = ("step", "loss", "device_loss", "lr", "epoch", "grad_norm")
-
-
-def remote_window(make_window, qtbot, runs: Path, host: str = "testhost"):
-    w = make_window()
-    w.hosts.combo.setCurrentText(host)
-    w.hosts.command.setText(MULTILANE)
-    w.hosts.runs.setText(str(runs))
-    w.hosts.command.editingFinished.emit()
-    w.hosts.read_devices(host)  # again, now with the command set
-    qtbot.waitUntil(lambda: w.hosts.message.text() == f"devices of {host}", timeout=240_000)
-    return w
 
 
 def story(run_dir):
