@@ -49,6 +49,9 @@ def read_remote_json(folder: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("host"), str) else None
 
 
+SAME_SECOND_S = 1.5  # a stamp seen this long ago cannot change within its second any more
+
+
 class RemoteMirror:
     """Copies one run folder on a host into a local folder; ``sync()`` raises ``Disconnected``."""
 
@@ -63,6 +66,8 @@ class RemoteMirror:
                 body["nodes"] = run.nodes
             _atomic_write(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
         self._stamps: dict[str, tuple[int, int]] = {}
+        self._stamp_seen: dict[str, float] = {}  # when each stamp was first seen (time.monotonic)
+        self._copied: dict[str, bytes] = {}  # what was copied of each replaced file
 
     def sync(self) -> bool:
         """Copy what changed since the last sync; True when anything did."""
@@ -90,14 +95,23 @@ class RemoteMirror:
         except FileNotFoundError:
             return None
         stamp = (int(st.st_mtime or 0), int(st.st_size or 0))
-        if self._stamps.get(name) == stamp and (self.local / name).exists():
+        now = time.monotonic()
+        if self._stamps.get(name) != stamp:
+            self._stamp_seen[name] = now
+        elif (self.local / name).exists() and now - self._stamp_seen.get(name, now) > SAME_SECOND_S:
             return None
+        # SFTP gives whole-second mtimes: a file rewritten in the same second at the same size (a status
+        # going from "running" to "finished") keeps its stamp. Until its second has surely passed (the
+        # host's clock read that second when we first saw it), the file is read again and compared.
         try:
             with sftp.open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:  # replaced between stat and open: the next sync reads it
             return None
+        if self._stamps.get(name) == stamp and self._copied.get(name) == data and (self.local / name).exists():
+            return None
         self._stamps[name] = stamp
+        self._copied[name] = data
         return data
 
     def _append(self, sftp: Any, name: str) -> bool:

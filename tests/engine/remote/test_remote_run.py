@@ -153,3 +153,26 @@ def test_ctrl_c_stops_the_run_on_the_host(sshd, tmp_path):
     remote = Path(json.loads((mirror / "remote.json").read_text())["path"])
     assert state(remote) == "stopped" and state(mirror) == "stopped"
     assert (mirror / "metrics.jsonl").read_bytes() == (remote / "metrics.jsonl").read_bytes()
+
+
+def test_a_status_rewritten_in_the_same_second_at_the_same_size_reaches_the_mirror(sshd, ssh_home, tmp_path):
+    # SFTP's mtimes are whole seconds: "running" at step 0 then "finished" at step 6, the same size and
+    # the same second, once kept the mirror "running" for ever (a multi-host GUI run read as failed).
+    from multilane.engine.remote.connection import connect
+    from multilane.engine.remote.mirror import RemoteMirror
+
+    remote = sshd.runs / "same-second"
+    remote.mkdir(parents=True)
+    first, last = b'{"state": "running", "step": 10}\n', b'{"state": "finished", "step": 9}\n'
+    assert len(first) == len(last)
+    (remote / "status.json").write_bytes(first)
+    os.utime(remote / "status.json", (1_800_000_000.2, 1_800_000_000.2))
+    with connect("testhost", remote_command=MULTILANE) as conn:
+        mirror = RemoteMirror(conn, str(remote), tmp_path / "mirror")
+        mirror.sync()
+        assert (tmp_path / "mirror" / "status.json").read_bytes() == first
+        (remote / "status.json").write_bytes(last)
+        os.utime(remote / "status.json", (1_800_000_000.7, 1_800_000_000.7))  # the same whole second
+        mirror.sync()
+        assert (tmp_path / "mirror" / "status.json").read_bytes() == last
+        assert not mirror.sync()  # nothing new: no copy, nothing reported
