@@ -54,23 +54,23 @@ class HostPicks(QObject):
         host = self.devices.host
         if host is None or host != self.hosts.host:
             return
-        names = [d.name for d in self.devices.selected()]
-        if names:
-            self.picks[host] = names
-        else:
-            self.picks.pop(host, None)
+        self._remember(host)
         self._update()
 
     def _leaving(self, *_: Any) -> None:
         """Another place is picked: what the list shows for the host it leaves is that host's picks."""
         old = self.devices.host
         if old is not None:
-            names = [d.name for d in self.devices.selected()]
-            if names:
-                self.picks[old] = names
-            else:
-                self.picks.pop(old, None)
+            self._remember(old)
         self._update()
+
+    def _remember(self, host: str) -> None:
+        """What the list shows checked now is ``host``'s picks (none checked: it has none)."""
+        names = [d.name for d in self.devices.selected()]
+        if names:
+            self.picks[host] = names
+        else:
+            self.picks.pop(host, None)
 
     def _devices_changed(self, *_: Any) -> None:
         """The picker changed; when it was just refilled with a host's list, that host's picks come back."""
