@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engine"
 QT = ("PySide6", "PyQt5", "PyQt6", "pyqtgraph", "shiboken6")
@@ -27,6 +29,7 @@ def test_engine_source_imports_no_qt():
     assert set(gui_users) <= {"main.py"}
 
 
+@pytest.mark.slow
 def test_engine_trains_with_qt_unimportable(tmp_path):
     # Qt made unimportable in a real subprocess: the engine must still train (the GPU box has no PySide6).
     code = f"""
@@ -94,6 +97,7 @@ def test_no_module_imports_a_module_of_a_folder_above_it():
     assert [o for o in offenders if o.split(" imports ")[1] not in shared] == []
 
 
+@pytest.mark.slow
 def test_public_names_of_the_docs_import_from_the_engine_without_torch():
     code = (
         "import sys; import multilane.engine as e; import multilane.engine.run, multilane.engine.rundir, "

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import psutil
+from multilane.engine.cli.watch import format_telemetry
 from multilane.engine.numbers import format_number
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
 from rich.console import Console
@@ -140,21 +141,6 @@ def data_wait(record: dict[str, Any]) -> str:
     if not wait or not step or wait / step < DATA_WAIT_SHOWN:
         return ""
     return f" · waiting on data {min(1.0, wait / step):.0%}"
-
-
-def format_telemetry(record: dict[str, Any]) -> str:
-    """A short line of what each device is doing: "· cuda:0 97% 41.2 GiB · cuda:1 95% 38.0 GiB"."""
-    parts = []
-    for name, d in record.get("devices", {}).items():
-        rate = d.get("util_pct") or d.get("busy_pct")
-        text = name + (f" {rate['mean']:.0f}%" if rate else "")
-        if d.get("mem_used_mb") is not None:
-            text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
-        parts.append(text)
-    rss = record.get("process", {}).get("rss_mb")
-    if rss is not None:
-        parts.append(f"rss {rss / 1024:.1f} GiB")
-    return "· " + " · ".join(parts) if parts else ""
 
 
 def summary(result: RunResult, total_steps: int | None = None, timing: dict[str, float] | None = None) -> str:

@@ -12,11 +12,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.progress import format_telemetry
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
 from multilane.engine.rundir.runs_folder import run_folder_problem
+
+
+def format_telemetry(record: dict[str, Any]) -> str:
+    """A short line of what each device is doing: "· cuda:0 97% 41.2 GiB · cuda:1 95% 38.0 GiB"."""
+    parts = []
+    for name, d in record.get("devices", {}).items():
+        rate = d.get("util_pct") or d.get("busy_pct")
+        text = name + (f" {rate['mean']:.0f}%" if rate else "")
+        if d.get("mem_used_mb") is not None:
+            text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
+        parts.append(text)
+    rss = record.get("process", {}).get("rss_mb")
+    if rss is not None:
+        parts.append(f"rss {rss / 1024:.1f} GiB")
+    return "· " + " · ".join(parts) if parts else ""
 
 
 class WatchState:

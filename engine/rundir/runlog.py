@@ -27,7 +27,6 @@ from typing import Any
 
 import filelock
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.checkpoint_file import load_checkpoint, save_checkpoint_file
 from multilane.engine.rundir.run_lock import LOCK, lock_run_folder, refuse_if_in_use
 from multilane.engine.rundir.runread import (
     CHECKPOINT,
@@ -214,6 +213,8 @@ class RunDir:
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         """Write ``checkpoints/last.pt`` atomically. On a full disk: ``OSError`` (ENOSPC), the
         temporary file removed, the previous checkpoint untouched."""
+        from multilane.engine.rundir.checkpoint_file import save_checkpoint_file  # torch: not for readers
+
         save_checkpoint_file(self.path / CHECKPOINT, state)
 
     def reserve_space(self, nbytes: int = RESERVE_BYTES) -> None:
@@ -243,6 +244,8 @@ class RunDir:
 
     # -- reading --------------------------------------------------------------------------------
     def load_checkpoint(self) -> dict[str, Any]:
+        from multilane.engine.rundir.checkpoint_file import load_checkpoint
+
         return load_checkpoint(self.path / CHECKPOINT)
 
     def read_json(self, name: str) -> dict[str, Any] | None:

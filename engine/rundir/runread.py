@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
 from multilane.engine.rundir.records import is_int, iter_lines, parse_record, record_problem
@@ -113,6 +112,8 @@ def run_task_name(run_dir: str | Path) -> str | None:
 
 def checkpoint_problem(ck: Any) -> str | None:
     """What a resume cannot use in a loaded checkpoint, or None."""
+    import torch  # here, not at the top: `multilane watch` reads run folders without torch's 2 s import
+
     if not isinstance(ck, dict):
         return f"it holds a {type(ck).__name__}, not a table of the run's state"
     for key in ("model", "optimizer", "config"):

@@ -28,6 +28,7 @@ def load_driver():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(960)
 def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tmp_path):
     out = tmp_path / "out"
@@ -65,6 +66,7 @@ def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tm
     assert "gpu_check (dry run on CPU lanes)" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_check_past_its_timeout_is_a_failed_row_and_its_processes_are_gone(tmp_path):
     driver = load_driver()

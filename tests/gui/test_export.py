@@ -81,6 +81,7 @@ def spine_rows_cols(img: np.ndarray) -> tuple[int, int]:
     return int(np.argmax(dark.sum(axis=1))), int(np.argmax(dark.sum(axis=0)))
 
 
+@pytest.mark.slow
 def test_the_svg_drawn_by_cairosvg_lines_up_with_the_png(tmp_path):
     run = synthetic_run()
     opts = FigureOptions()
@@ -140,6 +141,7 @@ def test_a_comparison_draws_one_named_curve_per_run(tmp_path):
     assert lx0 >= ax1  # the legend is outside the axes: it covers no data
 
 
+@pytest.mark.slow
 def test_multilane_export_needs_no_qt_and_makes_every_file(tmp_path):
     # A tiny real run, then `multilane export` in a process that must never import Qt.
     runs = tmp_path / "runs"

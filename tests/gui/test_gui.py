@@ -58,6 +58,7 @@ def test_two_lanes_run_plots_every_logged_point_of_every_device(qtbot, window):
     assert window.start_btn.isEnabled() and not window.stop_btn.isEnabled()
 
 
+@pytest.mark.slow
 def test_export_png_svg_pdf_csv_from_the_app(qtbot, window, tmp_path):
     configure(window, steps=12, log_every=1)
     result = start_and_wait(qtbot, window)
@@ -80,6 +81,7 @@ def test_export_png_svg_pdf_csv_from_the_app(qtbot, window, tmp_path):
     assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path):
     # pyqtgraph's own "Export..." (its SVG exporter breaks with PySide6 6.12) is replaced by the app's,
     # which asks once: folder (starting in the run's folder), PNG width and formats in one dialog.
@@ -329,6 +331,7 @@ def test_switching_the_x_axis_to_wall_time(qtbot, window):
     assert xs[0] >= 0 and xs[-1] < 60 and list(xs) == sorted(xs)
 
 
+@pytest.mark.slow
 def test_training_yields_to_the_window_while_it_repaints_and_not_when_told_not_to(qtbot, window):
     from multilane.gui.runs.redraw_pace import RedrawPace
 
@@ -346,6 +349,7 @@ def test_training_yields_to_the_window_while_it_repaints_and_not_when_told_not_t
     assert window.run.control.held_s == 0
 
 
+@pytest.mark.slow
 def test_a_window_that_does_not_paint_does_not_hold_training(qtbot, window):
     # Never shown (like a minimized window): no paint ends a hold, so at most one hold, which
     # ends by itself, is taken.
@@ -376,6 +380,7 @@ def test_the_worker_runs_synchronously_too(qtbot, tmp_path):
     assert blocker.args[0]["status"] == "finished" and any(r["kind"] == "train" for r in got)
 
 
+@pytest.mark.slow
 def test_multilane_export_headless_makes_the_same_files(qtbot, window, tmp_path):
     configure(window, steps=6, log_every=1)
     run_dir = start_and_wait(qtbot, window)["run_dir"]

@@ -43,6 +43,7 @@ def wait_done(qtbot, w, timeout=120_000):
     return w.last_result
 
 
+@pytest.mark.slow
 def test_separate_process_is_the_default_and_the_plots_follow_the_childs_folder(qtbot, window, tmp_path):
     assert window.separate.isChecked() and window.separate.isEnabled()
     configure(window, task="linear", steps=30, log_every=3, eval_every=15)
@@ -68,6 +69,7 @@ def test_separate_process_is_the_default_and_the_plots_follow_the_childs_folder(
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
 
 
+@pytest.mark.slow
 def test_pause_resume_stop_through_the_control_file_then_resume_the_run(qtbot, window):
     configure(window)
     window.start()
@@ -103,6 +105,7 @@ def test_pause_resume_stop_through_the_control_file_then_resume_the_run(qtbot, w
     assert started[-1]["resumed_from_step"] == stopped_at
 
 
+@pytest.mark.slow
 def test_a_killed_child_shows_failed_and_the_folder_says_so(qtbot, window):
     configure(window)
     window.start()
@@ -119,6 +122,7 @@ def test_a_killed_child_shows_failed_and_the_folder_says_so(qtbot, window):
     assert window.start_btn.isEnabled()
 
 
+@pytest.mark.slow
 def test_a_task_rejected_at_setup_is_one_line_and_leaves_no_folder(qtbot, window, tmp_path):
     task = tmp_path / "no_params.py"
     task.write_text(NO_PARAMS_TASK)
@@ -132,6 +136,7 @@ def test_a_task_rejected_at_setup_is_one_line_and_leaves_no_folder(qtbot, window
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.slow
 def test_a_task_that_fails_mid_run_shows_the_error_and_its_traceback(qtbot, window, tmp_path):
     task = tmp_path / "broken_task.py"
     task.write_text(BROKEN_TASK)
@@ -142,6 +147,7 @@ def test_a_task_that_fails_mid_run_shows_the_error_and_its_traceback(qtbot, wind
     assert "my model is broken" in window.error_box.detailedText()  # error.txt's traceback
 
 
+@pytest.mark.slow
 def test_closing_the_app_stops_its_child_with_a_checkpoint(qtbot, window):
     configure(window)
     window.show()
@@ -156,6 +162,7 @@ def test_closing_the_app_stops_its_child_with_a_checkpoint(qtbot, window):
     assert (run_dir / "checkpoints" / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_closing_the_app_can_leave_the_child_training(qtbot, window):
     configure(window)
     window.show()
@@ -177,6 +184,7 @@ def test_closing_the_app_can_leave_the_child_training(qtbot, window):
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
 
 
+@pytest.mark.slow
 def test_a_config_the_child_refuses_is_one_line_not_a_traceback(qtbot, window):
     configure(window, task="linear", steps=3, log_every=1)
     window.form.editors["train.precision"].widget.setCurrentText("fp16")  # checked by the engine: CPU lanes

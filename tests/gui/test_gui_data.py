@@ -39,6 +39,7 @@ def test_the_data_tasks_paths_have_pickers_and_workers_default_to_auto(qtbot, wi
     assert form.param_editors["root"].get() == str(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_charlm_run_in_the_app_shows_the_models_text(qtbot, window, tmp_path):
     corpus = tmp_path / "text.txt"
     corpus.write_text("abc abc abc.\n" * 50)

@@ -34,6 +34,7 @@ def rank_devices(data: RunData) -> list[str]:
     return devices
 
 
+@pytest.mark.slow
 def test_every_ranks_utilization_and_memory_are_drawn(qtbot, window, ddp_run):
     window.open_run(str(ddp_run))
     plots = window.plots

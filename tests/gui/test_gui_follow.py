@@ -43,6 +43,7 @@ def test_follow_a_cli_run_live_and_stop_it_from_the_app(qtbot, window, tmp_path)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
 
 
+@pytest.mark.slow
 def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_rank_loss(qtbot, window, tmp_path):
     window.form.set_task("linear")
     window.form.editors["train.steps"].widget.setValue(12)
@@ -62,6 +63,7 @@ def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_ra
     assert sorted(k.split("/")[1] for k in window.plots.data.devices) == ["rank0", "rank1"]
 
 
+@pytest.mark.slow
 def test_a_followed_run_whose_process_is_killed_ends_with_one_line_saying_so(qtbot, window, tmp_path):
     """A SIGKILL leaves status.json at "running" for ever: the follower sees its writer is gone
     (the lock file names the pid and host) and ends, in the app and in ``multilane watch``."""

@@ -11,7 +11,8 @@ import pytest
 from PySide6.QtCore import Qt
 from sshd_server import MULTILANE, add_host_alias
 
-pytestmark = pytest.mark.timeout(900)
+# One xdist group for the tests that start `--node-rank` launchers: some assert that none is left on the machine.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("node-rank")]
 
 
 def pick_host(w, qtbot, host: str, runs: Path) -> None:
@@ -28,6 +29,7 @@ def click(w, name: str, on: bool) -> None:
     item.setCheckState(0, Qt.Checked if on else Qt.Unchecked)
 
 
+@pytest.mark.slow
 def test_picks_on_two_hosts_make_one_ddp_run_across_them(ssh_home, sshd, make_window, qtbot, tmp_path):
     add_host_alias(sshd, "hostb")
     a, b = tmp_path / "host-a", tmp_path / "host-b"

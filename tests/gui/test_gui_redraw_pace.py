@@ -27,6 +27,7 @@ def test_redraws_take_at_most_two_percent_of_the_machine(cores, cost_ms, interva
     assert pace.interval_ms() == pytest.approx(interval_ms, abs=1)
 
 
+@pytest.mark.slow
 def test_the_window_paces_its_redraws_while_a_run_trains_and_not_after(qtbot, window):
     window.redraw_pace = RedrawPace(cores=1, share=0.0005)  # a budget any real redraw exceeds
     configure(window, task="mlp", steps=400, log_every=2)

@@ -32,6 +32,7 @@ def test_the_hosts_list_holds_ssh_config_aliases_and_remembers_added_hosts(ssh_h
     assert w2.hosts.combo.findText("me@gpu-box.example:2222") > 0  # remembered
 
 
+@pytest.mark.slow
 def test_a_remote_run_started_from_the_window_is_followed_and_stopped(ssh_home, sshd, make_window, qtbot, tmp_path):
     w = remote_window(make_window, qtbot, sshd.runs)
     assert w.devices.host == "testhost" and [d.name for d in w.devices.selected()] == ["cpu:0", "cpu:1"]
@@ -54,6 +55,7 @@ def test_a_remote_run_started_from_the_window_is_followed_and_stopped(ssh_home, 
     assert row.status == "stopped" and row.task == "linear"
 
 
+@pytest.mark.slow
 def test_a_window_closed_mid_run_leaves_it_training_and_a_new_window_offers_to_follow_it(
     ssh_home, sshd, make_window, qtbot
 ):

@@ -36,6 +36,7 @@ def files_holding(root: Path, secret: bytes) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
 
 
+@pytest.mark.slow
 def test_a_passphrase_is_asked_in_the_window_connects_and_is_written_nowhere(
     ssh_home, sshd, make_window, qtbot, tmp_path
 ):
@@ -83,6 +84,7 @@ def test_a_passphrase_is_asked_in_the_window_connects_and_is_written_nowhere(
     assert files_holding(sshd.runs, secret) == []  # the run folder there (its config, console.log)
 
 
+@pytest.mark.slow
 def test_cancel_is_one_line_and_asks_no_more(ssh_home, sshd, make_window, qtbot, tmp_path):
     w, host = pick_locked_host(make_window, sshd, tmp_path)
     the_box(qtbot, w).reject()

@@ -32,6 +32,7 @@ def the_list(qtbot, w):
     return box
 
 
+@pytest.mark.slow
 def test_a_run_stopped_there_resumes_from_the_window_to_its_end_as_a_straight_run(
     ssh_home, sshd, make_window, qtbot, tmp_path
 ):
@@ -86,6 +87,7 @@ def test_a_run_stopped_there_resumes_from_the_window_to_its_end_as_a_straight_ru
     assert story(mirror) == story(straight)
 
 
+@pytest.mark.slow
 def test_a_run_still_live_there_is_marked_in_the_list_and_refused_in_one_line(
     ssh_home, sshd, make_window, qtbot, tmp_path
 ):

@@ -39,6 +39,7 @@ def shown(table) -> list[str]:
     return [Path(p).name.split("-")[-1] for p in table.visible_paths()]
 
 
+@pytest.mark.slow
 def test_search_and_the_state_filter_narrow_the_table(qtbot, window, runs):
     window.tabs.setCurrentWidget(window.runs_table)
     t = window.runs_table
@@ -73,6 +74,7 @@ def test_every_column_sorts_by_its_value(qtbot, window, runs):
     assert [table.item(r, col("steps")).text() for r in range(3)] == ["120/120", "30/30", "0/120"]
 
 
+@pytest.mark.slow
 def test_tags_and_a_note_are_kept_in_the_run_folder_and_searchable(qtbot, window, runs):
     window.tabs.setCurrentWidget(window.runs_table)
     t = window.runs_table
@@ -90,6 +92,7 @@ def test_tags_and_a_note_are_kept_in_the_run_folder_and_searchable(qtbot, window
     assert shown(t) == ["gamma"]
 
 
+@pytest.mark.slow
 def test_rename_and_delete_to_the_trash_with_undo(qtbot, window, runs):
     window.tabs.setCurrentWidget(window.runs_table)
     t = window.runs_table
@@ -109,6 +112,7 @@ def test_rename_and_delete_to_the_trash_with_undo(qtbot, window, runs):
     assert len(t.visible_paths()) == 3 and not list(trash.iterdir())
 
 
+@pytest.mark.slow
 def test_the_table_refreshes_by_itself_as_runs_start_and_end_and_a_live_run_is_not_deleted(
     qtbot, window, runs, tmp_path
 ):

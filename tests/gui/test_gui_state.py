@@ -32,6 +32,7 @@ def _training_time(text: str) -> float:
     return float(sum(v * 60**i for i, v in enumerate(reversed(parts))))
 
 
+@pytest.mark.slow
 def test_following_a_run_that_is_already_paused_shows_it_paused(qtbot, make_window, tmp_path):
     window = make_window(separate=True)
     runs = tmp_path / "cli-runs"
@@ -206,6 +207,7 @@ def test_opening_a_run_over_an_edited_form_asks_before_replacing_it(qtbot, windo
     assert len(seen) == 2
 
 
+@pytest.mark.slow
 def test_open_run_on_a_folder_that_is_not_a_run_says_what_the_cli_says(qtbot, window, tmp_path):
     from helpers import CLI
 
@@ -243,6 +245,7 @@ def test_an_unwritable_runs_folder_is_refused_at_start_before_any_set_up(qtbot, 
         window.error_box.close()
 
 
+@pytest.mark.slow
 def test_the_app_lists_the_cpu_lanes_multilane_devices_lists(window):
     from helpers import CLI
 

@@ -17,6 +17,7 @@ def _select(tab, number):
     tab.table.selectRow(row)
 
 
+@pytest.mark.slow
 def test_sweep_tab_prunes_and_stops_trials_from_its_table_and_exports_the_sweep(make_window, qtbot, tmp_path):
     w = make_window(("cpu:0", "cpu:1"))
     w.form.set_task("digits")

@@ -19,6 +19,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow
 def test_the_sweep_tab_starts_a_worker_on_a_host_shows_its_trials_and_stops_it(
     ssh_home, sshd, make_window, qtbot, tmp_path
 ):

@@ -94,6 +94,7 @@ def assert_drawn_is_true(item, x, y, lo, hi, width):
     )  # blocks of at most a quarter column: an extreme may sit in the next one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [600, 20_000, 300_000])
 def test_the_drawn_throughput_holds_every_pixel_columns_extremes_at_every_zoom(panel, qtbot, n):
     data = make_run(n=n, every=1 if n > 600 else 10)

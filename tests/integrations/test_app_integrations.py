@@ -10,6 +10,7 @@ from integration_runs import records, run_folder, start_script, status
 from torch.utils.tensorboard import SummaryWriter
 
 
+@pytest.mark.slow
 def test_the_app_follows_a_lightning_run_live_and_its_stop_ends_it(qtbot, make_window, tmp_path):
     window = make_window(separate=True)
     proc = start_script("lightning_script.py", tmp_path, "--steps", "400", "--sleep", "0.3")
@@ -42,6 +43,7 @@ def snapshot(folder) -> dict:
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.slow
 def test_open_a_tensorboard_logdir_follow_it_and_export_it_without_writing_into_it(qtbot, window, tmp_path):
     logdir = tmp_path / "tb" / "run1"
     w = SummaryWriter(str(logdir))

@@ -12,6 +12,7 @@ from multilane.engine.rundir.runlog import read_json
 SCRIPT = "lightning_script.py"
 
 
+@pytest.mark.slow
 def test_lightning_run_folder_holds_every_step_the_trainer_logged_and_exports(tmp_path):
     run = run_script(SCRIPT, tmp_path, "--steps", "8")
     train = records(run, "train")
@@ -51,6 +52,7 @@ def rank1_telemetry(run) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_lightning_ddp_on_two_cpu_processes_records_each_rank_and_stops_both_at_one_step(tmp_path):
     proc = start_script(SCRIPT, tmp_path, "--devices", "2", "--steps", "400", "--sleep", "0.15")
     try:
@@ -80,6 +82,7 @@ def test_lightning_ddp_on_two_cpu_processes_records_each_rank_and_stops_both_at_
     assert read_json(run / "config.json")["devices"]["strategy"] == "ddp"
 
 
+@pytest.mark.slow
 def test_stop_in_the_control_file_saves_a_lightning_checkpoint_and_ends_within_a_step_pause_waits(tmp_path):
     proc = start_script(SCRIPT, tmp_path, "--steps", "400", "--sleep", "0.15", "--checkpoint", "--accumulate", "2")
     try:

@@ -26,6 +26,7 @@ def f32(x: float) -> float:
     return pytest.approx(x, rel=1e-6, abs=1e-30)  # TensorBoard keeps scalars as float32
 
 
+@pytest.mark.slow
 def test_a_runs_tensorboard_files_read_back_to_its_records(tmp_path):
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--task", "mlp", "--steps", "60", "--devices", "cpu:0,cpu:1", "--runs-dir", str(runs)]
@@ -172,6 +173,7 @@ except ImportError as e:
     ), line
 
 
+@pytest.mark.slow
 def test_train_tensorboard_without_tensorboard_is_one_line_and_writes_nothing(tmp_path):
     code = (
         BLOCK.format(blocked=("tensorboard",))
@@ -190,6 +192,7 @@ sys.exit(main(['train', '--task', 'linear', '--steps', '3', '--devices', 'cpu:0'
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_a_ddp_run_writes_one_set_of_event_files_with_every_ranks_loss(tmp_path):
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--task", "linear", "--steps", "6", "--devices", "cpu:0,cpu:1", "--strategy", "ddp"]

@@ -28,6 +28,7 @@ def test_trainer_logs_become_the_run_folders_records_step_for_step(tmp_path):
     assert cfg["task"]["name"] == "transformers:GPT2LMHeadModel" and cfg["data"]["batch_size"] == 4
 
 
+@pytest.mark.slow
 def test_a_stop_in_the_control_file_ends_the_trainer_within_a_step(tmp_path):
     proc = start_script(SCRIPT, tmp_path, "--steps", "400", "--sleep", "0.3")
     try:

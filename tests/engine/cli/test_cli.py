@@ -21,6 +21,7 @@ def only_run(runs: Path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_digits_on_two_cpu_lanes_reaches_90_percent_and_leaves_a_complete_run_directory(tmp_path):
     r = multilane(
         "train",
@@ -53,6 +54,7 @@ def test_digits_on_two_cpu_lanes_reaches_90_percent_and_leaves_a_complete_run_di
     assert "validation loss" in r.stdout and str(run) in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -86,6 +88,7 @@ def test_devices_lists_cpu_lanes_as_json():
     assert devices[-1]["kind"] == "cpu" and devices[-1]["cores"] >= 1
 
 
+@pytest.mark.slow
 def test_config_file_and_flags_combine_with_flags_winning(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[task]\nname = "linear"\n[train]\nsteps = 50\n[optim]\nlr = 0.5\nname = "sgd"\n')
@@ -98,6 +101,7 @@ def test_config_file_and_flags_combine_with_flags_winning(tmp_path):
     assert saved["devices"]["strategy"] == "persistent"
 
 
+@pytest.mark.slow
 def test_resume_from_the_command_line_continues_the_run(tmp_path):
     assert multilane("train", "--task", "linear", "--steps", "5", "--runs-dir", str(tmp_path)).returncode == 0
     run = only_run(tmp_path)
@@ -107,6 +111,7 @@ def test_resume_from_the_command_line_continues_the_run(tmp_path):
     assert [x["step"] for x in read_metrics(run) if x["kind"] == "train"][-1] == 9
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_gracefully_with_a_checkpoint(tmp_path):
     p = start_long_cli_run(tmp_path, "train.log_every=5", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

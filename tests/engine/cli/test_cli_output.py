@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import CLI
 
 
@@ -50,6 +51,7 @@ def test_a_config_error_shows_before_torch_is_imported(tmp_path):
     assert time.monotonic() - t < 30  # seconds at worst on a loaded machine; ~0.3 s alone
 
 
+@pytest.mark.slow
 def test_off_a_terminal_progress_lines_are_whole_and_the_last_has_the_final_validation(tmp_path):
     r = multilane(
         *("train", "--task", "linear", "--steps", "40", "--devices", "cpu:0,cpu:1", "--runs-dir", str(tmp_path)),

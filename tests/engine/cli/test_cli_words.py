@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import CLI, start_long_cli_run
 from multilane.engine.rundir.control_file import write_control
 
@@ -16,6 +17,7 @@ def multilane(*args, timeout=300, **kw):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+@pytest.mark.slow
 def test_every_subcommand_says_multilane_error_like_the_rest(tmp_path):
     for args in (
         ("train", "--bogus"),
@@ -34,6 +36,7 @@ def test_every_subcommand_says_multilane_error_like_the_rest(tmp_path):
     assert r.stderr.startswith("multilane: error: train: argument --steps: 'many' is not a whole number"), r.stderr
 
 
+@pytest.mark.slow
 def test_devices_lists_one_lane_per_usable_core_the_apps_rule(tmp_path):
     from multilane.engine.telemetry.devices import cpu_lane_count
 
@@ -49,6 +52,7 @@ def test_devices_lists_one_lane_per_usable_core_the_apps_rule(tmp_path):
     assert cpu["cores"] == 1 and cpu["lanes"] == 2  # a container's share, not the machine's
 
 
+@pytest.mark.slow
 def test_an_unwritable_runs_folder_is_refused_before_the_tasks_set_up(tmp_path):
     marker = tmp_path / "data-was-built"
     task = tmp_path / "slow_setup.py"
@@ -68,6 +72,7 @@ def test_an_unwritable_runs_folder_is_refused_before_the_tasks_set_up(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_watch_off_a_terminal_prints_a_line_when_the_run_moves_not_every_second(tmp_path):
     runs = tmp_path / "runs"
     # telemetry every 0.2 s, but no step logged for a long time: nothing new for a reader of the log

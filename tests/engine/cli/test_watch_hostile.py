@@ -72,6 +72,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *words: str) -> None
         assert w in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_watch_shows_a_real_run_stopped_by_a_nan_loss(tmp_path):
     task = tmp_path / "nan.py"
     task.write_text(NAN_TASK)
@@ -102,6 +103,7 @@ DAMAGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGES), ids=list(DAMAGES))
 def test_watch_survives_a_damaged_metrics_line(run, damage):
     with open(run / "metrics.jsonl", "a") as f:
@@ -112,6 +114,7 @@ def test_watch_survives_a_damaged_metrics_line(run, damage):
     assert out.stdout.strip().splitlines()[-1].startswith("finished: step 6/6")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ['"abc"', "NaN", "-1", "1e400", "[1]"])
 def test_watch_survives_a_damaged_status_step(run, step):
     text = (run / "status.json").read_text()
@@ -128,6 +131,7 @@ def test_watch_refuses_a_bad_interval(run, interval):
     assert out.stderr.count("\n") == 1 and "--interval" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["metrics.jsonl", "status.json"])
 @pytest.mark.parametrize("what", ["fifo", "folder"])
 def test_watch_refuses_a_run_file_that_is_not_a_file(run, name, what):
@@ -140,6 +144,7 @@ def test_watch_refuses_a_run_file_that_is_not_a_file(run, name, what):
     assert_one_line_error(out, name, "FIFO" if what == "fifo" else "folder")
 
 
+@pytest.mark.slow
 def test_watch_of_the_runs_folder_names_it(run):
     out = watch(str(run.parent), timeout=60)
     assert_one_line_error(out, "is a runs folder, not a run", str(run))
@@ -154,6 +159,7 @@ def _running(run: Path, lock_text: str) -> None:
     (run / ".lock").write_text(lock_text)
 
 
+@pytest.mark.slow
 def test_watch_ends_when_the_writers_pid_was_reused_by_a_live_process(run):
     other = subprocess.Popen(["sleep", "300"])  # an unrelated live process with the writer's old pid
     try:
@@ -166,6 +172,7 @@ def test_watch_ends_when_the_writers_pid_was_reused_by_a_live_process(run):
     assert "no longer holds the run's lock" in out.stdout
 
 
+@pytest.mark.slow
 def test_watch_ends_on_a_status_whose_state_is_a_list(run):
     _running(run, f"{os.getpid()}\n{socket.gethostname()}\n")
     (run / "status.json").write_text(json.dumps({"state": ["running"], "step": 6}))
@@ -193,6 +200,7 @@ def test_control_in_a_read_only_run_folder_is_one_line(run, tmp_path):
     assert_one_line_error(out, "cannot write", "control.json", "Read-only file system")
 
 
+@pytest.mark.slow
 def test_export_of_nan_and_infinity_literals_draws_the_rest(run, tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"kind":"train","step":7,"wall_time":NaN,"loss":NaN,"samples_per_s":Infinity}\n')
@@ -214,6 +222,7 @@ def _limited(gib: int):
     return limit
 
 
+@pytest.mark.slow
 def test_watch_and_export_stream_an_8_gib_sparse_metrics_file_under_a_4_gib_limit(run, tmp_path):
     metrics = run / "metrics.jsonl"
     good = metrics.read_bytes()

@@ -120,6 +120,7 @@ def make_images(root, per_class=12, size=16, seed=0):
     return root
 
 
+@pytest.mark.slow
 def test_imagefolder_trains_a_resnet_on_generated_pngs_with_workers(tmp_path):
     torchvision_or_hint()  # the [vision] extra; the test extra installs it
     root = make_images(tmp_path / "images")

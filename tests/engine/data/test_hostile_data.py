@@ -44,6 +44,7 @@ HOW = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(HOW), ids=list(HOW))
 def test_a_dataloader_worker_that_ends_fails_the_run_in_one_line_naming_it(tmp_path, how):
     task = tmp_path / "exits.py"
@@ -105,6 +106,7 @@ def test_scanning_skips_fifos_and_never_follows_a_loop_or_a_link_out(tmp_path):
     assert {"x.png", "loop", "self", "out", "other-class.png"} <= names
 
 
+@pytest.mark.slow
 def test_an_imagefolder_run_with_a_fifo_and_a_symlink_loop_trains_on_each_image_once(tmp_path):
     torchvision_or_hint()  # the [vision] extra; the test extra installs it
     root = make_images(tmp_path / "images", per_class=12)

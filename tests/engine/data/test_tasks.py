@@ -14,6 +14,7 @@ def test_builtin_tasks_declare_typed_params_with_descriptions():
             assert field.description, f"{name}.{field_name}"
 
 
+@pytest.mark.slow
 def test_digits_is_the_real_sklearn_dataset():
     data = make_task("digits").data()
     assert len(data) == 1797 and data.inputs.shape == (1797, 1, 8, 8)

@@ -83,6 +83,7 @@ def assert_same_run(ddp: list[dict], ref: list[dict], tol: float = 1e-10) -> Non
         assert evals[b["step"]]["val_loss"] == pytest.approx(b["val_loss"], rel=tol)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_full_batch_training_and_resume_on_one_rank(tmp_path):
     runs = tmp_path / "runs"
     cfg_path = tmp_path / "ddp.json"
@@ -122,6 +123,7 @@ def test_two_gloo_ranks_equal_full_batch_training_and_resume_on_one_rank(tmp_pat
 PADDED = str(TASK_FILES / "padded_tokens.py")
 
 
+@pytest.mark.slow
 def test_a_token_mean_loss_with_padding_is_weighted_by_tokens_across_ranks(tmp_path):
     # loss_weight (non-padding tokens) decides each rank's share; some shards are all padding.
     runs = tmp_path / "runs"
@@ -142,12 +144,17 @@ def test_a_token_mean_loss_with_padding_is_weighted_by_tokens_across_ranks(tmp_p
     assert_same_run(read_metrics(run), ref_records)
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """``predicate()``'s first true value within ``timeout``; with ``proc``, a process that ends first
+    fails at once with its own words (not a wait to the timeout that says nothing of why)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"{what}: the process ended first (exit {proc.returncode}): {(out + err)[-3000:]}")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -174,6 +181,7 @@ def long_ddp_run(runs: Path, *settings: str) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_sigkilled_rank_fails_the_run_within_seconds_and_the_run_resumes(tmp_path):
     runs = tmp_path / "runs"
     p = long_ddp_run(runs, "train.checkpoint_every=10")
@@ -221,6 +229,7 @@ class Failing(BUILTIN_TASKS["linear"]):
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_run_naming_the_rank_and_its_error(tmp_path):
     task = tmp_path / "failing.py"
     task.write_text(FAILING_TASK)
@@ -244,6 +253,7 @@ def test_a_rank_that_raises_fails_the_run_naming_the_rank_and_its_error(tmp_path
     assert "Traceback" not in r.stderr.split("failed:")[-1]
 
 
+@pytest.mark.slow
 def test_pause_resume_through_the_control_file_then_ctrl_c_stops_every_rank_with_a_checkpoint(tmp_path):
     runs = tmp_path / "runs"
     p = long_ddp_run(runs)
@@ -270,6 +280,7 @@ def test_pause_resume_through_the_control_file_then_ctrl_c_stops_every_rank_with
     assert int(ck["step"]) == status["step"] == last_train_step(run)
 
 
+@pytest.mark.slow
 def test_two_nodes_meet_at_a_c10d_rendezvous_one_launched_by_multilane_one_by_torchrun(tmp_path):
     runs = tmp_path / "runs"
     endpoint = f"127.0.0.1:{free_port()}"
@@ -312,6 +323,7 @@ def refused_in_one_line(runs: Path, *args: str, task: str = HELPERS) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_port_in_use_and_a_rendezvous_that_never_completes_are_one_line_each(tmp_path):
     runs = tmp_path / "runs"
     with socket.socket() as held:
@@ -350,6 +362,7 @@ def test_ranks_whose_launcher_was_sigkilled_stop_with_a_checkpoint(tmp_path):
     assert int(ck["step"]) == json.loads((run / "status.json").read_text())["step"]
 
 
+@pytest.mark.slow
 def test_sigterm_on_the_launcher_stops_every_rank_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path):
     runs = tmp_path / "runs"
     cfg = float64_settings(100000)
@@ -403,6 +416,7 @@ def two_nodes(runs: Path, *args: str, task: str = "mlp") -> list[subprocess.Pope
     return [subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_on_the_other_node_fails_the_run_naming_that_rank_and_its_error(tmp_path):
     task = tmp_path / "failing.py"
     task.write_text(FAILING_TASK)
@@ -425,6 +439,7 @@ def test_a_rank_that_raises_on_the_other_node_fails_the_run_naming_that_rank_and
     assert all("failed: rank 1" in err and "boom on purpose" in err for err in errs), errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_sigkilled_rank_on_either_node_fails_the_run_within_seconds(tmp_path, victim):
     runs = tmp_path / "runs"
@@ -450,6 +465,7 @@ def test_a_sigkilled_rank_on_either_node_fails_the_run_within_seconds(tmp_path, 
     assert all(f"rank {victim}" in err and "SIGKILL" in err for err in errs), errs
 
 
+@pytest.mark.slow
 def test_other_ranks_telemetry_reaches_metrics_within_seconds_even_when_log_windows_are_long(tmp_path):
     runs = tmp_path / "runs"
     p = long_ddp_run(runs, "train.log_every=100000", "telemetry.record_s=0.2")

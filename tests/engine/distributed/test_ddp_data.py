@@ -67,6 +67,7 @@ def resume(run: Path, steps: int, devices: str, *extra: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("params", "workers", "devices_after"),
     [
@@ -94,6 +95,7 @@ def test_ddp_on_a_dataset_task_equals_the_single_process_engine_and_resumes_on_a
     assert_same_run(read_metrics(run), ref6_records)
 
 
+@pytest.mark.slow
 def test_charlm_under_ddp_writes_its_text_sample_at_every_evaluation_from_rank_0(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("the cat sat on the mat.\nthe dog sat on the log.\n" * 20)

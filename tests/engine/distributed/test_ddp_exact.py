@@ -101,6 +101,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_ddp_equals_the_single_process_engine_on_as_many_lanes(tmp_path, case):
     ranks, weights, sync, params = CASES[case]
@@ -170,6 +171,7 @@ class AllPadding(Task):
 """
 
 
+@pytest.mark.slow
 def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(tmp_path):
     # Issue 21 item 11: a batch whose every token is padding has a token mean of 0/0. One rule for
     # every strategy: the logged loss is NaN (null in metrics.jsonl) and the run stops there, exit 1.
@@ -195,6 +197,7 @@ def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(t
     assert [x["loss"] for x in read_metrics(result.run_dir) if x["kind"] == "train"] == [None]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_with_dataloader_workers_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     # Issue 22 item 7 / issue 21 item 3: the launcher's SIGTERM reaches each rank's whole process
     # group; the DataLoader workers must leave it to their rank, which stops with the others.
@@ -205,9 +208,9 @@ def test_sigterm_to_the_launcher_with_dataloader_workers_stops_every_rank_at_one
         args += ["--set", s]
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
-        wait_for(lambda: last_train_step(run) >= 3, 120, "training")
-        ranks = [wait_for(lambda r=r: rank_pid(p, r), 30, f"rank {r}") for r in (0, 1)]
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder", p)
+        wait_for(lambda: last_train_step(run) >= 3, 120, "training", p)
+        ranks = [wait_for(lambda r=r: rank_pid(p, r), 30, f"rank {r}", p) for r in (0, 1)]
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
     finally:

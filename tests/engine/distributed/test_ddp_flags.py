@@ -57,6 +57,7 @@ def test_a_500000_character_path_gives_a_line_of_readable_length(tmp_path):
     assert len(out.stderr) < 1200
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_ddp_launcher_leaves_no_torch_log_line(tmp_path):
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--strategy", "ddp", "--task", "mlp", "--devices", "cpu:0,cpu:1"]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import CLI
 
-pytestmark = pytest.mark.timeout(300)
+# One xdist group for the tests that start `--node-rank` launchers: some assert that none is left on the machine.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("node-rank")]
 
 
 def free_port() -> int:
@@ -31,6 +32,7 @@ def node(runs: Path, rank: int, endpoint: str, *extra: str, devices: str = "cpu:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_node_0_holds_rank_0_and_the_run_folder_even_when_it_starts_last(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     a, b = tmp_path / "runs-a", tmp_path / "runs-b"
@@ -49,6 +51,7 @@ def test_node_0_holds_rank_0_and_the_run_folder_even_when_it_starts_last(tmp_pat
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
 
 
+@pytest.mark.slow
 def test_a_node_rank_out_of_range_and_a_lone_node_0_are_one_line_each(tmp_path):
     r = subprocess.run(node(tmp_path / "runs", 2, "127.0.0.1:1"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "multilane: error: --node-rank 2: expected 0 to 1 (--nnodes 2)"

@@ -49,6 +49,7 @@ def on_a_terminal(env: dict, args: list[str], answer: str, timeout: float = 120)
     return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_the_cli_asks_for_the_passphrase_on_a_terminal_and_connects(sshd, tmp_path):
     host = lock_key(sshd)
     args = ["devices", "--host", host, "--remote-command", MULTILANE, "--json"]

@@ -29,6 +29,7 @@ def one_error_line(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_devices_on_a_host_lists_the_hosts_devices(sshd):
     p = cli(sshd.env(), "devices", "--host", "testhost", "--remote-command", MULTILANE, "--json")
     assert p.returncode == 0, p.stderr
@@ -43,6 +44,7 @@ def test_devices_on_a_host_lists_the_hosts_devices(sshd):
     assert host in table.stdout and "cpu" in table.stdout
 
 
+@pytest.mark.slow
 def test_an_unknown_host_key_is_refused_until_the_user_trusts_its_fingerprint(sshd, tmp_path):
     env = home_copy(sshd, tmp_path / "home", known_hosts=None)
     line = one_error_line(cli(env, "devices", "--host", "testhost", "--remote-command", MULTILANE))
@@ -79,6 +81,7 @@ def test_a_key_the_host_does_not_accept_is_one_line(sshd):
     assert "authentication failed" in line and "authorized_keys" in line
 
 
+@pytest.mark.slow
 def test_a_host_that_does_not_answer_is_one_line_within_its_timeout(sshd, tmp_path):
     with socket.socket() as silent:  # accepts TCP (the kernel's backlog) but never says a word
         silent.bind(("127.0.0.1", 0))

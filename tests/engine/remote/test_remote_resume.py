@@ -13,6 +13,7 @@ from sshd_server import MULTILANE
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_train_host_resume_of_a_live_run_is_one_line_and_the_list_marks_it(sshd, ssh_home):
     from multilane.engine.remote.connection import connect
     from multilane.engine.remote.remote_runs import list_runs

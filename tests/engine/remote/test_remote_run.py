@@ -40,6 +40,7 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
 
 
+@pytest.mark.slow
 def test_a_detached_run_on_a_host_takes_every_path_as_data_and_trains_on(sshd, tmp_path):
     weird = sshd.runs / 'a b\'c; $(touch PWNED) `touch PWNED2` "q"'
     p = cli(
@@ -63,6 +64,7 @@ def test_a_detached_run_on_a_host_takes_every_path_as_data_and_trains_on(sshd, t
     assert json.loads((folder / "config.json").read_text())["run"]["runs_dir"] == str(weird)
 
 
+@pytest.mark.slow
 def test_train_on_a_host_mirrors_the_run_folder_byte_for_byte(sshd, tmp_path):
     local = tmp_path / "local-runs"
     p = cli(
@@ -89,6 +91,7 @@ def test_train_on_a_host_mirrors_the_run_folder_byte_for_byte(sshd, tmp_path):
     assert (mirror / "metrics.jsonl").read_bytes() == (Path(remote["path"]) / "metrics.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_cut_connection_resumes_at_its_offset_and_stop_reaches_the_host(sshd, ssh_home, tmp_path):
     from multilane.engine.config import build_config
     from multilane.engine.remote.connection import connect
@@ -130,6 +133,7 @@ def test_a_cut_connection_resumes_at_its_offset_and_stop_reaches_the_host(sshd, 
     assert steps[:-1] == list(range(5, 5 * len(steps), 5)) and steps[-2] < steps[-1] <= steps[-2] + 5
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_run_on_the_host(sshd, tmp_path):
     local = tmp_path / "local-runs"
     args = ["train", "--host", "testhost", "--remote-command", MULTILANE, "--remote-runs-dir", str(sshd.runs)]

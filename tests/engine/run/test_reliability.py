@@ -61,6 +61,7 @@ def test_any_malformed_config_is_one_line_naming_a_key_or_is_valid(data):
         pytest.fail(f"{type(e).__name__} for {data!r}: {e}")
 
 
+@pytest.mark.slow
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
@@ -151,6 +152,7 @@ def test_out_of_memory_is_reported_with_a_hint_and_the_next_run_works(tmp_path, 
 KILL_AFTER_S = [0.5, 1.5, 2.5, 3.5, 5.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", KILL_AFTER_S)
 def test_sigkill_at_any_moment_loses_nothing_already_written(tmp_path, delay):
     runs = tmp_path / "runs"
@@ -199,6 +201,7 @@ def test_sigkill_at_any_moment_loses_nothing_already_written(tmp_path, delay):
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_never_share_a_folder(tmp_path):
     runs = tmp_path / "runs"
     args = [

@@ -51,6 +51,7 @@ BAD_LINES = [
 ]
 
 
+@pytest.mark.slow
 def test_export_skips_bad_metrics_lines_with_a_count_and_survives_junk_files(run_folder, tmp_path):
     with open(run_folder / "metrics.jsonl", "ab") as f:
         f.write(b"".join(BAD_LINES))
@@ -66,12 +67,14 @@ def test_export_skips_bad_metrics_lines_with_a_count_and_survives_junk_files(run
     assert not (tmp_path / "out" / "status.json").exists()
 
 
+@pytest.mark.slow
 def test_a_config_json_naming_a_task_of_the_wrong_type_is_ignored_by_export(run_folder, tmp_path):
     (run_folder / "config.json").write_text('{"task": "x"}')
     r = multilane("export", str(run_folder), "--out", str(tmp_path / "out"), "--format", "png")
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -90,6 +93,7 @@ def test_export_refuses_bad_arguments_before_writing(run_folder, args, words):
     assert sorted(p.name for p in run_folder.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_a_metrics_file_that_is_a_folder_is_one_line(run_folder, tmp_path):
     (run_folder / "metrics.jsonl").unlink()
     (run_folder / "metrics.jsonl").mkdir()
@@ -176,6 +180,7 @@ def _refusal(path):
     return "accepted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -200,6 +205,7 @@ def _save(path, obj):
     torch.save(obj, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change,words",
     [
@@ -255,6 +261,7 @@ def test_the_write_probe_never_follows_a_planted_symlink(tmp_path):
 # -- task files -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sys_exit_at_import_is_an_error_not_a_silent_exit(tmp_path):
     task = tmp_path / "exits.py"
     task.write_text("import sys\nsys.exit(0)\n")
@@ -297,6 +304,7 @@ def test_loading_a_task_file_hashes_exactly_the_bytes_that_run(tmp_path):
         load_task_file(task, expect_sha256="0" * 64)
 
 
+@pytest.mark.slow
 def test_loading_a_preset_or_the_last_config_never_imports_its_task_file(qtbot, tmp_path):
     pytest.importorskip("PySide6")
     from multilane.engine.config import RunConfig, save_config
@@ -334,6 +342,7 @@ def test_loading_a_preset_or_the_last_config_never_imports_its_task_file(qtbot, 
     assert marker.read_text() == "x"  # Start ran it, once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agree", [False, True])
 def test_the_app_asks_before_resuming_with_a_changed_task_file(qtbot, tmp_path, make_config, monkeypatch, agree):
     pytest.importorskip("PySide6")

@@ -113,6 +113,7 @@ def test_systemexit_or_keyboardinterrupt_in_a_step_is_recorded_as_such_never_fin
     assert torch.load(result.run_dir / "checkpoints/last.pt", weights_only=True)["step"] == 2
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_a_step_aborts_and_records_aborted(tmp_path):
     task = tmp_path / "slow.py"
     task.write_text(SLOW.replace("{sleep}", "2.0"))
@@ -152,6 +153,7 @@ def test_a_second_ctrl_c_during_a_step_aborts_and_records_aborted(tmp_path):
     assert torch.load(run / "checkpoints/last.pt", weights_only=True)["step"] == status["step"]
 
 
+@pytest.mark.slow
 def test_signals_work_during_set_up_a_second_one_aborts(tmp_path):
     task = tmp_path / "hangs.py"
     inside = tmp_path / "in-data"
@@ -179,6 +181,7 @@ def test_signals_work_during_set_up_a_second_one_aborts(tmp_path):
 # -- one writer per run folder --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_folder_has_one_writer_and_a_killed_writer_leaves_no_stale_lock(tmp_path, make_config):
     cfg = make_config(task__name="linear", train__steps=2, devices__use="cpu:0", telemetry__enabled=False)
     run = Trainer(cfg).run().run_dir
@@ -244,6 +247,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_hit_mid_line_fails_the_run_truthfully_and_resume_continues(tmp_path):
     # RLIMIT_FSIZE: a real short write then EFBIG from the kernel, without root.
     runs = tmp_path / "runs"
@@ -331,6 +335,7 @@ def test_a_full_disk_at_a_checkpoint_fails_the_run_keeps_the_last_checkpoint_and
     assert again.status == "finished" and again.step == 40
 
 
+@pytest.mark.slow
 def test_the_default_checkpoint_cadence_is_wall_time_and_a_killed_run_can_resume(tmp_path):
     from multilane.engine.config import RunConfig
 
@@ -401,6 +406,7 @@ def resume(run, *args, cwd=None):
     )
 
 
+@pytest.mark.slow
 def test_a_resume_names_the_unchanged_task_file_then_runs_it(task_run):
     run, task, marker = task_run
     r = resume(run)
@@ -409,6 +415,7 @@ def test_a_resume_names_the_unchanged_task_file_then_runs_it(task_run):
     assert marker.read_text() == "a"
 
 
+@pytest.mark.slow
 def test_a_resume_whose_task_file_changed_refuses_without_running_it(task_run):
     run, task, marker = task_run
     task.write_text(TASK.format(marker=str(marker), tag="b"))

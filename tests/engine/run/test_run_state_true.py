@@ -57,6 +57,7 @@ def finished_run(make_config) -> Path:
     return Trainer(cfg).run().run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -87,6 +88,7 @@ def test_a_refused_resume_of_a_live_run_writes_nothing_into_it(finished_run, str
         kill(live)
 
 
+@pytest.mark.slow
 def test_a_live_run_without_a_checkpoint_yet_is_in_use_not_without_a_checkpoint(tmp_path):
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--task", "linear", "--steps", "1000000", "--devices", "cpu:0", "--runs-dir", str(runs)]
@@ -108,6 +110,7 @@ def test_a_live_run_without_a_checkpoint_yet_is_in_use_not_without_a_checkpoint(
         kill(live)
 
 
+@pytest.mark.slow
 def test_a_refused_resume_leaves_no_lock_file_it_made(finished_run, tmp_path):
     run = finished_run
     (run / ".lock").unlink()  # a folder copied without it, or written by an older version
@@ -118,6 +121,7 @@ def test_a_refused_resume_leaves_no_lock_file_it_made(finished_run, tmp_path):
     assert names(run) == before
 
 
+@pytest.mark.slow
 def test_a_refused_resume_of_a_changed_task_file_leaves_no_lock_file(tmp_path, make_config):
     task = tmp_path / "mytask.py"
     task.write_text("from multilane.engine.tasks.builtin import LinearTask\nclass T(LinearTask):\n    name = 't'\n")
@@ -131,6 +135,7 @@ def test_a_refused_resume_of_a_changed_task_file_leaves_no_lock_file(tmp_path, m
     assert names(run) == before
 
 
+@pytest.mark.slow
 def test_status_json_step_follows_the_run_at_log_time(finished_run):
     run = finished_run
     live = live_resume(run)
@@ -146,6 +151,7 @@ def test_status_json_step_follows_the_run_at_log_time(finished_run):
         kill(live)
 
 
+@pytest.mark.slow
 def test_the_apps_resume_of_a_live_run_is_refused_before_a_process_starts(finished_run):
     from multilane.engine.errors import UserError
     from multilane.gui.runs.child_run import ChildRun
@@ -203,6 +209,7 @@ def _fill_until(folder: Path, free_bytes: int) -> None:
                 return
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("free_kib", [36, 6])
 def test_a_nearly_full_disk_is_refused_up_front_with_the_free_space(tiny_disk, free_kib):
     runs = tiny_disk / "runs"

@@ -61,6 +61,7 @@ def test_the_control_file_applies_new_commands_only(tmp_path):
         write_control(tmp_path, "explode")
 
 
+@pytest.mark.slow
 def test_watch_follows_a_cli_run_and_the_control_file_stops_it(tmp_path):
     runs = tmp_path / "runs"
     run = start_long_cli_run(runs, "train.log_every=5", "train.eval_every=0", stderr=subprocess.DEVNULL)

@@ -55,6 +55,7 @@ def test_rename_refuses_bad_names_and_a_name_in_use(run_dir, make_config):
     assert new == run_dir.parent / "baseline" and (new / "metrics.jsonl").exists() and not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_run_still_training_is_neither_renamed_nor_deleted(tmp_path):
     runs = tmp_path / "runs"
     proc = start_long_cli_run(runs, "train.log_every=5", "train.eval_every=0", stderr=subprocess.DEVNULL)

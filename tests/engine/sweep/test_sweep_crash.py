@@ -24,6 +24,7 @@ def _wait(what, timeout=600.0):  # generous: a loaded machine starts a trial slo
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_kill_9_mid_sweep_then_resume_reaches_the_count_with_no_trial_left_running(tmp_path):
     import optuna
 

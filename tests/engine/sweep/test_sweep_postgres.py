@@ -15,6 +15,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow
 def test_two_workers_in_separate_processes_share_one_study_in_postgresql(tmp_path):
     import optuna
 

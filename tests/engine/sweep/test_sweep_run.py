@@ -20,6 +20,7 @@ def four_trial_sweep(tmp_path_factory):
     return sweep_folder(root), r
 
 
+@pytest.mark.slow
 def test_four_trial_sweep_on_two_lanes_leaves_a_study_optuna_opens_and_a_run_folder_per_trial(four_trial_sweep):
     import optuna
 
@@ -43,6 +44,7 @@ def test_four_trial_sweep_on_two_lanes_leaves_a_study_optuna_opens_and_a_run_fol
     assert f"run folder: {folder / f'trial-{best.number:04d}'}" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_trial_with_an_absurd_learning_rate_is_pruned_before_it_ends(four_trial_sweep):
     import optuna
 

@@ -53,6 +53,7 @@ def test_good_specs_take_the_schema_types():
     assert parse_param("task.params.width=int:8:64", "mlp").whole
 
 
+@pytest.mark.slow
 def test_bad_specs_on_the_command_line_are_one_line_and_exit_2(tmp_path):
     for args in (["--param", "optim.lr=log:0:1"], ["--param", "x=1"], []):
         r = sweep_cli("sweep", "--devices", "cpu:0", "--sweeps-dir", str(tmp_path), *args, timeout=600)
@@ -91,6 +92,7 @@ def test_the_same_seed_proposes_the_same_parameters(tmp_path, sampler):
     assert a != c
 
 
+@pytest.mark.slow
 def test_a_combination_the_config_refuses_is_a_failed_trial_not_a_stuck_sweep(tmp_path):
     # Each value is valid alone; with the base's SGD + Nesterov, momentum 0 is refused for that trial only.
     r = sweep_cli(

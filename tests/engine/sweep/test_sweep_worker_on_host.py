@@ -49,6 +49,7 @@ def host_ps(conn) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_worker_started_over_ssh_and_a_local_sweep_share_one_study_and_no_password_shows(sshd, ssh_home, tmp_path):
     import optuna
     from multilane.engine.remote.connection import Connection
@@ -126,6 +127,7 @@ def _session_alive(sid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_trial(sshd, ssh_home, tmp_path):
     """Without --detach the command shows the worker's log; Ctrl+C stops the worker there."""
     import optuna
@@ -181,6 +183,7 @@ def test_stopping_a_remote_worker_mid_trial_leaves_no_process_and_re_queues_its_
         assert r.returncode == 0 and f"sweep-worker {pid} on testhost: stopped" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("storage", "what"),
     [(None, "study.journal"), ("sqlite:///sweeps/s.db", "SQLite"), ("sweeps/x/study.journal", "a journal file")],

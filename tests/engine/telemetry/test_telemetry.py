@@ -97,6 +97,7 @@ def test_a_step_longer_than_a_record_shows_its_lanes_busy_while_it_runs():
             assert r["devices"][lane]["busy_pct"]["mean"] > 80, (lane, r["devices"])
 
 
+@pytest.mark.slow
 def test_equal_lanes_raise_no_imbalance_warning_and_an_uneven_split_does():
     # Equal work that lands in different records (each lane in turn): no lane is idle over the run.
     backend, sampler, records = _lanes_with_sampler(record_s=0.2, warn_after_s=2.0)
