@@ -97,6 +97,23 @@ def test_no_module_imports_a_module_of_a_folder_above_it():
     assert [o for o in offenders if o.split(" imports ")[1] not in shared] == []
 
 
+def test_no_module_defines_a_constant_twice():
+    # MAX_CPU_LANES = 64, then MAX_CPU_LANES = 8 lower in the same module: the second silently won and
+    # 9 to 64 CPU lanes were refused (issue 34). ruff has no rule for a module constant assigned twice.
+    twice = []
+    for top in ("engine", "gui", "bench"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            seen: set[str] = set()
+            for node in ast.parse(path.read_text()).body:
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                for t in targets:
+                    if isinstance(t, ast.Name) and t.id.isupper() and isinstance(node, ast.Assign | ast.AnnAssign):
+                        if t.id in seen:
+                            twice.append(f"{path.relative_to(ROOT)}: {t.id}")
+                        seen.add(t.id)
+    assert twice == []
+
+
 @pytest.mark.slow
 def test_public_names_of_the_docs_import_from_the_engine_without_torch():
     code = (

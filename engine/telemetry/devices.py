@@ -104,7 +104,8 @@ def lane_names(devices: list[Device]) -> list[str]:
     return names
 
 
-MAX_CPU_LANES = 8
+LISTED_CPU_LANES = 8
+"""How many CPU lanes the app's device list offers at most (one per core); a run may ask for more."""
 
 
 def usable_cores() -> int:
@@ -119,7 +120,7 @@ def cpu_lane_count() -> int:
     """How many CPU lanes the app offers and ``multilane devices`` lists: one per usable core, at
     least 2 (two lanes show data parallelism even on one core, slowly) and at most 8 (a list, not a
     limit: ``--devices cpu:0,...,cpu:15`` works)."""
-    return max(2, min(MAX_CPU_LANES, usable_cores()))
+    return max(2, min(LISTED_CPU_LANES, usable_cores()))
 
 
 def describe_devices() -> list[dict]:

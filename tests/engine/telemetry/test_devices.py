@@ -35,3 +35,19 @@ def test_two_replicas_on_one_gpu_get_distinct_lane_names():
         "cuda:0#1",
         "cuda:1",
     ]
+
+
+@pytest.mark.parametrize("lanes", [2, 8, 9, 16, 64])
+def test_any_count_of_cpu_lanes_up_to_64_is_accepted(lanes):
+    # The app lists at most 8 lanes (one per core); a run may ask for up to 64 (issue 34's regression:
+    # a second MAX_CPU_LANES = 8 in the module refused 9 to 64).
+    from multilane.engine.telemetry.devices import cpu_lane_count
+
+    spec = ",".join(f"cpu:{i}" for i in range(lanes))
+    assert [d.name for d in parse_devices(spec)] == spec.split(",")
+    assert 2 <= cpu_lane_count() <= 8
+
+
+def test_65_cpu_lanes_are_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^devices: 65 CPU lanes asked for; at most 64$"):
+        parse_devices(",".join(f"cpu:{i}" for i in range(65)))
