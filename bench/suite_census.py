@@ -23,15 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
 
+def is_assertion(node: ast.AST) -> bool:
+    if isinstance(node, ast.Assert):
+        return True
+    call = node.func if isinstance(node, ast.Call) else None
+    return (
+        isinstance(call, ast.Attribute)
+        and call.attr in ("raises", "warns")
+        and getattr(call.value, "id", "") == "pytest"
+    )
+
+
 def assertions(path: Path) -> int:
-    n = 0
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Assert):
-            n += 1
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in ("raises", "warns") and getattr(node.func.value, "id", "") == "pytest":
-                n += 1
-    return n
+    return sum(is_assertion(node) for node in ast.walk(ast.parse(path.read_text(), str(path))))
 
 
 def collected(*args: str) -> Counter[str]:
@@ -62,7 +66,9 @@ def main() -> int:
     no_fast = sorted(f for f in every if not fast[f])
     print(f"tests: {sum(every.values())} collected, {sum(fast.values())} in the fast tier (-m 'not slow')")
     print(f"assertions in tests/: {sum(asserts.values())} (assert statements and pytest.raises/warns blocks)")
-    print(f"test files: {len(every)}, with no fast test: {len(no_fast)}" + (f" ({', '.join(no_fast)})" if no_fast else ""))
+    print(
+        f"test files: {len(every)}, with no fast test: {len(no_fast)}" + (f" ({', '.join(no_fast)})" if no_fast else "")
+    )
     return 0
 
 
