@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -72,6 +73,11 @@ class Backend(ABC):
     @abstractmethod
     def make_timer(self) -> PhaseTimer:
         """A timer for the phases of a step, read only at log time."""
+
+    def busy(self, lane: int) -> AbstractContextManager[None]:
+        """Count the work inside the block as lane ``lane``'s compute (its busy %), where the backend
+        measures it: the one-lane path runs the lane's work in the calling thread, not parallel_apply."""
+        return nullcontext()
 
     def lane_busy_seconds(self) -> list[float] | None:
         """Compute seconds spent inside each lane so far, where the backend measures it (CPU lanes)."""

@@ -15,8 +15,9 @@ these are the same four primitives for the CPU, with the same semantics:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,14 +62,12 @@ class CpuLanesBackend(Backend):
         def work(i: int) -> None:
             lane = lanes[i]
             torch.set_grad_enabled(grad_enabled)  # grad mode is thread-local
-            self._busy.start(lane)
-            try:
-                args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
-                results[i] = fns[i](*args, **kwargs[i])
-            except Exception:
-                results[i] = ExceptionWrapper(where=f"in replica {i} on device {self.lane_names[lane]}")
-            finally:
-                self._busy.stop(lane)
+            with self.busy(lane):
+                try:
+                    args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
+                    results[i] = fns[i](*args, **kwargs[i])
+                except Exception:
+                    results[i] = ExceptionWrapper(where=f"in replica {i} on device {self.lane_names[lane]}")
 
         if len(fns) == 1:
             work(0)
@@ -88,6 +87,14 @@ class CpuLanesBackend(Backend):
 
     def make_timer(self) -> PhaseTimer:
         return PhaseTimer()
+
+    @contextmanager
+    def busy(self, lane: int) -> Iterator[None]:
+        self._busy.start(lane)
+        try:
+            yield
+        finally:
+            self._busy.stop(lane)
 
     def lane_busy_seconds(self) -> list[float]:
         return self._busy.seconds()

@@ -260,15 +260,16 @@ class ReplicateEachStep:
         args, kwargs = model_args(inputs)
         timer.mark("forward")
         weight = None
-        try:
-            with self._autocast():
-                output = model(*args, **kwargs)
-            timer.mark("loss")
-            check_batch(output, target)
-            with self._autocast():
-                loss = _LaneLoss.check(loss_fn(output, target))
-                if weight_fn is not None:
-                    weight = _LaneLoss.weight(weight_fn(output, target), loss)
+        try:  # the lane's forward and loss count as its busy time, as in parallel_apply on several lanes
+            with self.backend.busy(0):
+                with self._autocast():
+                    output = model(*args, **kwargs)
+                timer.mark("loss")
+                check_batch(output, target)
+                with self._autocast():
+                    loss = _LaneLoss.check(loss_fn(output, target))
+                    if weight_fn is not None:
+                        weight = _LaneLoss.weight(weight_fn(output, target), loss)
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
         return StepOutput(loss, loss.detach().reshape(1), [0], weight=weight, output=output if keep_output else None)
@@ -329,7 +330,7 @@ class ReplicateEachStep:
         lanes, active = self._active(sizes)
         if lanes == [0]:
             args, kwargs = model_args(inputs)
-            with self._autocast():
+            with self.backend.busy(0), self._autocast():
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
         return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))

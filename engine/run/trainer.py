@@ -177,6 +177,8 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_start(self)
             extra = {"resumed_from_step": self.step} if resumed else {}
+            # the device list, in the run's order: the app colours each device from it before any record
+            extra["lanes"] = self.lane_names
             self._event("started", total_steps=self.total_steps, **extra)
             for message in [*balance_warnings(self.devices), *getattr(self.task, "warnings", ())]:
                 self._event("warning", message=message)

@@ -8,7 +8,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
 from multilane.gui.plots.items import make_curve
-from multilane.gui.plots.palette import series_color
+from multilane.gui.plots.palette import device_width, series_color
 from multilane.gui.plots.run_view import broken, device_mean, gap_breaks, run_memory, step_total
 from multilane.gui.plots.style import PHASE_COLORS, PHASES
 from multilane.gui.runs.run_data import RunData, Series, recorded
@@ -23,6 +23,8 @@ class CurveDrawing:
         item = self._curves.get(key)
         if item is None:
             item = self._curves[key] = make_curve(plot, color, name, **kw)
+        else:  # a device list that came after a record, one more run compared: the pen it should have now
+            match_pen(item, color, kw.get("width"))
         return item
 
     def _show(
@@ -91,6 +93,8 @@ class CurveDrawing:
             if raw is None:
                 raw = self._raw[key] = make_curve(plot, color, None, width=1, alpha=60)
                 raw.setZValue(-1)
+            else:
+                match_pen(raw, color)
             self._show(f"raw|{key}", raw, x, y, breaks)
             y = self._smooth(key, y)
             data_key = f"ema|{key}|{self.smoothing}"  # a decimation pyramid of its own
@@ -125,45 +129,48 @@ class CurveDrawing:
     # -- comparing runs --------------------------------------------------------------------------
     def _draw_comparison(self) -> None:
         """Every run in its own colour in every panel: train loss solid and validation dashed, each
-        metric, throughput, learning rate, gradient norm, step time, mean utilization, memory."""
+        metric, throughput, learning rate, gradient norm, step time, mean utilization, memory. Runs with
+        equal values hide none of each other: the first run's line is the widest, each later one drawn
+        over it narrower (``palette.device_width``), so every run's colour shows along an equal line."""
         runs = [self.data, *(r for r, _ in self.overlays)]
+        n = len(runs)
         for k, run in enumerate(runs):
             color = series_color(k)
+            wide, thin = device_width(k, n, 2.0, 1.5), device_width(k, n, 1.5, 1.5)
+
+            def curve(key, plot, name, width=thin, k=k, color=color, **kw) -> pg.PlotDataItem:
+                item = self._item(f"cmp{k}:{key}", plot, color, name, width=width, **kw)
+                item.setZValue(k)
+                return item
+
             tr, ev, te = run.train, run.eval, run.telemetry
             if tr.rows:
                 x, br = self._x(run, tr), self._breaks(run, tr)
                 if "loss" in tr.columns:
-                    self._smoothed(f"cmp{k}:loss", self.loss, color, run.name, x, tr.get("loss"), 2.0, br)
+                    self._smoothed(f"cmp{k}:loss", self.loss, color, run.name, x, tr.get("loss"), wide, br)
+                    self._curves[f"cmp{k}:loss"].setZValue(k)
                 for col, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
                     if col in tr.columns:
-                        self._show(
-                            f"cmp{k}:{col}", self._item(f"cmp{k}:{col}", plot, color, run.name), x, tr.get(col), br
-                        )
+                        self._show(f"cmp{k}:{col}", curve(col, plot, run.name), x, tr.get(col), br)
                 total = step_total(tr)
                 if np.isfinite(total).any():
-                    self._show(f"cmp{k}:step", self._item(f"cmp{k}:step", self.phases, color, run.name), x, total, br)
+                    self._show(f"cmp{k}:step", curve("step", self.phases, run.name), x, total, br)
             if ev.rows:
                 x, br = self._x(run, ev), self._breaks(run, ev)
-                val = self._item(
-                    f"cmp{k}:val", self.loss, color, f"{run.name} (validation)", style=Qt.DashLine, width=2
-                )
+                val = curve("val", self.loss, f"{run.name} (validation)", wide, style=Qt.DashLine)
                 self._show(f"cmp{k}:val", val, x, ev.get("val_loss"), br)
                 for i, m in enumerate(run.metric_names):
                     style = Qt.SolidLine if i == 0 else Qt.DotLine
-                    item = self._item(
-                        f"cmp{k}:metric/{m}", self.metric_plot, color, f"{run.name} {m}", width=2, style=style
-                    )
+                    item = curve(f"metric/{m}", self.metric_plot, f"{run.name} {m}", wide, style=style)
                     self._show(f"cmp{k}:metric/{m}", item, x, ev.get(f"metric/{m}"), br)
             if te.rows:
                 x = self._x(run, te)
                 util = device_mean(te, "util/")
                 if np.isfinite(util).any():
-                    item = self._item(f"cmp{k}:util", self.util, color, f"{run.name} (mean)")
-                    self._show_finite(f"cmp{k}:util", item, x, util, run, te)
+                    self._show_finite(f"cmp{k}:util", curve("util", self.util, f"{run.name} (mean)"), x, util, run, te)
                 mem, _label = run_memory(te)
                 if np.isfinite(mem).any():
-                    item = self._item(f"cmp{k}:mem", self.memory, color, run.name)
-                    self._show_finite(f"cmp{k}:mem", item, x, mem, run, te)
+                    self._show_finite(f"cmp{k}:mem", curve("mem", self.memory, run.name), x, mem, run, te)
         # axes from zero that hold every run's values, not the shown run's alone
         self._from_zero(self.lr, [r.train.get("lr") for r in runs if r.train.rows])
         self._from_zero(self.memory, [run_memory(r.telemetry)[0] for r in runs if r.telemetry.rows])
@@ -182,6 +189,24 @@ class CurveDrawing:
         for item in self._stack:
             if item.isVisible() == comparing:
                 item.setVisible(not comparing)
+
+
+def match_pen(item: pg.PlotDataItem, color: str, width: float | None = None) -> None:
+    """Give ``item`` (and its point marker) ``color`` and ``width`` (None: as it is), its alpha and style
+    kept; nothing is redrawn when it has them."""
+    pen = item.opts["pen"]
+    want = pg.mkColor(color)
+    want.setAlpha(pen.color().alpha())
+    if pen.color().rgba() == want.rgba() and (width is None or pen.widthF() == width):
+        return
+    pen = pg.mkPen(pen)
+    pen.setColor(want)
+    if width is not None:
+        pen.setWidthF(width)
+    item.setPen(pen)
+    if item.opts["symbol"] is not None:
+        item.setSymbolPen(pen)
+        item.setSymbolBrush(want)
 
 
 def group_of(key: str) -> str:

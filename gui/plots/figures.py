@@ -191,12 +191,13 @@ def loss_figure(run: RunData, opts: FigureOptions | None = None, caption: str | 
         tr = run.train
         if tr.rows:
             x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
-            n = len(run.devices)
-            for i, dev in enumerate(run.devices):
+            devs = [d for d in run.devices if f"loss/{d}" in tr.columns]
+            n = len(devs)
+            for i, dev in enumerate(devs):
                 # the first device widest, each later one over it narrower: equal lanes all show
                 width = device_width(i, n, 2.0, 1.4)
-                y = tr.get(f"loss/{dev}")
-                _train_curve(ax, x, y, opts, br, color=series_color(i), label=dev, linewidth=width, zorder=2 + i)
+                y, color = tr.get(f"loss/{dev}"), series_color(run.device_index(dev))
+                _train_curve(ax, x, y, opts, br, color=color, label=dev, linewidth=width, zorder=2 + i)
             if "loss" in tr.columns:
                 # thin, on top: the devices' colours show around it (issue 23)
                 label = "combined" if run.devices else "train"

@@ -6,9 +6,16 @@ from __future__ import annotations
 import html
 
 import pyqtgraph as pg
-from multilane.gui.plots.items import swatch
+from multilane.gui.plots.items import set_plot_title, swatch
 from multilane.gui.plots.palette import COMBINED, VALIDATION, series_color
-from multilane.gui.plots.run_view import differing_settings, format_duration, run_breaks, settings_text, values_at
+from multilane.gui.plots.run_view import (
+    compare_values_at,
+    differing_settings,
+    format_duration,
+    run_breaks,
+    settings_text,
+    values_at,
+)
 from multilane.gui.plots.style import PAUSE_BRUSH, STOP_BRUSH
 from PySide6.QtCore import Qt
 
@@ -35,7 +42,12 @@ class PlotMarks:
                 label = run.name + (f" ({settings_text(differ)})" if differ else "")
                 parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label))
             parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
+            parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top)</span>')
+            # the step time draws one line per run: its own key names the runs, not the phases
+            runs_key = " ".join(f"{swatch(series_color(i))}&nbsp;{html.escape(r.name)}" for i, r in enumerate(runs))
+            set_plot_title(self.phases, f"Step time (ms), each run's total &nbsp; {runs_key}")
         else:
+            set_plot_title(self.phases, self.phase_title)
             parts = [self._entry(f"dev:{dev}", swatch(self._device_color(dev)), dev) for dev in d.devices]
             if d.train.rows:
                 parts.append(self._entry("combined", swatch(COMBINED), "combined"))
@@ -119,6 +131,24 @@ class PlotMarks:
         for line in self._lines:
             line.setPos(x)
             line.setVisible(True)
+        if self.overlays:  # every run by name, in its colour, with its values
+            runs = [self.data, *(r for r, _ in self.overlays)]
+            head, *rest = compare_values_at(runs, x, self.x_mode)
+            named = [f'<span style="color:{series_color(k)};">{html.escape(p)}</span>' for k, p in enumerate(rest)]
+            self.header.setText(" · ".join([head, *named]), size="9pt")
+            return " · ".join([head, *rest])
         text = values_at(self.data, x, self.x_mode)
-        self.header.setText(text, size="9pt")
+        self.header.setText(self._coloured(text), size="9pt")
         return text
+
+    def _coloured(self, text: str) -> str:
+        """The hover line with each device's values in the device's colour (as its curves and key)."""
+        devices = sorted(self.data.devices, key=len, reverse=True)  # "cpu:1#1" before "cpu:1"
+        parts = []
+        for part in text.split(" · "):
+            dev = next((d for d in devices if part.startswith(f"{d} ")), None)
+            part = html.escape(part)
+            if dev is not None:
+                part = f'<span style="color:{self._device_color(dev)};">{part}</span>'
+            parts.append(part)
+        return " · ".join(parts)

@@ -63,9 +63,11 @@ def _run_panels(run: RunData, opts: FigureOptions) -> list[Panel]:
     if tr.rows:
         x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
         loss = Panel("Loss", "loss")
-        n = len(run.devices)
-        for i, d in enumerate(run.devices):
-            style = {"color": series_color(i), "label": d, "linewidth": device_width(i, n, 2.0, 1.4), "zorder": 2 + i}
+        devs = [d for d in run.devices if f"loss/{d}" in tr.columns]
+        n = len(devs)
+        for i, d in enumerate(devs):
+            color = series_color(run.device_index(d))
+            style = {"color": color, "label": d, "linewidth": device_width(i, n, 2.0, 1.4), "zorder": 2 + i}
             loss.curves.append((x, _smooth(tr.get(f"loss/{d}"), opts), br, style))
         width = 0.8 if n else 1.6  # thin and on top: every device's colour shows around it
         style = {"color": COMBINED, "linewidth": width, "label": "combined" if n else "train", "zorder": 20}
@@ -102,7 +104,6 @@ def _telemetry_panels(run: RunData, opts: FigureOptions) -> list[Panel]:
     te = run.telemetry
     xt = x_values(run, te, opts.x_mode)
     devs = sorted({k.split("/", 1)[1] for k in te.names("util/") + te.names("mem/") + te.names("rss/")})
-    order = {d: run.devices.index(d) if d in run.devices else len(run.devices) + i for i, d in enumerate(devs)}
     panels = []
     for prefix, title in (("util", "Utilization"), ("mem", "Memory"), ("power", "Power"), ("temp", "Temperature")):
         keys = [d for d in devs if f"{prefix}/{d}" in te.columns]
@@ -112,7 +113,11 @@ def _telemetry_panels(run: RunData, opts: FigureOptions) -> list[Panel]:
         for j, d in enumerate(keys):
             y = te.get(f"{prefix}/{d}")
             keep = np.isfinite(y)
-            style = {"color": series_color(order[d]), "label": d, "linewidth": device_width(j, len(keys), 1.8, 1.4)}
+            style = {
+                "color": series_color(run.device_index(d)),
+                "label": d,
+                "linewidth": device_width(j, len(keys), 1.8, 1.4),
+            }
             style["zorder"] = 2 + j  # the first device widest: equal devices all show
             panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), style))
         panels.append(panel)
@@ -122,7 +127,7 @@ def _telemetry_panels(run: RunData, opts: FigureOptions) -> list[Panel]:
         for j, d in enumerate(ranks):
             y = te.get(f"rss/{d}")
             keep = np.isfinite(y)
-            style = {"color": series_color(order.get(d, j)), "label": d, "zorder": 2 + j}
+            style = {"color": series_color(run.device_index(d)), "label": d, "zorder": 2 + j}
             style["linewidth"] = device_width(j, len(ranks), 1.8, 1.4)
             panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), style))
         panels.append(panel)
@@ -160,36 +165,39 @@ def _comparison_panels(runs: Sequence[RunData], opts: FigureOptions) -> list[Pan
     single = {k: Panel(t, LABELS[k]) for k, t in (("samples_per_s", "Throughput"), ("lr", "Learning rate"))}
     single["grad_norm"] = Panel("Gradient norm", LABELS["grad_norm"])
     single["lr"].from_zero = True  # a constant lr is not a wall
-    step = Panel("Step time", LABELS["step_ms"], from_zero=True)
+    step = Panel("Step time (each run's total)", LABELS["step_ms"], from_zero=True)
     util = Panel("Utilization (mean over devices)", LABELS["util"], percent=True)
     memory = Panel("Memory", "memory (MiB)", from_zero=True)
     names: list[str] = []
+    n = len(runs)
     for k, run in enumerate(runs):
-        color = series_color(k)
+        # equal runs hide none of each other: the first widest, each later one over it narrower
+        wide, thin = device_width(k, n, 2.0, 1.6), device_width(k, n, 1.4, 1.6)
+        solid = {"color": series_color(k), "linewidth": thin, "zorder": 2 + k}
         tr, ev, te = run.train, run.eval, run.telemetry
         if tr.rows:
             x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
-            loss.curves.append((x, _smooth(tr.get("loss"), opts), br, {"color": color, "linewidth": 1.6}))
+            loss.curves.append((x, _smooth(tr.get("loss"), opts), br, solid | {"linewidth": wide}))
             for key, panel in single.items():
                 if key in tr.columns and np.isfinite(tr.get(key)).any():
-                    panel.curves.append((x, tr.get(key), br, {"color": color}))
+                    panel.curves.append((x, tr.get(key), br, solid))
             total = step_total(tr)
             if np.isfinite(total).any():
-                step.curves.append((x, total, br, {"color": color}))
+                step.curves.append((x, total, br, solid))
         if ev.rows:
             xe, br = x_values(run, ev, opts.x_mode), series_breaks(run, ev)
-            dashed = {"color": color, "linestyle": (0, (4, 2)), "linewidth": 1.4}
+            dashed = solid | {"linestyle": (0, (4, 2)), "linewidth": wide}
             loss.curves.append((xe, ev.get("val_loss"), br, dashed | {"marker": "o" if ev.rows <= 60 else None}))
             for i, m in enumerate(run.metric_names):
                 names += [m] if m not in names else []
-                style = {"color": color, "marker": "o", "markersize": 3, "linestyle": "-" if i == 0 else ":"}
+                style = solid | {"marker": "o", "markersize": 3, "linestyle": "-" if i == 0 else ":"}
                 metric.curves.append((xe, ev.get(f"metric/{m}"), br, style))
         if te.rows:
             xt = x_values(run, te, opts.x_mode)
             for panel, y in ((util, device_mean(te, "util/")), (memory, run_memory(te)[0])):
                 keep = np.isfinite(y)
                 if keep.any():
-                    panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), {"color": color}))
+                    panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), solid))
     metric.title = metric.ylabel = metric_title(names)
     loss.log = opts.log_y and _positive([c[1] for c in loss.curves])
     panels = [loss, metric, *single.values(), util, memory, step]
@@ -264,6 +272,9 @@ def comparison_overview_figure(runs: Sequence[RunData], opts: FigureOptions | No
         _draw(fig, panels, None, opts)
         handles = [Line2D([], [], color=series_color(i), linewidth=1.8) for i in range(len(runs))]
         labels = run_labels(runs)
+        if len(runs) > 1:
+            handles.append(Line2D([], [], color="#555", linewidth=1.0))
+            labels.append("equal lines: the first run widest, each next one on top")
         if any(r.eval.rows for r in runs):
             handles.append(Line2D([], [], color="#555", linestyle=(0, (4, 2))))
             labels.append("validation (dashed)")

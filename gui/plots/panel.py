@@ -97,6 +97,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             "Gradient norm",
             f"Step time (ms) &nbsp; {phase_key}",
         ]
+        self.phase_title = titles[-1]  # comparing runs, the step time names the runs instead (marks.py)
         self.ci.layout.setRowStretchFactor(2, 5)
         for r in (3, 4, 5):  # row 6 (power, temperature) gets its share once it has plots
             self.ci.layout.setRowStretchFactor(r, 2)
@@ -233,8 +234,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         return self._dirty
 
     def _device_color(self, dev: str) -> str:
-        devices = self.data.devices
-        return series_color(devices.index(dev) if dev in devices else len(devices))
+        return series_color(self.data.device_index(dev))
 
     def refresh(self) -> None:
         """Redraw what changed since the last call (the app calls it from a QTimer)."""

@@ -237,17 +237,53 @@ def values_at(run: RunData, x: float, x_mode: str) -> str:
     ):
         if not series.rows:
             continue
-        xs = x_values(run, series, x_mode)
-        i = int(np.clip(np.searchsorted(xs, x), 0, series.rows - 1))
-        if i > 0 and abs(xs[i - 1] - x) < abs(xs[i] - x):
-            i -= 1
+        i = nearest_row(run, series, x, x_mode)
         for k in keys:
             v = series.get(k)[i]
             if np.isfinite(v):
                 name, unit = describe(k)
-                if unit in ("%", "W", "°C") or abs(v) >= 1000:
-                    value = f"{v:,.0f}"
-                else:
-                    value = f"{v:,.1f}" if unit == "MiB" else format_number(v)
-                parts.append(f"{name} {value}{'' if unit in ('', '%', '°C') else ' '}{unit}")
+                parts.append(f"{name} {value_text(v, unit)}")
     return " · ".join(parts)
+
+
+def nearest_row(run: RunData, series: Series, x: float, x_mode: str) -> int:
+    """The row of ``series`` (which has rows) nearest to ``x``."""
+    xs = x_values(run, series, x_mode)
+    i = int(np.clip(np.searchsorted(xs, x), 0, series.rows - 1))
+    return i - 1 if i > 0 and abs(xs[i - 1] - x) < abs(xs[i] - x) else i
+
+
+def value_text(v: float, unit: str) -> str:
+    """A value with its unit, as the hover line prints it: "41%", "312.5 MiB", "0.0123"."""
+    if unit in ("%", "W", "°C") or abs(v) >= 1000:
+        value = f"{v:,.0f}"
+    else:
+        value = f"{v:,.1f}" if unit == "MiB" else format_number(v)
+    return f"{value}{'' if unit in ('', '%', '°C') else ' '}{unit}"
+
+
+def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:
+    """The parts of the hover line when runs are compared: every run by name, with its value in each compared panel
+    at ``x`` (train and validation loss, metrics, throughput, learning rate, gradient norm, step time,
+    mean utilization, memory) — never one run's values without its name."""
+    parts = [f"step {x:,.0f}" if x_mode == "step" else f"elapsed {x:,.1f} s"]
+    for run in runs:
+        values = []
+        tr, ev, te = run.train, run.eval, run.telemetry
+        if tr.rows:
+            i = nearest_row(run, tr, x, x_mode)
+            row = [("loss", tr.get("loss")[i], "")]
+            row += [(LABELS[k].split(" (")[0], tr.get(k)[i], UNITS.get(k, "")) for k in ("samples_per_s", "lr")]
+            row += [("gradient norm", tr.get("grad_norm")[i], ""), ("step time", step_total(tr)[i], "ms")]
+            values += row
+        if ev.rows:
+            i = nearest_row(run, ev, x, x_mode)
+            values.append(("validation loss", ev.get("val_loss")[i], ""))
+            values += [(metric_label(m), ev.get(f"metric/{m}")[i], "") for m in run.metric_names]
+        if te.rows:
+            i = nearest_row(run, te, x, x_mode)
+            values.append(("utilization", device_mean(te, "util/")[i], "%"))
+            values.append(("memory", run_memory(te)[0][i], "MiB"))
+        shown = [f"{name} {value_text(v, unit)}" for name, v, unit in values if np.isfinite(v)]
+        parts.append(f"{run.name}: {', '.join(shown) if shown else 'nothing logged here'}")
+    return parts

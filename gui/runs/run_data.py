@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from multilane.engine.rundir.runlog import load_metrics
+from multilane.engine.telemetry.devices import lane_names, parse_devices
 
 
 class Column:
@@ -110,9 +111,9 @@ class RunData:
         if kind == "train":
             self.last_step = int(rec["step"])
             row = {"step": rec["step"], "wall_time": wall, "loss": _num(rec.get("loss"))}
-            for dev, v in (rec.get("device_loss") or {}).items():
-                if dev not in self.devices:
-                    self.devices.append(dev)
+            device_loss = rec.get("device_loss") or {}
+            self._meet(device_loss)
+            for dev, v in device_loss.items():
                 row[f"loss/{dev}"] = _num(v)
             for key in ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j"):
                 if key in rec:
@@ -128,7 +129,9 @@ class RunData:
         elif kind == "telemetry":
             step = _num(rec.get("step"))  # a ddp rank's record can arrive after a later train record
             row = {"wall_time": wall, "step": step if math.isfinite(step) else float(self.last_step)}
-            for dev, d in (rec.get("devices") or {}).items():
+            devices = rec.get("devices") or {}
+            self._meet(devices)
+            for dev, d in devices.items():
                 for src, dst in (
                     ("util_pct", "util"),
                     ("busy_pct", "util"),
@@ -147,11 +150,31 @@ class RunData:
                 row["cpu_pct"] = _num(proc["cpu_pct"])
             self.telemetry.add(row)
         elif kind == "event":
+            lanes = rec.get("lanes")
+            if rec.get("event") == "started" and isinstance(lanes, list) and all(isinstance(n, str) for n in lanes):
+                self.set_devices(lanes)
             if rec.get("resumed_from_step") is not None:
                 s = float(rec["resumed_from_step"])
                 self.train.truncate_after_step(s)
                 self.eval.truncate_after_step(s)
             self.events.append(rec)
+
+    def set_devices(self, names: Iterable[str]) -> None:
+        """The run's device list, in its order (the config's, or the ``started`` event's ``lanes``): each
+        device's colour is its place here, decided before any record is drawn and the same in every plot,
+        the key, the hover and the exported figures. Devices met before the list keep their place after it."""
+        names = list(dict.fromkeys(names))
+        self.devices[:] = names + [d for d in self.devices if d not in names]
+
+    def _meet(self, names: Iterable[str]) -> None:
+        """Devices a record names that the list did not (a run without one): appended, in the record's order."""
+        for dev in names:
+            if dev not in self.devices:
+                self.devices.append(dev)
+
+    def device_index(self, dev: str) -> int:
+        """A device's place in the run's device list: its colour (``palette.series_color``)."""
+        return self.devices.index(dev) if dev in self.devices else len(self.devices)
 
     def extend(self, records: Iterable[dict[str, Any]]) -> None:
         for r in records:
@@ -161,15 +184,16 @@ class RunData:
     def from_run_dir(cls, path: str | Path) -> RunData:
         p = Path(path)
         data = cls(p.name)
-        metrics = load_metrics(p)  # bad lines are skipped and counted, never fatal
-        for rec in metrics.records:
-            data.add(rec)
-        data.skipped = metrics.skipped
         try:
             config = json.loads((p / "config.json").read_text(encoding="utf-8"))
             data.config = config if isinstance(config, dict) else None
         except (OSError, ValueError):  # no config, or a damaged one: the run is still shown
             data.config = None
+        data.set_devices(config_lanes(data.config))  # a run from before ``started`` named its lanes
+        metrics = load_metrics(p)  # bad lines are skipped and counted, never fatal
+        for rec in metrics.records:
+            data.add(rec)
+        data.skipped = metrics.skipped
         return data
 
     @property
@@ -205,6 +229,21 @@ class RunData:
                     ]
                 )
         return self.train.rows
+
+
+def config_lanes(config: dict[str, Any] | None) -> list[str]:
+    """The lane names a run's config asks for (``devices.use = "cpu:0,cpu:1"``), in its order; none
+    for ``auto`` (decided on the machine that ran it), ddp (ranks are named by host) or a bad value."""
+    section = (config or {}).get("devices")
+    if not isinstance(section, dict) or section.get("strategy") == "ddp":
+        return []
+    use = section.get("use")
+    if not isinstance(use, str) or use.strip() in ("", "auto"):
+        return []
+    try:
+        return lane_names(parse_devices(use))
+    except Exception:  # a damaged config: the records name the devices instead
+        return []
 
 
 def recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from multilane.engine.config import build_config, load_config, save_config
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.runs_folder import run_folder_problem
-from multilane.gui.runs.run_data import RunData
+from multilane.gui.runs.run_data import RunData, config_lanes
 from multilane.gui.window.export_dialog import ExportDialog
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QMessageBox
@@ -82,6 +82,37 @@ class RunFilesMixin:
                 self.set_config(cfg, keep_runs_dir=True)
             title += f" · {cfg.task.name} · {cfg.devices.use}"
         self.plots.set_title(title)
+
+    def show_followed_settings(self, run_dir: Path) -> None:
+        """Following a run: the greyed form shows the settings the followed run trains with (never the
+        window's own, which said "steps off" beside "step 30/4,000"); the window's own come back when
+        the follow ends. A run folder without a readable config.json leaves the form as it was."""
+        try:
+            cfg = build_config(json.loads((run_dir / "config.json").read_text(encoding="utf-8")), "run config")
+        except (OSError, ValueError, UserError):
+            return
+        loaded = self._form_loaded  # whether the user had edited it stays as it was
+        try:
+            self._form_before_follow = build_config(self.config_dict(), "settings"), loaded
+        except UserError:  # the user's form is not a valid config: it is kept as it is shown instead
+            self._form_before_follow = (self.form.values(), self.devices.values()), loaded
+        self.set_config(cfg, keep_runs_dir=True)
+        self.form.setEnabled(False)
+        self.devices.setEnabled(False)
+        self.plots.data.set_devices(config_lanes(cfg.model_dump(mode="json")))
+
+    def restore_form_after_follow(self) -> None:
+        """The follow ended: the form shows the window's own settings again."""
+        before, self._form_before_follow = getattr(self, "_form_before_follow", None), None
+        if before is None:
+            return
+        form, loaded = before
+        if isinstance(form, tuple):
+            self.form.set_values(form[0])
+            self.devices.set_values(form[1])
+        else:
+            self.set_config(form)
+        self._form_loaded = loaded
 
     def open_tensorboard(self, path: str) -> bool:
         """Show a TensorBoard logdir's scalars (read-only), following it while it grows."""

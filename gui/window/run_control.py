@@ -17,6 +17,7 @@ from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks.loader import TaskFileChanged, is_task_file
 from multilane.gui.runs import follow
 from multilane.gui.runs.redraw_pace import REDRAW_MS
+from multilane.gui.runs.run_data import config_lanes
 from multilane.gui.runs.run_summary import TrainingClock, fmt_duration
 from multilane.gui.runs.worker import RunHandle, TrainWorker
 from PySide6.QtWidgets import QFileDialog, QMessageBox
@@ -124,6 +125,7 @@ class RunControlMixin:
             return False
         self._resume_from = None
         self._begin(RunHandle(follow.follow(path)), None)
+        self.show_followed_settings(Path(path))  # the form (greyed) shows the followed run's settings
         return True
 
     def follow_run_dialog(self) -> None:
@@ -134,6 +136,8 @@ class RunControlMixin:
     def _begin(self, handle: RunHandle, config: RunConfig | None) -> None:
         """Show a run from its start: one in this process's thread, or one another process writes."""
         self.plots.reset()
+        if config is not None:  # each device's colour from the device list, before any record comes
+            self.plots.data.set_devices(config_lanes(config.model_dump(mode="json")))
         self._last_train = {}
         self.clock = TrainingClock()
         self.hide_summary()
@@ -244,6 +248,7 @@ class RunControlMixin:
             self.status_label.setText(f"{text} · {result['run_dir']}")
         if status in ("finished", "stopped", "failed") and result.get("run_dir"):
             self.show_summary(result["run_dir"])
+        self.restore_form_after_follow()
         self.validate()
 
     def _ask_to_run_changed_task_file(self, run_dir: str, result: dict) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from multilane.engine.run.balance import balance_warnings
@@ -325,3 +326,42 @@ def test_energy_integrates_power_where_known(power, monkeypatch):
         assert s.energy_j() is None and "power_w" not in reading["cuda:0"]
     else:
         assert s.energy_j() == pytest.approx(250.0, rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", ["cpu:0", "cpu:0,cpu:1"])
+def test_busy_is_measured_on_one_lane_as_on_several(devices, make_config):
+    """One lane's work runs in the calling thread, not parallel_apply: it read 0 % busy for the whole run
+    (issue 35), in the records, the CLI's line, the plot and the hover. Every path counts it now."""
+    from multilane.engine.cli.watch import format_telemetry
+    from multilane.gui.plots.run_view import values_at
+    from multilane.gui.runs.run_data import RunData
+
+    torch.set_num_threads(1)
+    cfg = make_config(
+        task__name="mlp",
+        task__params={"samples": 4096, "width": 256},
+        devices__use=devices,
+        train__steps=60,
+        telemetry__rate_hz=20,
+        telemetry__record_s=0.2,
+        train__log_every=10,
+    )
+    result = Trainer(cfg).run()
+    records = read_metrics(result.run_dir)
+    lanes = devices.split(",")
+    assert next(r for r in records if r.get("event") == "started")["lanes"] == lanes
+    tele = [r for r in records if r["kind"] == "telemetry"]
+    assert tele, "a run of over a second writes telemetry"
+    for r in tele:
+        for lane in lanes:
+            assert r["devices"][lane]["busy_pct"]["mean"] > 0, r  # training all along: never 0
+        line = format_telemetry(r)
+        assert all(f"{lane} 0%" not in line and f"{lane} " in line for lane in lanes), line
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(train[-1]["lane_busy_s"][lane] > 0 for lane in lanes)
+    run = RunData.from_run_dir(result.run_dir)
+    util = run.telemetry.get(f"util/{lanes[0]}")
+    assert np.isfinite(util).all() and (util > 0).all()  # what the plot draws
+    hover = values_at(run, float(run.telemetry.get("step")[-1]), "step")
+    assert f"{lanes[0]} utilization " in hover and f"{lanes[0]} utilization 0%" not in hover, hover
