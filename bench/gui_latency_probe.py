@@ -6,6 +6,13 @@ any garbage collection longer than 5 ms (with its thread and CPU time). Also: pa
 a hold on the run, and the collector's state at the end.
 
     python bench/gui_latency_probe.py [--hold on|off] [--seconds 8]
+
+With ``--export-points N`` it measures instead the same 10 ms timer while the window exports a shown
+run of N logged steps (two lanes, telemetry every 10th step) as PNG and CSV: in the background (the
+window's export: a process of its own, a progress bar) and, with ``--sync``, on the GUI thread as
+before (the longest gap is then how long the window froze).
+
+    python bench/gui_latency_probe.py --export-points 1000000 [--sync]
 """
 
 from __future__ import annotations
@@ -25,12 +32,98 @@ from training_window import stop, tick_gaps, training_window
 T = time.perf_counter
 
 
+def synthetic_run(n: int):
+    """A run of ``n`` logged steps on cpu:0 and cpu:1, its columns filled at once (not record by record)."""
+    from multilane.gui.runs.run_data import Column, RunData, Series
+
+    def series(cols: dict[str, np.ndarray]) -> Series:
+        s = Series()
+        for k, v in cols.items():
+            c = s.columns[k] = Column(0)
+            c._buf, c.n = np.ascontiguousarray(v, dtype=np.float64), len(v)
+        s.rows = len(next(iter(cols.values())))
+        return s
+
+    rng = np.random.default_rng(0)
+    step = np.arange(1, n + 1, dtype=np.float64)
+    wall = 1000.0 + 0.01 * step
+    loss = 2.0 * np.exp(-step / n) + 0.05 * rng.random(n)
+    run = RunData("export-probe")
+    run.set_devices(["cpu:0", "cpu:1"])
+    run.t0 = 1000.0
+    run.train = series(
+        {"step": step, "wall_time": wall, "loss": loss, "loss/cpu:0": loss, "loss/cpu:1": loss * 1.01}
+        | {"lr": np.full(n, 0.01), "samples_per_s": 900 + 50 * rng.standard_normal(n)}
+    )
+    t = slice(None, None, 10)
+    run.telemetry = series(
+        {"step": step[t], "wall_time": wall[t], "util/cpu:0": 40 + rng.random(len(step[t]))}
+        | {"util/cpu:1": 42 + rng.random(len(step[t])), "rss_mb": np.full(len(step[t]), 300.0)}
+    )
+    return run
+
+
+def export_probe(points: int, sync: bool) -> None:
+    """A 10 ms timer's lateness while the shown run of ``points`` steps is exported (PNG and CSV)."""
+    import tempfile
+
+    from multilane.gui.window.main_window import MainWindow
+    from PySide6.QtCore import QEventLoop, QSettings, Qt, QTimer
+
+    tmp = tempfile.mkdtemp()
+    w = MainWindow(QSettings(os.path.join(tmp, "s.ini"), QSettings.IniFormat))
+    w.resize(1400, 900)
+    w.show()
+    w.plots.reset(synthetic_run(points))
+    w.plots.refresh()
+    ticks: list[float] = []
+    timer = QTimer()
+    timer.setTimerType(Qt.PreciseTimer)
+    timer.timeout.connect(lambda: ticks.append(T()))
+    loop = QEventLoop()
+    out = os.path.join(tmp, "out")
+    t0 = T()
+
+    def begin() -> None:
+        nonlocal t0
+        t0 = T()
+        ticks.append(t0)
+        if sync:
+            w.export(out, ["png", "csv"], 1600)
+            QTimer.singleShot(100, loop.quit)
+        else:
+            job = w.export_in_background(out, ["png", "csv"], 1600)
+            job.finished.connect(lambda _r: QTimer.singleShot(100, loop.quit))
+
+    timer.start(10)
+    QTimer.singleShot(200, begin)
+    loop.exec()
+    took = T() - t0
+    timer.stop()
+    gaps = np.diff([t for t in ticks if t >= t0]) * 1000
+    late = gaps - 10
+    files = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    where = "on the GUI thread" if sync else "in the background"
+    print(
+        f"export of {points:,} steps {where}: {took:.1f} s, {len(late)} ticks of a 10 ms timer meanwhile; "
+        f"lateness median {np.median(late):.1f} ms, p99 {np.percentile(late, 99):.1f} ms, max {late.max():.1f} ms; "
+        f"wrote {', '.join(files)}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hold", choices=["on", "off"], default="on")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--export-points", type=int, default=0)
+    ap.add_argument("--sync", action="store_true")
     args = ap.parse_args()
     pg.mkQApp("probe")
+    if args.export_points:
+        export_probe(args.export_points, args.sync)
+        from multilane.gui.plots.export import exit_without_qt_teardown
+
+        exit_without_qt_teardown(0)
     from multilane.gui.plots import panel as plots_module
     from multilane.gui.window.main_window import MainWindow
 

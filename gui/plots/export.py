@@ -3,8 +3,11 @@ run's config and environment. From the app or headless (``multilane export``); n
 
 from __future__ import annotations
 
+import json
+import pickle
 import shutil
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from multilane.engine.errors import UserError
@@ -25,11 +28,13 @@ def export_run(
     compare: Sequence[RunData] = (),
     options: FigureOptions | None = None,
     bundle: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Path]:
     """Write into ``out_dir``: ``loss.*`` (every device, combined, validation), ``compare.*`` when other
     runs are compared (one loss curve per run), ``plots.*`` (every plot; compared, every plot per
     run), ``metrics.csv``; with ``bundle``,
-    the run's config, environment and status too. ``width`` is the PNG's width in pixels."""
+    the run's config, environment and status too. ``width`` is the PNG's width in pixels.
+    ``progress(done, total, what)`` is called before each part (a figure in one format, the CSV)."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -37,17 +42,35 @@ def export_run(
         raise UserError(f"export: cannot create {out} ({e.strerror or e})") from None
     opts = options or FigureOptions()
     caption = run_caption(run_dir) if run_dir is not None else None
-    images = [f for f in formats if f != "csv"]
-    written: list[Path] = []
-    if images:
-        written += save_figure(loss_figure(run, opts, caption), out / "loss", images, width, opts)
-        if compare:
-            fig = comparison_figure([run, *compare], opts)
-            written += save_figure(fig, out / "compare", images, width, opts)
+    images = [f for f in formats if f in FORMATS and f != "csv"]
+    figures = [
+        ("loss", lambda: loss_figure(run, opts, caption)),
+        *([("compare", lambda: comparison_figure([run, *compare], opts))] if compare else []),
         # every panel: of this run, or of the runs compared (each run in its colour in every panel)
-        plots = comparison_overview_figure([run, *compare], opts) if compare else overview_figure(run, opts, caption)
-        written += save_figure(plots, out / "plots", images, width, opts)
+        (
+            "plots",
+            lambda: (
+                comparison_overview_figure([run, *compare], opts) if compare else overview_figure(run, opts, caption)
+            ),
+        ),
+    ]
+    total = len(figures) * len(images) + ("csv" in formats) + bool(bundle and run_dir is not None)
+    done = 0
+
+    def tick(what: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, total, what)
+        done += 1
+
+    written: list[Path] = []
+    for stem, make in figures if images else []:
+        fig = make()
+        for fmt in images:
+            tick(f"{stem}.{fmt}")
+            written += save_figure(fig, out / stem, [fmt], width, opts)
     if "csv" in formats:
+        tick("metrics.csv")
         path = out / "metrics.csv"
         try:
             run.write_csv(path)
@@ -55,6 +78,7 @@ def export_run(
             raise UserError(f"export: cannot write {path} ({e.strerror or e})") from None
         written.append(path)
     if bundle and run_dir is not None:
+        tick("config, environment, status")
         for name in ("config.json", "environment.json", "status.json"):
             src = Path(run_dir) / name
             if src.is_file() and (out / name).resolve() != src.resolve():
@@ -63,6 +87,8 @@ def export_run(
                 except OSError as e:
                     raise UserError(f"export: cannot copy {src} ({e.strerror or e})") from None
                 written.append(out / name)
+    if progress is not None:
+        progress(total, total, "done")
     return written
 
 
@@ -76,6 +102,65 @@ def export_headless(
     compare = [RunData.from_run_dir(p) for p in options.pop("compare", [])]
     run = RunData.from_run_dir(rd)
     return export_run(run, out_dir, formats, width, run_dir=rd, compare=compare, options=FigureOptions(**options))
+
+
+def write_request(path: str | Path, request: dict) -> None:
+    """An export's data for its process: one pickle whose numpy columns travel out of band (protocol 5),
+    so that the caller's thread only describes them and the bytes are written by ``file.write``, which
+    lets other threads run (the window's, while a million points are written)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(request, protocol=5, buffer_callback=buffers.append)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<QQ", len(head), len(buffers)))
+        f.write(head)
+        for b in buffers:
+            raw = b.raw()
+            f.write(struct.pack("<Q", raw.nbytes))
+            f.write(raw)
+
+
+def read_request(path: str | Path) -> dict:
+    with open(path, "rb") as f:
+        n_head, n_buffers = struct.unpack("<QQ", f.read(16))
+        head = f.read(n_head)
+        buffers = []
+        for _ in range(n_buffers):
+            (n,) = struct.unpack("<Q", f.read(8))
+            buf = bytearray(n)
+            f.readinto(buf)
+            buffers.append(buf)
+    return pickle.loads(head, buffers=buffers)
+
+
+def export_child_main(request_path: str) -> int:
+    """The app's export in a process of its own (``gui/window/export_job.py``): matplotlib's drawing of a
+    million points holds the GIL for seconds, and in the app's process the window stopped answering.
+    Prints one JSON line per part (``{"progress": [done, total, what]}``), then ``{"done": [paths]}`` or
+    ``{"error": text}``. The request is a file the app wrote a moment before into its own temporary
+    folder (``write_request``), never one from elsewhere."""
+
+    def say(**msg) -> None:
+        print(json.dumps(msg), flush=True)
+
+    try:
+        r = read_request(request_path)
+        paths = export_run(
+            r["run"],
+            r["out_dir"],
+            r["formats"],
+            r["width"],
+            run_dir=r["run_dir"],
+            compare=r["compare"],
+            options=r["options"],
+            bundle=r["bundle"],
+            progress=lambda done, total, what: say(progress=[done, total, what]),
+        )
+        say(done=[str(p) for p in paths])
+    except UserError as e:
+        say(error=str(e))
+    except Exception as e:  # a figure matplotlib cannot draw: one line, never a traceback in the window
+        say(error=f"export failed: {type(e).__name__}: {e}")
+    return 0
 
 
 def exit_without_qt_teardown(code: int = 0) -> None:

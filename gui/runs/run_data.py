@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 from multilane.engine.rundir.runlog import load_metrics
-from multilane.engine.telemetry.devices import lane_names, parse_devices
 
 
 class Column:
@@ -27,11 +26,17 @@ class Column:
 
     def append(self, value: float) -> None:
         if self.n == len(self._buf):
-            grown = np.empty(2 * len(self._buf), dtype=np.float64)
+            grown = np.empty(max(2 * len(self._buf), 1024), dtype=np.float64)
             grown[: self.n] = self._buf[: self.n]
             self._buf = grown
         self._buf[self.n] = value
         self.n += 1
+
+    def __getstate__(self) -> dict:
+        return {"data": self.data}  # the filled part only (an export's copy of a run: export.py)
+
+    def __setstate__(self, state: dict) -> None:
+        self._buf, self.n = state["data"], len(state["data"])
 
     def pad_to(self, n: int) -> None:
         while self.n < n:
@@ -70,6 +75,15 @@ class Series:
         self.rows += 1
         for col in self.columns.values():
             col.pad_to(self.rows)
+
+    def snapshot(self) -> Series:
+        """The rows so far, apart from this series: later rows (or a cut) do not change it."""
+        out = Series()
+        for k, col in self.columns.items():
+            c = out.columns[k] = Column(0)
+            c._buf, c.n = col.data, col.n
+        out.rows = self.rows
+        return out
 
     def get(self, name: str) -> np.ndarray:
         col = self.columns.get(name)
@@ -176,6 +190,15 @@ class RunData:
         """A device's place in the run's device list: its colour (``palette.series_color``)."""
         return self.devices.index(dev) if dev in self.devices else len(self.devices)
 
+    def snapshot(self) -> RunData:
+        """The run as it is now, apart from this object: for work in another thread or process (an
+        export) while records keep coming. The columns are views (no copy): rows are only ever appended."""
+        out = RunData(self.name)
+        out.__dict__.update(self.__dict__)
+        out.train, out.eval, out.telemetry = self.train.snapshot(), self.eval.snapshot(), self.telemetry.snapshot()
+        out.events, out.devices = list(self.events), list(self.devices)
+        return out
+
     def extend(self, records: Iterable[dict[str, Any]]) -> None:
         for r in records:
             self.add(r)
@@ -240,6 +263,8 @@ def config_lanes(config: dict[str, Any] | None) -> list[str]:
     use = section.get("use")
     if not isinstance(use, str) or use.strip() in ("", "auto"):
         return []
+    from multilane.engine.telemetry.devices import lane_names, parse_devices  # torch: only when asked
+
     try:
         return lane_names(parse_devices(use))
     except Exception:  # a damaged config: the records name the devices instead

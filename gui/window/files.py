@@ -201,22 +201,54 @@ class RunFilesMixin:
     def export(
         self, out_dir: str, formats: list[str] | None = None, width: int = 1600, bundle: bool = False
     ) -> list[Path]:
-        """Write the shown run's figures (as shown: smoothing, x axis, log y, compared runs) and CSV."""
-        from multilane.gui.plots.export import DEFAULT_FORMATS, export_run
+        """Write the shown run's figures (as shown: smoothing, x axis, log y, compared runs) and CSV, here
+        and now (scripts and tests; the window's own export runs in the background: ``export_in_background``)."""
+        from multilane.gui.plots.export import export_run
+
+        r = self._export_request(out_dir, formats, width, bundle)
+        kw = {k: r[k] for k in ("run_dir", "compare", "options", "bundle")}
+        return export_run(r["run"], r["out_dir"], r["formats"], r["width"], **kw)
+
+    def _export_request(self, out_dir: str, formats: list[str] | None, width: int, bundle: bool) -> dict:
+        from multilane.gui.plots.export import DEFAULT_FORMATS
         from multilane.gui.plots.figures import FigureOptions
 
         p = self.plots
-        options = FigureOptions(smoothing=p.smoothing, x_mode=p.x_mode, log_y=self.log_y.isChecked())
-        return export_run(
-            p.data,
-            out_dir,
-            formats or DEFAULT_FORMATS,
-            width,
-            run_dir=self.shown_run_dir,
-            compare=[run for run, _ in p.overlays],
-            options=options,
-            bundle=bundle,
-        )
+        return {
+            "run": p.data.snapshot(),  # records keep coming while the export runs
+            "out_dir": out_dir,
+            "formats": list(formats or DEFAULT_FORMATS),
+            "width": width,
+            "run_dir": self.shown_run_dir,
+            "compare": [run.snapshot() for run, _ in p.overlays],
+            "options": FigureOptions(smoothing=p.smoothing, x_mode=p.x_mode, log_y=self.log_y.isChecked()),
+            "bundle": bundle,
+        }
+
+    def export_in_background(
+        self, out_dir: str, formats: list[str] | None = None, width: int = 1600, bundle: bool = False
+    ):
+        """The export in a process of its own, a progress bar with Cancel; the window stays in use.
+        Returns the ``ExportJob`` (its ``finished`` signal carries the outcome)."""
+        from multilane.gui.window.export_job import ExportJob
+
+        job = ExportJob(self._export_request(out_dir, formats, width, bundle), self)
+        job.finished.connect(self._export_finished)
+        self.export_job = job
+        self.note("Exporting in the background…", 600_000)
+        return job
+
+    def _export_finished(self, result: dict) -> None:
+        if result["status"] == "error":
+            text = f"{result['message']}\n\nThe run itself is untouched."
+            self.error_box = QMessageBox(QMessageBox.Warning, "Export failed", text, parent=self)
+            self.error_box.open()  # not exec(): the window goes on
+            self.note("Export failed", 15_000)
+        elif result["status"] == "cancelled":
+            self.note("Export cancelled: nothing was written", 15_000)
+        else:
+            files = result["files"]
+            self.note(f"Exported {len(files)} files to {files[0].parent}" if files else "Nothing exported", 15_000)
 
     def export_dialog(self, bundle: bool = False) -> ExportDialog:
         """One dialog: folder (in the run's folder to begin with), PNG width, formats."""
@@ -227,7 +259,7 @@ class RunFilesMixin:
         def accepted() -> None:
             self.settings.setValue("export_width", dialog.width.value())
             formats = dialog.chosen_formats()
-            self._export_report(lambda: self.export(dialog.out_dir(), formats, dialog.width.value(), bundle=bundle))
+            self.export_in_background(dialog.out_dir(), formats, dialog.width.value(), bundle=bundle)
 
         dialog.accepted.connect(accepted)
         dialog.open()  # not exec(): the plots keep redrawing while it is open
@@ -236,14 +268,6 @@ class RunFilesMixin:
 
     def export_bundle_dialog(self) -> ExportDialog:
         return self.export_dialog(bundle=True)
-
-    def _export_report(self, fn) -> None:
-        try:
-            files = fn()
-        except UserError as e:
-            QMessageBox.warning(self, "Export failed", f"{e}\n\nThe run itself is untouched.")
-            return
-        self.note(f"Exported {len(files)} files to {files[0].parent}" if files else "Nothing exported", 15_000)
 
     def note(self, text: str, ms: int = 15_000) -> None:
         """A passing note at the status bar's right; the run's state on the left stays visible."""
