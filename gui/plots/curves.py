@@ -49,7 +49,13 @@ class CurveDrawing:
         width = max(100.0, vb.width() if vb is not None else 1000.0)
         # the screen's own pixel columns: each one's extremes are drawn where they are
         idx = pyramid[0].indices(x, y, i0, i1, width, (lo, hi) if hi > lo else None)
-        vx, vy = broken(x, y, idx, breaks if breaks is not None else np.empty(0, dtype=np.int64))
+        breaks = breaks if breaks is not None else np.empty(0, dtype=np.int64)
+        if len(breaks):
+            # each side of a break drawn to its end: the last step logged before a stop (or pause) and
+            # the first after it, which a pixel column's extremes alone can leave out
+            ends = np.concatenate([breaks - 1, breaks])
+            idx = np.union1d(idx, ends[(ends >= i0) & (ends < i1)])
+        vx, vy = broken(x, y, idx, breaks)
         lone = int(np.isfinite(vy).sum()) == 1
         if lone and item.opts["symbol"] is None:
             item.setSymbol("o")

@@ -4,16 +4,14 @@ run's config and environment. From the app or headless (``multilane export``); n
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.gui.plots.figures import FigureOptions, comparison_figure, loss_figure, run_caption, save_figure
 from multilane.gui.plots.overview import comparison_overview_figure, overview_figure
-from multilane.gui.runs.run_data import RunData
+from multilane.gui.runs.run_data import RunData, read_request
 
 FORMATS = ("png", "svg", "pdf", "csv")
 DEFAULT_FORMATS = ["png", "svg", "pdf", "csv"]
@@ -104,34 +102,6 @@ def export_headless(
     return export_run(run, out_dir, formats, width, run_dir=rd, compare=compare, options=FigureOptions(**options))
 
 
-def write_request(path: str | Path, request: dict) -> None:
-    """An export's data for its process: one pickle whose numpy columns travel out of band (protocol 5),
-    so that the caller's thread only describes them and the bytes are written by ``file.write``, which
-    lets other threads run (the window's, while a million points are written)."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(request, protocol=5, buffer_callback=buffers.append)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<QQ", len(head), len(buffers)))
-        f.write(head)
-        for b in buffers:
-            raw = b.raw()
-            f.write(struct.pack("<Q", raw.nbytes))
-            f.write(raw)
-
-
-def read_request(path: str | Path) -> dict:
-    with open(path, "rb") as f:
-        n_head, n_buffers = struct.unpack("<QQ", f.read(16))
-        head = f.read(n_head)
-        buffers = []
-        for _ in range(n_buffers):
-            (n,) = struct.unpack("<Q", f.read(8))
-            buf = bytearray(n)
-            f.readinto(buf)
-            buffers.append(buf)
-    return pickle.loads(head, buffers=buffers)
-
-
 def export_child_main(request_path: str) -> int:
     """The app's export in a process of its own (``gui/window/export_job.py``): matplotlib's drawing of a
     million points holds the GIL for seconds, and in the app's process the window stopped answering.
@@ -143,7 +113,7 @@ def export_child_main(request_path: str) -> int:
         print(json.dumps(msg), flush=True)
 
     try:
-        r = read_request(request_path)
+        r = read_request(request_path)  # no matplotlib in that module: the window imports it
         paths = export_run(
             r["run"],
             r["out_dir"],
@@ -151,7 +121,7 @@ def export_child_main(request_path: str) -> int:
             r["width"],
             run_dir=r["run_dir"],
             compare=r["compare"],
-            options=r["options"],
+            options=FigureOptions(**r["options"]),
             bundle=r["bundle"],
             progress=lambda done, total, what: say(progress=[done, total, what]),
         )

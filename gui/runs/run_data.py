@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import pickle
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -224,8 +226,9 @@ class RunData:
         return [k.split("/", 1)[1] for k in self.eval.names("metric/")]
 
     def write_csv(self, path: str | Path) -> int:
-        """Every logged train step with its columns, validation values joined on step, and the latest
-        telemetry sample at that step's time (utilization, memory, power, temperature); returns rows."""
+        """Every logged train step with its columns, validation values joined on step, and the telemetry
+        record that covers that step's time (utilization, memory, power, temperature; ``_latest_at``);
+        returns rows."""
         train_cols = [k for k in self.train.columns if k not in ("step", "wall_time")]
         eval_cols = [k for k in self.eval.columns if k not in ("step", "wall_time")]
         tele_cols = [k for k in self.telemetry.columns if k not in ("step", "wall_time")]
@@ -280,17 +283,50 @@ def recorded(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _latest_at(wall: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Each time in ``at``: the column's latest finite value recorded at or before it (NaN before the
-    first). Telemetry records come one per ddp rank, each holding only its own devices, and a rank's
+    """Each time in ``at``: the column's value from the telemetry record whose interval holds it — the
+    first finite record at or after it (a record sums up the seconds before it) — or, after the last
+    record, the last one; NaN where the column has none. A short run's train rows all come before its
+    first (or only) record, and "the latest at or before" left them empty while plots.png drew the
+    record. Telemetry records come one per ddp rank, each holding only its own devices, and a rank's
     record can reach the file after a later one of another rank, so rows are sorted and each column
-    is forward-filled on its own."""
+    is looked up on its own."""
     order = np.argsort(wall, kind="stable")
     w, v = wall[order], values[order]
     keep = np.isfinite(v)
     w, v = w[keep], v[keep]
-    j = np.searchsorted(w, at, side="right") - 1
-    return np.where(j >= 0, v[np.maximum(j, 0)] if len(v) else math.nan, math.nan)
+    if not len(v):
+        return np.full(len(at), math.nan)
+    j = np.minimum(np.searchsorted(w, at, side="left"), len(v) - 1)
+    return v[j]
 
 
 def _fmt(v: float) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else repr(float(v))
+
+
+def write_request(path: str | Path, request: dict) -> None:
+    """Runs (in a dict) for another process, such as an export's (``gui/window/export_job.py``): one pickle whose numpy columns travel out of band (protocol 5),
+    so that the caller's thread only describes them and the bytes are written by ``file.write``, which
+    lets other threads run (the window's, while a million points are written)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(request, protocol=5, buffer_callback=buffers.append)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<QQ", len(head), len(buffers)))
+        f.write(head)
+        for b in buffers:
+            raw = b.raw()
+            f.write(struct.pack("<Q", raw.nbytes))
+            f.write(raw)
+
+
+def read_request(path: str | Path) -> dict:
+    with open(path, "rb") as f:
+        n_head, n_buffers = struct.unpack("<QQ", f.read(16))
+        head = f.read(n_head)
+        buffers = []
+        for _ in range(n_buffers):
+            (n,) = struct.unpack("<Q", f.read(8))
+            buf = bytearray(n)
+            f.readinto(buf)
+            buffers.append(buf)
+    return pickle.loads(head, buffers=buffers)

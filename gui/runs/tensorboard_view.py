@@ -25,7 +25,8 @@ class TensorBoardView(QObject):
         self.logdir = logdir
         self.plots = plots
         self.data = RunData(Path(logdir.path).name)
-        self.data.extend(logdir.read())
+        self.records = logdir.read()  # what the summary box sums up
+        self.data.extend(self.records)
         self.timer = QTimer(self)
         self.timer.setInterval(POLL_MS)
         self.timer.timeout.connect(self.poll)

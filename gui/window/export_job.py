@@ -23,7 +23,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from multilane.gui.plots.export import write_request
+from multilane.gui.runs.run_data import write_request  # not gui.plots.export: no matplotlib here
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QProgressDialog, QWidget
 

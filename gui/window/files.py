@@ -133,6 +133,7 @@ class RunFilesMixin:
         view.show()
         self.shown_run_dir = None  # exports go to the runs folder: nothing is written into the logdir
         self.plots.set_title(f"TensorBoard · {Path(path).name}")
+        self.summary.show_records(view.records, f"TensorBoard · {Path(path).name}")  # this run's, not the last
         self.plots.fit_x()
         self.status_label.setText(f"Viewing TensorBoard logdir {path} (updates while it is written)")
         return True
@@ -204,24 +205,23 @@ class RunFilesMixin:
         """Write the shown run's figures (as shown: smoothing, x axis, log y, compared runs) and CSV, here
         and now (scripts and tests; the window's own export runs in the background: ``export_in_background``)."""
         from multilane.gui.plots.export import export_run
-
-        r = self._export_request(out_dir, formats, width, bundle)
-        kw = {k: r[k] for k in ("run_dir", "compare", "options", "bundle")}
-        return export_run(r["run"], r["out_dir"], r["formats"], r["width"], **kw)
-
-    def _export_request(self, out_dir: str, formats: list[str] | None, width: int, bundle: bool) -> dict:
-        from multilane.gui.plots.export import DEFAULT_FORMATS
         from multilane.gui.plots.figures import FigureOptions
 
+        r = self._export_request(out_dir, formats, width, bundle)
+        kw = {k: r[k] for k in ("run_dir", "compare", "bundle")}
+        return export_run(r["run"], r["out_dir"], r["formats"], r["width"], options=FigureOptions(**r["options"]), **kw)
+
+    def _export_request(self, out_dir: str, formats: list[str] | None, width: int, bundle: bool) -> dict:
+        # no matplotlib imported here: the window's own export is made in another process (export_job.py)
         p = self.plots
         return {
             "run": p.data.snapshot(),  # records keep coming while the export runs
             "out_dir": out_dir,
-            "formats": list(formats or DEFAULT_FORMATS),
+            "formats": list(formats or ["png", "svg", "pdf", "csv"]),
             "width": width,
             "run_dir": self.shown_run_dir,
             "compare": [run.snapshot() for run, _ in p.overlays],
-            "options": FigureOptions(smoothing=p.smoothing, x_mode=p.x_mode, log_y=self.log_y.isChecked()),
+            "options": {"smoothing": p.smoothing, "x_mode": p.x_mode, "log_y": self.log_y.isChecked()},
             "bundle": bundle,
         }
 

@@ -34,6 +34,9 @@ STATES = ["all", "running", "paused", "finished", "stopped", "failed"]
 POLL_MS = 2000
 
 
+TASK_COLUMN_PX = 220  # the task column at most this wide; a longer task file path is elided in the middle
+
+
 class _Item(QTableWidgetItem):
     """A cell that sorts by its value (numbers as numbers, blanks last), not by its text."""
 
@@ -105,6 +108,11 @@ class RunsTable(QWidget):
         self.table.setSortingEnabled(True)
         self.table.verticalHeader().setVisible(False)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        # a task file's long path is elided in the middle ("/home/…/my_task.py", the whole path in its
+        # tooltip): it widened the table until lr and loss needed scrolling
+        self.table.setTextElideMode(Qt.ElideMiddle)
+        self._task_col = COLUMNS.index(("task", "task"))
+        self.table.horizontalHeader().setSectionResizeMode(self._task_col, QHeaderView.Interactive)
         self.table.horizontalHeader().setToolTip("Click a column to sort by it; click again to reverse")
         self.table.doubleClicked.connect(self._double_clicked)
         self.table.itemChanged.connect(self._item_changed)
@@ -175,9 +183,13 @@ class RunsTable(QWidget):
                 item.setFlags(flags)
                 if key in EDITABLE:
                     item.setToolTip(f"Double-click to edit this run's {key} (kept in its meta.json)")
+                elif key == "task":  # the whole path of an elided task file
+                    item.setToolTip(item.text() + (f" ({'; '.join(row.notes)})" if row.notes else ""))
                 elif row.notes:
                     item.setToolTip("; ".join(row.notes))
                 self.table.setItem(r, c, item)
+        self.table.resizeColumnToContents(self._task_col)
+        self.table.setColumnWidth(self._task_col, min(self.table.columnWidth(self._task_col), TASK_COLUMN_PX))
         self.table.setSortingEnabled(True)
         self._loading = False
         self._apply_filter()

@@ -85,6 +85,18 @@ class SummaryView(QFrame):
         self.show()
         return True
 
+    def show_records(self, records: list[dict], name: str) -> bool:
+        """Summarize records that have no run folder (a TensorBoard logdir: no status, so no end state);
+        False (and hidden) when there are none. Never the previous run's summary left standing."""
+        if not records:
+            self.hide()
+            return False
+        self.summary = summarize_records(records, None)
+        self.summary.training_s = TrainingClock.of(records).seconds()
+        self.label.setText(summary_html(self.summary, name))
+        self.show()
+        return True
+
     def text(self) -> str:
         """What it says, as plain text."""
         doc = self.label.text()
