@@ -95,9 +95,22 @@ def export_probe(points: int, sync: bool) -> None:
             job = w.export_in_background(out, ["png", "csv"], 1600)
             job.finished.connect(lambda _r: QTimer.singleShot(100, loop.quit))
 
+    collections: list[tuple[float, float, str]] = []  # (start, seconds, thread) of each collection over 20 ms
+    gc_t0 = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_t0[0] = T()
+        elif T() - gc_t0[0] > 0.02:
+            collections.append(
+                (gc_t0[0], T() - gc_t0[0], f"gen {info['generation']}, {threading.current_thread().name}")
+            )
+
+    gc.callbacks.append(on_gc)
     timer.start(10)
     QTimer.singleShot(200, begin)
     loop.exec()
+    gc.callbacks.remove(on_gc)
     took = T() - t0
     timer.stop()
     gaps = np.diff([t for t in ticks if t >= t0]) * 1000
@@ -109,6 +122,11 @@ def export_probe(points: int, sync: bool) -> None:
         f"lateness median {np.median(late):.1f} ms, p99 {np.percentile(late, 99):.1f} ms, max {late.max():.1f} ms; "
         f"wrote {', '.join(files)}"
     )
+    after = [t for t in ticks if t >= t0]
+    for i in np.argsort(-late)[:3]:
+        print(f"  a gap of {gaps[i]:.0f} ms, {after[i] - t0:.1f} s into the export")
+    for start, secs, where in collections:
+        print(f"  garbage collection at {start - t0:.1f} s: {secs * 1000:.0f} ms ({where})")
 
 
 def main() -> None:
