@@ -26,3 +26,8 @@ def format_number(v: float | int | None, decimals: int = 4) -> str:
     if abs(v) < SMALL or abs(v) >= LARGE:
         return f"{v:.{max(1, decimals - 2)}e}"
     return f"{v:.{decimals}f}"
+
+
+def format_percent(v: float) -> str:
+    """A share as a whole percent, never a "0%" that is not 0: 0.4 → "<1%", 41.6 → "42%", 0 → "0%"."""
+    return "<1%" if 0 < v < 0.5 else f"{v:.0f}%"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.engine.numbers import format_number
+from multilane.engine.numbers import format_number, format_percent
 from multilane.engine.rundir.follow import RunFollower
 from multilane.engine.rundir.runs_folder import run_folder_problem
 
@@ -23,7 +23,7 @@ def format_telemetry(record: dict[str, Any]) -> str:
     parts = []
     for name, d in record.get("devices", {}).items():
         rate = d.get("util_pct") or d.get("busy_pct")
-        text = name + (f" {rate['mean']:.0f}%" if rate else "")
+        text = name + (f" {format_percent(rate['mean'])}" if rate else "")
         if d.get("mem_used_mb") is not None:
             text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
         parts.append(text)

@@ -74,9 +74,10 @@ class Backend(ABC):
     def make_timer(self) -> PhaseTimer:
         """A timer for the phases of a step, read only at log time."""
 
-    def busy(self, lane: int) -> AbstractContextManager[None]:
-        """Count the work inside the block as lane ``lane``'s compute (its busy %), where the backend
-        measures it: the one-lane path runs the lane's work in the calling thread, not parallel_apply."""
+    def busy(self, lanes: Sequence[int]) -> AbstractContextManager[None]:
+        """Count the work inside the block as compute of each of ``lanes`` (their busy %), where the
+        backend measures it: work that runs in the calling thread, not parallel_apply (the one-lane
+        path; a backward through every lane's graph at once)."""
         return nullcontext()
 
     def lane_busy_seconds(self) -> list[float] | None:

@@ -62,7 +62,7 @@ class CpuLanesBackend(Backend):
         def work(i: int) -> None:
             lane = lanes[i]
             torch.set_grad_enabled(grad_enabled)  # grad mode is thread-local
-            with self.busy(lane):
+            with self.busy([lane]):
                 try:
                     args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
                     results[i] = fns[i](*args, **kwargs[i])
@@ -89,12 +89,14 @@ class CpuLanesBackend(Backend):
         return PhaseTimer()
 
     @contextmanager
-    def busy(self, lane: int) -> Iterator[None]:
-        self._busy.start(lane)
+    def busy(self, lanes: Sequence[int]) -> Iterator[None]:
+        for lane in lanes:
+            self._busy.start(lane)
         try:
             yield
         finally:
-            self._busy.stop(lane)
+            for lane in lanes:
+                self._busy.stop(lane)
 
     def lane_busy_seconds(self) -> list[float]:
         return self._busy.seconds()

@@ -186,7 +186,8 @@ class PersistentReplicas(ReplicateEachStep):
     def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
         """Each lane's backward in its own lane, seeded with what ``loss`` sends to that lane's loss."""
         if not out.shard_losses:
-            loss.backward()  # one lane: lane 0's replica is the model
+            with self.backend.busy(out.lanes):
+                loss.backward()  # one lane: lane 0's replica is the model
             return
         seeds = torch.autograd.grad(loss, out.shard_losses)
         if self._buckets is not None:

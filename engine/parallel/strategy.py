@@ -243,8 +243,11 @@ class ReplicateEachStep:
 
     def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
-        graphs, which sums every lane's gradient into the model's own parameters."""
-        loss.backward()
+        graphs, which sums every lane's gradient into the model's own parameters. One lane's backward is
+        that lane's work and counts as its busy time; several lanes' run in one thread through all their
+        graphs together, which is not split between them (their busy time is their forward and loss)."""
+        with self.backend.busy(out.lanes if len(out.lanes) == 1 else []):
+            loss.backward()
 
     def reduce_gradients(self, timer: PhaseTimer) -> None:
         """Make the model's ``.grad`` the whole batch's gradient: here backward has done it."""
@@ -261,7 +264,7 @@ class ReplicateEachStep:
         timer.mark("forward")
         weight = None
         try:  # the lane's forward and loss count as its busy time, as in parallel_apply on several lanes
-            with self.backend.busy(0):
+            with self.backend.busy([0]):
                 with self._autocast():
                     output = model(*args, **kwargs)
                 timer.mark("loss")
@@ -330,7 +333,7 @@ class ReplicateEachStep:
         lanes, active = self._active(sizes)
         if lanes == [0]:
             args, kwargs = model_args(inputs)
-            with self.backend.busy(0), self._autocast():
+            with self.backend.busy([0]), self._autocast():
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
         return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))

@@ -187,10 +187,12 @@ def _comparison_panels(runs: Sequence[RunData], opts: FigureOptions) -> list[Pan
         if ev.rows:
             xe, br = x_values(run, ev, opts.x_mode), series_breaks(run, ev)
             dashed = solid | {"linestyle": (0, (4, 2)), "linewidth": wide}
-            loss.curves.append((xe, ev.get("val_loss"), br, dashed | {"marker": "o" if ev.rows <= 60 else None}))
+            dot = device_width(k, n, 3.0, 2.0)  # markers too: the first run's largest, each next one on top
+            dashed |= {"marker": "o" if ev.rows <= 60 else None, "markersize": dot}
+            loss.curves.append((xe, ev.get("val_loss"), br, dashed))
             for i, m in enumerate(run.metric_names):
                 names += [m] if m not in names else []
-                style = solid | {"marker": "o", "markersize": 3, "linestyle": "-" if i == 0 else ":"}
+                style = solid | {"marker": "o", "markersize": dot, "linestyle": "-" if i == 0 else ":"}
                 metric.curves.append((xe, ev.get(f"metric/{m}"), br, style))
         if te.rows:
             xt = x_values(run, te, opts.x_mode)

@@ -4,7 +4,7 @@ pause spans, curve names with units. No Qt, no matplotlib here."""
 from __future__ import annotations
 
 import numpy as np
-from multilane.engine.numbers import format_number
+from multilane.engine.numbers import format_number, format_percent
 from multilane.gui.runs.run_data import RunData, Series
 
 X_LABELS = {"step": "step", "time": "elapsed time (s)"}
@@ -255,11 +255,12 @@ def nearest_row(run: RunData, series: Series, x: float, x_mode: str) -> int:
 
 def value_text(v: float, unit: str) -> str:
     """A value with its unit, as the hover line prints it: "41%", "312.5 MiB", "0.0123"."""
-    if unit in ("%", "W", "°C") or abs(v) >= 1000:
-        value = f"{v:,.0f}"
-    else:
-        value = f"{v:,.1f}" if unit == "MiB" else format_number(v)
-    return f"{value}{'' if unit in ('', '%', '°C') else ' '}{unit}"
+    if unit == "%":
+        return format_percent(v)
+    if unit in ("W", "°C") or abs(v) >= 1000:
+        return f"{v:,.0f}{'' if unit == '°C' else ' '}{unit}".rstrip()
+    value = f"{v:,.1f}" if unit == "MiB" else format_number(v)
+    return f"{value}{' ' if unit else ''}{unit}"
 
 
 def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:

