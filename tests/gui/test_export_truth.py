@@ -85,7 +85,7 @@ def test_a_comparisons_plots_draw_every_panel_per_run_and_name_what_differs(tmp_
     b.config = {"optim": {"lr": 0.05}, "data": {"batch_size": 64}}
     fig = comparison_overview_figure([a, b])
     titles = {ax.get_title(loc="left"): ax for ax in fig.axes}
-    for title in ("Loss", "accuracy", "Throughput", "Learning rate", "Step time", "Memory"):
+    for title in ("Loss", "accuracy", "Throughput", "Learning rate", "Step time (each run's total)", "Memory"):
         colours = {line.get_color().upper() for line in lines_of(titles[title])}
         assert {series_color(0).upper(), series_color(1).upper()} <= colours, title
     thr = [ln for ln in lines_of(titles["Throughput"]) if ln.get_color().upper() == series_color(1).upper()]
