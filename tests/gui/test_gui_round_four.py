@@ -66,6 +66,7 @@ def short_run(make_config, **overrides):
     return Trainer(cfg).run().run_dir
 
 
+@pytest.mark.slow
 def test_metrics_csv_has_the_telemetry_plots_png_shows_for_a_short_run(make_config, tmp_path):
     """A run shorter than one telemetry interval: its one record (written at the end) covers every step."""
     from multilane.engine.cli.main import main
