@@ -15,6 +15,7 @@ from typing import Any
 
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.train import cmd_train
 from multilane.engine.errors import UserError
 
@@ -46,7 +47,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
     options = {"compare": args.compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
     for path in export_headless(args.run_dir, args.out, formats, args.width, **options):
-        print(path)
+        print(printable(str(path)))
     return 0
 
 

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
+
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from multilane.engine.cli.watch import watch
@@ -17,7 +19,7 @@ def cmd_control(args: argparse.Namespace) -> int:
     from multilane.engine.rundir.control_file import write_control
 
     path = write_control(args.run_dir, args.action)
-    print(f"{args.action} requested: {path}")
+    print(printable(f"{args.action} requested: {path}"))
     return 0
 
 
@@ -44,6 +46,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def devices_table(rows: list[dict]) -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -60,5 +63,6 @@ def devices_table(rows: list[dict]) -> Any:
         else:  # the lanes the app's device list offers (one rule: telemetry/devices.py cpu_lane_count)
             lanes = r.get("lanes") or 2
             name, model = f"cpu:0–cpu:{lanes - 1}", f"{lanes} CPU lanes on {r['cores']} cores · {r.get('model', '')}"
-        table.add_row(name, model, util, memory, temp, power)
+        # what the driver or /proc says (a GPU's name, the CPU's model) is text, not rich markup
+        table.add_row(*(escape(printable(c)) for c in (name, model, util, memory, temp, power)))
     return table

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
@@ -140,7 +141,7 @@ def watch(
             if update.status is not None:
                 state.set_status(update.status)
             reconnecting = getattr(follower, "reconnecting", None)
-            line = reconnecting or state.line()
+            line = printable(reconnecting or state.line())  # a run folder's text is shown, never obeyed
             # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
             # not each time only the telemetry's readings change: that printed one line a second.
             key = line if tty or reconnecting else state.line(telemetry=False)
@@ -155,14 +156,14 @@ def watch(
             if on_interrupt is None or interrupted:
                 break
             interrupted = True
-            out.write(("\n" if tty else "") + on_interrupt() + "\n")
+            out.write(("\n" if tty else "") + printable(on_interrupt()) + "\n")
             out.flush()
     if tty:
         out.write("\n")
     if follower.problem:
         raise UserError(f"watch: {folder}: {follower.problem}")
     if follower.lost:
-        out.write(f"{folder.name}: {follower.lost}\n")
+        out.write(printable(f"{folder.name}: {follower.lost}") + "\n")
         return 1
     if follower.metrics.skipped:
         n = follower.metrics.skipped
