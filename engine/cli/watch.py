@@ -16,6 +16,7 @@ from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
+from multilane.engine.rundir.readfile import user_path
 from multilane.engine.rundir.runs_folder import run_folder_problem
 
 
@@ -126,7 +127,7 @@ def watch(
     ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
     without it, or at the second, Ctrl+C leaves."""
     out = out or sys.stdout
-    folder = Path(run_dir).expanduser()
+    folder = user_path(run_dir, "watch")
     if follower is None:
         check_run_folder(folder)
     follower, state = follower or RunFollower(folder), WatchState()

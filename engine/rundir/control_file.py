@@ -17,7 +17,7 @@ from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.rundir.runs_folder import run_folder_problem
 from multilane.engine.rundir.writefile import atomic_write_bytes
 
@@ -29,7 +29,7 @@ def write_control(run_dir: str | Path, command: str) -> Path:
     """Ask the run in ``run_dir`` to pause, resume or stop (atomically; the newest command wins)."""
     if command not in COMMANDS:
         raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
-    folder = Path(run_dir).expanduser()
+    folder = user_path(run_dir, "control")
     try:
         if not folder.is_dir():
             raise UserError(f"control: {run_folder_problem(folder)}")

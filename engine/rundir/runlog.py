@@ -27,6 +27,7 @@ from typing import Any
 
 import filelock
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import user_path
 from multilane.engine.rundir.run_lock import LOCK, lock_run_folder, refuse_if_in_use
 from multilane.engine.rundir.runread import (
     CHECKPOINT,
@@ -98,7 +99,7 @@ class RunDir:
     @classmethod
     def create(cls, runs_dir: str | Path, name: str) -> RunDir:
         """A new ``<runs_dir>/<timestamp>-<name>/``; never one another run already took."""
-        root = Path(runs_dir).expanduser()
+        root = user_path(runs_dir, "runs folder")
         check_writable(root)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for i in range(1000):
@@ -127,7 +128,7 @@ class RunDir:
         the ddp launcher, the app), or a ddp rank other than rank 0 (``in_use_ok``: rank 0 holds the
         lock). A folder another process writes is refused first ("in use by pid N"), before anything
         else is said of it and before anything is written into it."""
-        p = Path(path).expanduser()
+        p = user_path(path, "resume")
         try:
             if not p.is_dir():
                 raise UserError(f"resume: {run_folder_problem(p)}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.rundir.run_lock import RunInUse, lock_run_folder
 from multilane.engine.rundir.writefile import atomic_write_bytes
 
@@ -30,7 +30,10 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def run_folder_problem(path: str | Path) -> str | None:
     """Why ``path`` is not a run folder, in the one wording the app and the CLI share, or None."""
-    p = Path(path).expanduser()
+    try:
+        p = user_path(path, "run folder")
+    except UserError as e:
+        return str(e).removeprefix("run folder: ")
     try:
         if not p.exists():
             return f"{p} is not a run folder (it does not exist)"
