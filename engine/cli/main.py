@@ -26,7 +26,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from multilane.engine.rundir.readfile import user_path
     from multilane.engine.rundir.runlog import load_metrics
-    from multilane.engine.rundir.runs_folder import run_folder_problem
+    from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
     from multilane.gui.plots.export import FORMATS, export_headless
 
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
@@ -37,7 +37,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
     run, out = user_path(args.run_dir, "export"), user_path(args.out, "export: --out")
     try:
-        problem = run_folder_problem(run)
+        problem = run_folder_problem(run) or (
+            None if says_it_is_a_run(run) else f"{run} is not a run folder ({NOT_A_RUN})"
+        )
         if problem:
             raise UserError(f"export: {problem}")
         if out.exists() and out.resolve() == run.resolve():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from multilane.engine.cli.terminal_text import printable
@@ -24,25 +25,30 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    """The devices table (or JSON). A GPU that cannot be read or a driver that does not answer (each call
+    bounded: ``telemetry/driver.py``) leaves its rows out and is one line on stderr, exit 1; the rest is
+    shown."""
     from multilane.engine.telemetry.sampler import live_readings
 
+    problems: list[str] = []
     if args.json:
-        print(json.dumps(live_readings(), indent=2))
-        return 0
-    if not args.watch:
+        print(json.dumps(live_readings(problems=problems), indent=2))
+    elif not args.watch:
         from rich.console import Console
 
-        Console().print(devices_table(live_readings()))
-        return 0
-    from rich.live import Live
+        Console().print(devices_table(live_readings(problems=problems)))
+    else:
+        from rich.live import Live
 
-    with Live(devices_table(live_readings()), auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(devices_table(live_readings(1.0)), refresh=True)
-        except KeyboardInterrupt:
-            pass
-    return 0
+        with Live(devices_table(live_readings(problems=problems)), auto_refresh=False) as live:
+            try:
+                while True:
+                    live.update(devices_table(live_readings(1.0, problems)), refresh=True)
+            except KeyboardInterrupt:
+                pass
+    for line in dict.fromkeys(problems):
+        print(f"multilane: warning: {printable(line)}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def devices_table(rows: list[dict]) -> Any:

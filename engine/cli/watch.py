@@ -17,7 +17,7 @@ from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
 from multilane.engine.rundir.readfile import user_path
-from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
 
 
 def format_telemetry(record: dict[str, Any]) -> str:
@@ -97,8 +97,9 @@ def check_run_folder(folder: Path) -> None:
     try:
         if not folder.is_dir():
             raise UserError(f"watch: {run_folder_problem(folder)}")
-        if any((folder / name).exists() for name in RUN_FILES):
-            return
+        odd = [n for n in RUN_FILES[:2] if (folder / n).exists() and not (folder / n).is_file()]
+        if says_it_is_a_run(folder) or odd:
+            return  # a metrics.jsonl or status.json that is no file: the follower says what it is
         runs = [p for p in folder.iterdir() if p.is_dir() and any((p / n).exists() for n in RUN_FILES[:3])]
     except ValueError as e:  # an embedded NUL
         raise UserError(f"watch: not a usable path ({e})") from None
@@ -109,7 +110,7 @@ def check_run_folder(folder: Path) -> None:
         raise UserError(
             f"watch: {folder} is a runs folder, not a run; watch one of its {len(runs)} runs, e.g. {newest}"
         )
-    raise UserError(f"watch: {folder} is not a run folder (no metrics.jsonl, status.json or config.json)")
+    raise UserError(f"watch: {folder} is not a run folder ({NOT_A_RUN})")
 
 
 def watch(
