@@ -186,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OutputLost as e:
         return _stdout_lost(e, stdout)
+    except SystemExit:  # argparse's --help or usage error: what it printed must reach stdout too
+        try:
+            sys.stdout.flush()
+        except OutputLost as e:
+            return _stdout_lost(e, stdout)
+        raise
     except OSError as e:
         # The system refused something no check foresaw (a file system's own limit, a device error): the
         # one line names the file and the reason; whatever a run had recorded stays recorded.
