@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -176,6 +177,19 @@ def test_stdout_on_a_full_device_is_one_line_exit_1(tmp_path, capsys, monkeypatc
     assert code == 1 and err.splitlines() == [
         "multilane: error: cannot write to standard output (No space left on device)"
     ]
+
+
+def test_a_closed_pipe_on_stdout_ends_quietly_exit_1(capsys, monkeypatch):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `multilane devices --json | head -0`: the reader is gone
+    pipe = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        code = main(["devices", "--json"])
+    finally:
+        monkeypatch.undo()
+        pipe.close()
+    assert code == 1 and capsys.readouterr().err == ""
 
 
 # -- acting only on run folders -----------------------------------------------------------------
