@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from multilane.engine.cli.main import main
 from multilane.engine.cli.parser import build_parser
@@ -147,6 +147,7 @@ def test_any_argument_vector_ends_in_0_1_or_2_without_a_traceback_or_a_stray_fil
     finally:
         os.chdir(cwd)
     elapsed = time.monotonic() - t0
+    event(f"{argv[0]}: exit {code}")  # --hypothesis-show-statistics: what the vectors reached
     assert code in (0, 1, 2), (argv, code, err.getvalue()[-2000:])
     assert "Traceback" not in err.getvalue() + out.getvalue(), (argv, err.getvalue()[-3000:])
     assert elapsed < TIME_BOUND_S, (argv, elapsed)

@@ -192,6 +192,20 @@ def test_a_closed_pipe_on_stdout_ends_quietly_exit_1(capsys, monkeypatch):
     assert code == 1 and capsys.readouterr().err == ""
 
 
+def test_an_os_error_no_check_foresaw_is_one_line_naming_the_file(capsys, monkeypatch):
+    import errno
+    import importlib
+
+    cli_main = importlib.import_module("multilane.engine.cli.main")
+
+    def refused(args):  # what a file system's own limit looks like to the code (faked: the net under test)
+        raise OSError(errno.EOVERFLOW, os.strerror(errno.EOVERFLOW), "/data/runs/x\x1b[2J/metrics.jsonl")
+
+    monkeypatch.setattr(cli_main, "cmd_devices", refused)
+    line = one_error_line(capsys, main(["devices"]), "/data/runs/x\\x1b[2J/metrics.jsonl: ", status=1)
+    assert line.endswith(os.strerror(errno.EOVERFLOW))
+
+
 # -- acting only on run folders -----------------------------------------------------------------
 
 
