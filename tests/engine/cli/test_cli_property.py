@@ -82,13 +82,26 @@ VALUES = [
 ]  # fmt: skip
 
 
+RUN = "runs/20260101-000000-r"
+VALID = [  # a command that works, to which random tokens are added: the paths past the parser
+    ["watch", RUN, "--interval", "0.05"],
+    ["control", RUN, "pause"],
+    ["export", RUN, "--out", "out", "--format", "csv"],
+    ["train", "--config", "good.toml"],
+    ["train", "--task", "linear", "--devices", "cpu:0", "--steps", "1"],
+    ["devices", "--json"],
+]
+
+
 def vectors() -> st.SearchStrategy[list[str]]:
-    def for_command(command: str) -> st.SearchStrategy[list[str]]:
+    def tokens(command: str, most: int) -> st.SearchStrategy[list[str]]:
         values = st.sampled_from(VALUES)
         token = st.one_of(st.sampled_from(OPTIONS[command]), values) if OPTIONS[command] else values
-        return st.lists(token, max_size=7).map(lambda rest: [command, *rest])
+        return st.lists(token, max_size=most)
 
-    return st.sampled_from(COMMANDS).flatmap(for_command)
+    random = st.sampled_from(COMMANDS).flatmap(lambda c: tokens(c, 7).map(lambda rest: [c, *rest]))
+    valid = st.sampled_from(VALID).flatmap(lambda v: tokens(v[0], 2).map(lambda rest: [*v, *rest]))
+    return st.one_of(random, valid)
 
 
 def allowed_outputs(argv: list[str]) -> set[str]:
