@@ -23,19 +23,15 @@ from multilane.engine.errors import UserError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-
+    """Paths first (one line each, before the plotting code is imported), then formats, then the export."""
     from multilane.engine.rundir.readfile import user_path
     from multilane.engine.rundir.runlog import load_metrics
     from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
-    from multilane.gui.plots.export import FORMATS, export_headless
 
-    formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
     if not 0 <= args.smoothing < 1:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
     run, out = user_path(args.run_dir, "export"), user_path(args.out, "export: --out")
+    compare = [user_path(c, "export: --compare") for c in args.compare or []]
     try:
         problem = run_folder_problem(run) or (
             None if says_it_is_a_run(run) else f"{run} is not a run folder ({NOT_A_RUN})"
@@ -44,16 +40,21 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError(f"export: {problem}")
         if out.exists() and out.resolve() == run.resolve():
             raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
+        for c in compare:
+            problem = run_folder_problem(c)
+            if problem:
+                raise UserError(f"export: --compare {problem}")
     except ValueError as e:  # an embedded NUL
         raise UserError(f"export: not a usable path ({e})") from None
+    from multilane.gui.plots.export import FORMATS, export_headless
+
+    formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
     note = load_metrics(run).skipped_note()  # a folder or unreadable file is one line here
     if note:
-        print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
-    compare = [user_path(c, "export: --compare") for c in args.compare or []]
-    for c in compare:
-        problem = run_folder_problem(c)
-        if problem:
-            raise UserError(f"export: --compare {problem}")
+        print(printable(f"multilane: warning: {run / 'metrics.jsonl'}: {note}"), file=sys.stderr)
     options = {"compare": compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
     for path in export_headless(run, out, formats, args.width, **options):
         print(printable(str(path)))
@@ -176,10 +177,12 @@ def one_line(message: str, limit: int = MAX_LINE) -> str:
 def main(argv: list[str] | None = None) -> int:
     hold_ctrl_c_while_torch_loads()  # a Ctrl+C during torch's import is held, not swallowed or an abort
     stdout = sys.stdout
-    sys.stdout = _WatchedOutput(stdout)  # type: ignore[assignment]
+    if stdout is not None:  # None: no stdout at all (a GUI launcher's child); print then prints nothing
+        sys.stdout = _WatchedOutput(stdout)  # type: ignore[assignment]
     try:
         code = _main(argv)
-        sys.stdout.flush()  # here, where a failure is one line, not at exit ("Exception ignored ...")
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, where a failure is one line, not at exit ("Exception ignored ...")
         return code
     except KeyboardInterrupt:  # before a run began (parsing, its set-up, the task's import): nothing to record
         _say("multilane: interrupted")
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return _stdout_lost(e, stdout)
     except SystemExit:  # argparse's --help or usage error: what it printed must reach stdout too
         try:
-            sys.stdout.flush()
+            if sys.stdout is not None:
+                sys.stdout.flush()
         except OutputLost as e:
             return _stdout_lost(e, stdout)
         raise

@@ -82,16 +82,23 @@ def test_watch_shows_a_run_folders_status_and_device_names_escaped(tmp_path, cap
     assert "\\x1b]0;pwned\\x07" in out and "failed: step 3/3" in out
 
 
-def test_control_export_and_the_progress_line_print_run_folder_text_escaped(tmp_path, capsys):
+@pytest.mark.slow  # export's first import of the plotting code
+def test_export_prints_the_paths_it_wrote_escaped(tmp_path, capsys):
+    run = hand_made_run(tmp_path / ("run" + "\x1b[2J"))
+    assert main(["export", str(run), "--out", str(tmp_path / "out\x1b]0;x\x07"), "--format", "csv"]) == 0
+    out, _ = capsys.readouterr()
+    assert "\x1b" not in out and "out\\x1b]0;x\\x07/metrics.csv" in out
+
+
+def test_control_and_the_progress_line_print_run_folder_text_escaped(tmp_path, capsys):
     from multilane.engine.cli.progress import ProgressDisplay, summary
     from multilane.engine.run.callbacks import RunResult
     from rich.console import Console
 
     run = hand_made_run(tmp_path / ("run" + "\x1b[2J"))
     assert main(["control", str(run), "stop"]) == 0
-    assert main(["export", str(run), "--out", str(tmp_path / "out\x1b]0;x\x07"), "--format", "csv"]) == 0
     out, _ = capsys.readouterr()
-    assert "\x1b" not in out and out.count("\\x1b[2J") == 1 and "out\\x1b]0;x\\x07" in out
+    assert "\x1b" not in out and out.count("\\x1b[2J") == 1
     # train's plain progress lines and summary: a task's warning (with rich markup), metric names, message
     buf = io.StringIO()
     display = ProgressDisplay(Console(file=buf, force_terminal=False, width=200))
@@ -155,7 +162,10 @@ def test_an_idna_rejected_host_name_is_one_line(capsys):
         one_error_line(capsys, main(argv), "not a host name")
 
 
-@pytest.mark.parametrize("command", ["devices", "devices --json", "watch", "control", "export", "train --help"])
+@pytest.mark.parametrize(
+    "command",
+    ["devices", "devices --json", "watch", "control", pytest.param("export", marks=pytest.mark.slow), "train --help"],
+)
 def test_stdout_on_a_full_device_is_one_line_exit_1(tmp_path, capsys, monkeypatch, command):
     run = hand_made_run(tmp_path / "run")
     argv = {
