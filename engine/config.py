@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import tomli_w
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type
@@ -174,6 +174,15 @@ class RunSection(Section):
     name: str = Field("run", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$", description="Run name")
     runs_dir: str = Field("runs", min_length=1, description="Folder that holds one folder per run")
 
+    @field_validator("runs_dir")
+    @classmethod
+    def _a_usable_path(cls, v: str) -> str:  # ~nosuchuser, a 300-byte name: refused before any folder is made
+        try:
+            user_path(v, "runs_dir")
+        except UserError as e:
+            raise ValueError(str(e).removeprefix("runs_dir: ")) from None
+        return v
+
 
 class RunConfig(Section):
     """Everything a run needs; its JSON form is saved inside every run directory and checkpoint."""
@@ -262,7 +271,7 @@ def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON config file into a dict, or raise UserError naming the file and the problem."""
-    p = Path(path)
+    p = user_path(path, "config file")
     try:
         raw = read_regular_file(p, MAX_FILE_BYTES)
     except FileNotFoundError:

@@ -5,6 +5,8 @@ except ``export`` and the app, the two that reach into ``multilane.gui`` (lazily
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import signal
 import sys
 import threading
@@ -15,38 +17,47 @@ from typing import Any
 
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.train import cmd_train
 from multilane.engine.errors import UserError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    """Paths first (one line each, before the plotting code is imported), then formats, then the export."""
+    from multilane.engine.rundir.readfile import user_path
     from multilane.engine.rundir.runlog import load_metrics
-    from multilane.engine.rundir.runs_folder import run_folder_problem
+    from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
+
+    if not 0 <= args.smoothing < 1:
+        raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
+    run, out = user_path(args.run_dir, "export"), user_path(args.out, "export: --out")
+    compare = [user_path(c, "export: --compare") for c in args.compare or []]
+    try:
+        problem = run_folder_problem(run) or (
+            None if says_it_is_a_run(run) else f"{run} is not a run folder ({NOT_A_RUN})"
+        )
+        if problem:
+            raise UserError(f"export: {problem}")
+        if out.exists() and out.resolve() == run.resolve():
+            raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
+        for c in compare:
+            problem = run_folder_problem(c)
+            if problem:
+                raise UserError(f"export: --compare {problem}")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"export: not a usable path ({e})") from None
     from multilane.gui.plots.export import FORMATS, export_headless
 
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise UserError(f"export: unknown format {bad[0] if bad else '(none)'!r}; use {', '.join(FORMATS)}")
-    if not 0 <= args.smoothing < 1:
-        raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
-    run, out = Path(args.run_dir), Path(args.out)
-    try:
-        problem = run_folder_problem(run)
-        if problem:
-            raise UserError(f"export: {problem}")
-        if out.exists() and out.resolve() == run.resolve():
-            raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
-    except ValueError as e:  # an embedded NUL
-        raise UserError(f"export: not a usable path ({e})") from None
     note = load_metrics(run).skipped_note()  # a folder or unreadable file is one line here
     if note:
-        print(f"multilane: warning: {run / 'metrics.jsonl'}: {note}", file=sys.stderr)
-    options = {"compare": args.compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
-    for path in export_headless(args.run_dir, args.out, formats, args.width, **options):
-        print(path)
+        print(printable(f"multilane: warning: {run / 'metrics.jsonl'}: {note}"), file=sys.stderr)
+    options = {"compare": compare, "smoothing": args.smoothing, "x_mode": args.x, "log_y": args.log_y}
+    for path in export_headless(run, out, formats, args.width, **options):
+        print(printable(str(path)))
     return 0
 
 
@@ -66,14 +77,24 @@ def cmd_app() -> int:
     return app_main()
 
 
+def _local_path_exists(text: str) -> bool:
+    """Whether ``text`` names something on this machine (else ``watch`` may read it as HOST:RUN_DIR); a
+    path no system call takes is not here (``watch`` then says why in one line)."""
+    from multilane.engine.rundir.readfile import user_path
+
+    try:
+        return user_path(text, "watch").exists()
+    except (UserError, OSError, ValueError):
+        return False
+
+
 def _remote(args: argparse.Namespace) -> int | None:
     """A command aimed at a host over SSH (``--host``, ``watch HOST:RUN_DIR``), or None for a local one."""
-    from pathlib import Path
 
     if args.command == "watch":
         from multilane.engine.remote.hosts import split_remote_path
 
-        where = None if Path(args.run_dir).expanduser().exists() else split_remote_path(args.run_dir)
+        where = None if _local_path_exists(args.run_dir) else split_remote_path(args.run_dir)
         if where is None:
             return None
         from multilane.engine.cli.remote import cmd_remote_watch
@@ -155,11 +176,86 @@ def one_line(message: str, limit: int = MAX_LINE) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     hold_ctrl_c_while_torch_loads()  # a Ctrl+C during torch's import is held, not swallowed or an abort
+    stdout = sys.stdout
+    if stdout is not None:  # None: no stdout at all (a GUI launcher's child); print then prints nothing
+        sys.stdout = _WatchedOutput(stdout)  # type: ignore[assignment]
     try:
-        return _main(argv)
+        code = _main(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, where a failure is one line, not at exit ("Exception ignored ...")
+        return code
     except KeyboardInterrupt:  # before a run began (parsing, its set-up, the task's import): nothing to record
-        print("multilane: interrupted", file=sys.stderr)
+        _say("multilane: interrupted")
         return 130
+    except OutputLost as e:
+        return _stdout_lost(e, stdout)
+    except SystemExit:  # argparse's --help or usage error: what it printed must reach stdout too
+        try:
+            if sys.stdout is not None:
+                sys.stdout.flush()
+        except OutputLost as e:
+            return _stdout_lost(e, stdout)
+        raise
+    except OSError as e:
+        # The system refused something no check foresaw (a file system's own limit, a device error): the
+        # one line names the file and the reason; whatever a run had recorded stays recorded.
+        where = f"{e.filename}: " if e.filename else ""
+        _say(f"multilane: error: {one_line(printable(where + (e.strerror or str(e))))}")
+        return 1
+    finally:
+        if isinstance(sys.stdout, _WatchedOutput):
+            sys.stdout = stdout
+
+
+class OutputLost(OSError):
+    """Standard output refused a write (a full disk, ``/dev/full``, a closed pipe)."""
+
+
+class _WatchedOutput:
+    """``sys.stdout`` as it was, whose failed writes raise ``OutputLost``: told apart from every other
+    ``OSError`` (a print gives no file name), they end the command in one line."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputLost(e.errno, e.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise OutputLost(e.errno, e.strerror) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _say(line: str) -> None:
+    """A line on stderr, unless stderr itself cannot take it (nothing else could be said then)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _stdout_lost(e: OSError, stdout: Any) -> int:
+    """Exit 1 after output that could not be written: one line on stderr (none for a closed pipe, whose
+    reader chose to stop: ``multilane devices --json | head -1``), and stdout pointed at /dev/null so
+    that Python's own flush at exit finds somewhere to put what is left in its buffer."""
+    import errno
+    import os
+
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stdout.fileno())
+        os.close(null)
+    if e.errno != errno.EPIPE:
+        _say(f"multilane: error: cannot write to standard output ({e.strerror or e})")
+    return 1
 
 
 def _main(argv: list[str] | None) -> int:
@@ -187,5 +283,5 @@ def _main(argv: list[str] | None) -> int:
             return cmd_export(args)
         return cmd_app()
     except UserError as e:
-        print(f"multilane: error: {one_line(str(e))}", file=sys.stderr)
+        _say(f"multilane: error: {one_line(str(e))}")
         return 2

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
+
+from multilane.engine.cli.terminal_text import printable
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -17,33 +20,39 @@ def cmd_control(args: argparse.Namespace) -> int:
     from multilane.engine.rundir.control_file import write_control
 
     path = write_control(args.run_dir, args.action)
-    print(f"{args.action} requested: {path}")
+    print(printable(f"{args.action} requested: {path}"))
     return 0
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    """The devices table (or JSON). A GPU that cannot be read or a driver that does not answer (each call
+    bounded: ``telemetry/driver.py``) leaves its rows out and is one line on stderr, exit 1; the rest is
+    shown."""
     from multilane.engine.telemetry.sampler import live_readings
 
+    problems: list[str] = []
     if args.json:
-        print(json.dumps(live_readings(), indent=2))
-        return 0
-    if not args.watch:
+        print(json.dumps(live_readings(problems=problems), indent=2))
+    elif not args.watch:
         from rich.console import Console
 
-        Console().print(devices_table(live_readings()))
-        return 0
-    from rich.live import Live
+        Console().print(devices_table(live_readings(problems=problems)))
+    else:
+        from rich.live import Live
 
-    with Live(devices_table(live_readings()), auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(devices_table(live_readings(1.0)), refresh=True)
-        except KeyboardInterrupt:
-            pass
-    return 0
+        with Live(devices_table(live_readings(problems=problems)), auto_refresh=False) as live:
+            try:
+                while True:
+                    live.update(devices_table(live_readings(1.0, problems)), refresh=True)
+            except KeyboardInterrupt:
+                pass
+    for line in dict.fromkeys(problems):
+        print(f"multilane: warning: {printable(line)}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def devices_table(rows: list[dict]) -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -60,5 +69,6 @@ def devices_table(rows: list[dict]) -> Any:
         else:  # the lanes the app's device list offers (one rule: telemetry/devices.py cpu_lane_count)
             lanes = r.get("lanes") or 2
             name, model = f"cpu:0–cpu:{lanes - 1}", f"{lanes} CPU lanes on {r['cores']} cores · {r.get('model', '')}"
-        table.add_row(name, model, util, memory, temp, power)
+        # what the driver or /proc says (a GPU's name, the CPU's model) is text, not rich markup
+        table.add_row(*(escape(printable(c)) for c in (name, model, util, memory, temp, power)))
     return table

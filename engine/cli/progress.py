@@ -6,10 +6,12 @@ import time
 from typing import Any
 
 import psutil
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.watch import format_telemetry
 from multilane.engine.numbers import format_number
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -55,8 +57,9 @@ class ProgressDisplay(TrainerCallback):
         lanes = ",".join(trainer.lane_names)
         description = f"{trainer.task.name} on {lanes}"
         if not self.live:
-            self._plain(f"{description}: {trainer.total_steps} steps from step {trainer.step}")
+            self._plain(printable(f"{description}: {trainer.total_steps} steps from step {trainer.step}"))
             return
+        description = _safe(description)
         self.progress.start()
         self._task_id = self.progress.add_task(description, total=trainer.total_steps, completed=trainer.step, info="")
 
@@ -65,7 +68,8 @@ class ProgressDisplay(TrainerCallback):
         if r is None:
             return ""
         sps = r.get("samples_per_s") or 0.0
-        return f"loss {format_number(r['loss'])} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
+        info = f"loss {format_number(r['loss'])} {self._val}{sps:,.0f} samples/s{data_wait(r)} {self._tele}".rstrip()
+        return info if not self.live else _safe(info)  # the bar reads rich markup: a task's "[" is text
 
     def _show(self, force: bool = False) -> None:
         if self._last is None:
@@ -75,7 +79,7 @@ class ProgressDisplay(TrainerCallback):
             return
         now = time.monotonic()
         if force or now - self._printed_at >= self.PLAIN_EVERY_S:
-            self._plain(f"step {self._last['step']}/{self._total} · {self._info()}")
+            self._plain(printable(f"step {self._last['step']}/{self._total} · {self._info()}"))
 
     def _plain(self, line: str) -> None:
         self._printed_at = time.monotonic()
@@ -96,7 +100,7 @@ class ProgressDisplay(TrainerCallback):
 
     def on_event(self, record: dict[str, Any]) -> None:
         if record["event"] == "warning":
-            self.console.print(f"[yellow]warning:[/] {record['message']}")
+            self.console.print(f"[yellow]warning:[/] {_safe(str(record['message']))}")
         if record["event"] in ("paused", "resumed"):
             if self._task_id is not None:
                 self.progress.update(self._task_id, info=record["event"])
@@ -127,6 +131,12 @@ class ProgressDisplay(TrainerCallback):
             out["to_first_step"] = self._t_train_start - start
             out["training"] = end - self._t_train_start
         return out
+
+
+def _safe(text: str) -> str:
+    """Text of the task's (its name, metric names, a warning) for a rich line: escaped for the terminal
+    (``printable``) and for rich's markup, so ``[/]`` in a metric's name neither styles nor breaks it."""
+    return escape(printable(text))
 
 
 DATA_WAIT_SHOWN = 0.05
@@ -165,4 +175,4 @@ def summary(result: RunResult, total_steps: int | None = None, timing: dict[str,
         metrics = "".join(f", {k} {format_number(v)}" for k, v in e.get("metrics", {}).items())
         lines.append(f"  validation loss {format_number(e['val_loss'])}{metrics}")
     lines.append(f"  run directory: {result.run_dir}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)  # a task's message or metric names: shown, not obeyed

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 
 DEFAULT_TRIALS = 10
@@ -171,7 +172,7 @@ def _run(sweep: Any, slots: list[str], target: int, no_table: bool, worker: str 
     if best is not None:
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in best["params"].items())
         print(f"best trial {best['number']}: {sweep.spec.objective} {best['value']:.6g} · {params}")
-        print(f"  run folder: {best['run_dir']}")
+        print(f"  run folder: {_fmt(best['run_dir'])}")
     c = sweep.counts()
     print(f"{c['done']} of {target} trials done · sweep folder: {sweep.folder}")
     if runner.errors:
@@ -181,6 +182,7 @@ def _run(sweep: Any, slots: list[str], target: int, no_table: bool, worker: str 
 
 def _table(sweep: Any, runner: Any) -> Any:
     from multilane.engine.sweep.rows import trial_rows
+    from rich.markup import escape
     from rich.table import Table
 
     steps = {n: live.process.step for n, live in list(runner.live.items())}
@@ -196,13 +198,13 @@ def _table(sweep: Any, runner: Any) -> Any:
         t.add_row(
             f"{r['number']}{mark}",
             f"[{colours.get(r['state'], 'white')}]{r['state']}[/]",
-            *(_fmt(r["params"].get(k)) for k in keys),
+            *(escape(_fmt(r["params"].get(k))) for k in keys),
             _fmt(r["value"]),
             _fmt(r["best"]),
             "" if r["step"] is None else str(r["step"]),
             "" if r["duration_s"] is None else f"{r['duration_s']:.0f} s",
-            r["devices"],
-            *([r["host"]] if hosts else []),
+            escape(_fmt(r["devices"])),
+            *([escape(_fmt(r["host"]))] if hosts else []),
         )
     return t
 
@@ -214,7 +216,7 @@ def _print_finished(sweep: Any, seen: dict[int, str]) -> None:
         if r["state"] != "running" and seen.get(r["number"]) != r["state"] and r["state"] != "waiting":
             seen[r["number"]] = r["state"]
             params = ", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
-            extra = f" ({r['error']})" if r["error"] else ""
+            extra = f" ({printable(str(r['error']))})" if r["error"] else ""
             print(f"trial {r['number']} {r['state']}: {_fmt(r['value'])} · {params}{extra}", flush=True)
 
 
@@ -223,7 +225,7 @@ def _fmt(v: Any) -> str:
         return ""
     if isinstance(v, float):
         return f"{v:.4g}"
-    return str(v)
+    return printable(str(v))  # a trial's params and errors come from the study's storage: shown, not obeyed
 
 
 def _stop_on_signals(runner: Any, console: Any) -> None:

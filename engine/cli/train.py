@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from multilane.engine.cli.parser import short_text
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import TrainerCallback
 
@@ -154,7 +155,7 @@ class _NameTaskFile(TrainerCallback):
     """Says which file is about to run, before it is imported."""
 
     def on_task_file(self, path: str) -> None:
-        print(f"running task file {path}", flush=True)
+        print(printable(f"running task file {path}"), flush=True)
 
 
 def _exit_on_signals() -> None:

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number, format_percent
 from multilane.engine.rundir.follow import RunFollower
-from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.engine.rundir.readfile import user_path
+from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
 
 
 def format_telemetry(record: dict[str, Any]) -> str:
@@ -95,8 +97,9 @@ def check_run_folder(folder: Path) -> None:
     try:
         if not folder.is_dir():
             raise UserError(f"watch: {run_folder_problem(folder)}")
-        if any((folder / name).exists() for name in RUN_FILES):
-            return
+        odd = [n for n in RUN_FILES[:2] if (folder / n).exists() and not (folder / n).is_file()]
+        if says_it_is_a_run(folder) or odd:
+            return  # a metrics.jsonl or status.json that is no file: the follower says what it is
         runs = [p for p in folder.iterdir() if p.is_dir() and any((p / n).exists() for n in RUN_FILES[:3])]
     except ValueError as e:  # an embedded NUL
         raise UserError(f"watch: not a usable path ({e})") from None
@@ -107,7 +110,7 @@ def check_run_folder(folder: Path) -> None:
         raise UserError(
             f"watch: {folder} is a runs folder, not a run; watch one of its {len(runs)} runs, e.g. {newest}"
         )
-    raise UserError(f"watch: {folder} is not a run folder (no metrics.jsonl, status.json or config.json)")
+    raise UserError(f"watch: {folder} is not a run folder ({NOT_A_RUN})")
 
 
 def watch(
@@ -125,7 +128,7 @@ def watch(
     ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
     without it, or at the second, Ctrl+C leaves."""
     out = out or sys.stdout
-    folder = Path(run_dir).expanduser()
+    folder = user_path(run_dir, "watch")
     if follower is None:
         check_run_folder(folder)
     follower, state = follower or RunFollower(folder), WatchState()
@@ -140,7 +143,7 @@ def watch(
             if update.status is not None:
                 state.set_status(update.status)
             reconnecting = getattr(follower, "reconnecting", None)
-            line = reconnecting or state.line()
+            line = printable(reconnecting or state.line())  # a run folder's text is shown, never obeyed
             # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
             # not each time only the telemetry's readings change: that printed one line a second.
             key = line if tty or reconnecting else state.line(telemetry=False)
@@ -155,14 +158,14 @@ def watch(
             if on_interrupt is None or interrupted:
                 break
             interrupted = True
-            out.write(("\n" if tty else "") + on_interrupt() + "\n")
+            out.write(("\n" if tty else "") + printable(on_interrupt()) + "\n")
             out.flush()
     if tty:
         out.write("\n")
     if follower.problem:
         raise UserError(f"watch: {folder}: {follower.problem}")
     if follower.lost:
-        out.write(f"{folder.name}: {follower.lost}\n")
+        out.write(printable(f"{folder.name}: {follower.lost}") + "\n")
         return 1
     if follower.metrics.skipped:
         n = follower.metrics.skipped

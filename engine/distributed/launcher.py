@@ -31,7 +31,7 @@ from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.run_lock import lock_run_folder
 from multilane.engine.rundir.runlog import STATUS, RunDir
-from multilane.engine.telemetry.devices import default_devices, parse_devices
+from multilane.engine.telemetry.devices import cuda_count, default_devices, parse_devices
 
 FOREIGN_CAUSE_WAIT_S = 5.0
 """With several nodes: how long a launcher whose ranks only lost their peers waits for the note of
@@ -68,8 +68,27 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def processes_per_node(config: RunConfig) -> int:
+    """One process per device of this node's list; the list and the backend checked against this
+    machine first (``UserError``, one line: the CLI exits 2 before any process starts): GPUs that are
+    not there, more CPU lanes than the limit (``parse_devices``), NCCL without GPUs or with one GPU
+    listed twice (NCCL refuses both; each rank would print its own traceback)."""
     spec = config.devices.use
-    return len(default_devices() if spec.strip().lower() == "auto" else parse_devices(spec))
+    devices = default_devices() if spec.strip().lower() == "auto" else parse_devices(spec)
+    if config.devices.ddp_backend == "nccl":
+        names = [d.name for d in devices]
+        if not all(d.is_cuda for d in devices):
+            why = "torch sees no CUDA GPU here" if not cuda_count() else "it lists CPU lanes"
+            raise UserError(
+                f"devices.ddp_backend = nccl needs a GPU per process; devices.use = {spec} is "
+                f"{','.join(names)} on this machine ({why}); use ddp_backend gloo or auto"
+            )
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice:
+            raise UserError(
+                f"devices.ddp_backend = nccl: {twice} is listed twice, and NCCL refuses two processes on one "
+                "GPU; use ddp_backend gloo or auto"
+            )
+    return len(devices)
 
 
 def launch(
@@ -93,9 +112,9 @@ def launch(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    nproc = processes_per_node(config)  # the machine can run it: checked before a folder or a process
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
-    nproc = processes_per_node(config)
     run_dir: Path | None = Path(resume_from) if resume_from else None
     if nnodes == 1:
         host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else ("127.0.0.1", free_port())

@@ -33,6 +33,12 @@ class HostSpec:
         port = int(m["port"]) if m["port"] else None
         if port is not None and not 0 < port < 65536:
             raise UserError(f"host {text!r}: port {port} is outside 1 to 65535")
+        if m["host"]:
+            try:  # what the resolver will be asked: a name it cannot encode is one line here, not its traceback
+                m["host"].encode("idna")
+            except UnicodeError as e:
+                reason = str(e.__cause__ or e).removeprefix("encoding with 'idna' codec failed ")
+                raise UserError(f"host {text!r}: not a host name ({reason.strip('()')})") from None
         return cls(m["v6"] or m["host"], m["user"], port)
 
     def __str__(self) -> str:

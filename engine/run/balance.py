@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from multilane.engine.telemetry.devices import Device
+from multilane.engine.errors import UserError
+from multilane.engine.telemetry.devices import Device, cuda_properties
 
 # torch's DataParallel warns when a device has under 75% of the best one's memory or cores.
 IMBALANCE_RATIO = 0.75
@@ -19,7 +20,10 @@ def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None
     out: list[str] = []
     cuda = sorted({d.index for d in devices if d.is_cuda})
     if len(cuda) > 1:
-        props = props or _torch_props(cuda)
+        try:
+            props = props or _torch_props(cuda)
+        except UserError as e:  # a GPU CUDA cannot read, a driver that does not answer: said, not raised
+            return [str(e)]
         for key, what in (("memory_total_mb", "memory"), ("multiprocessors", "multiprocessors")):
             values = {i: props[i][key] for i in cuda}
             best = max(values.values())
@@ -40,11 +44,9 @@ def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None
 
 
 def _torch_props(indices: list[int]) -> dict[int, dict]:
-    import torch
-
     out = {}
     for i in indices:
-        p = torch.cuda.get_device_properties(i)
+        p = cuda_properties(i)  # bounded in time; one line when CUDA cannot read it
         out[i] = {
             "memory_total_mb": p.total_memory // 2**20,
             "multiprocessors": p.multi_processor_count,

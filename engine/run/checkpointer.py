@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from multilane.engine import __version__
+from multilane.engine.errors import UserError
+from multilane.engine.rundir.runread import CHECKPOINT
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
@@ -33,11 +35,19 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
 
 
 def restore(t: Trainer, ck: dict[str, Any]) -> None:
-    """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it."""
-    t.model.load_state_dict(ck["model"])
-    t.optimizer.load_state_dict(ck["optimizer"])
+    """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it. A checkpoint
+    that does not fit the run (damaged, or another model's) is refused in one line naming the
+    checkpoint and the part that does not fit, not the task."""
+    _load(t, "model weights", f"task {t.task.name}'s model", t.model.load_state_dict, ck.get("model"))
+    _load(
+        t,
+        "optimizer state",
+        f"this run's {t.config.optim.name} optimizer",
+        t.optimizer.load_state_dict,
+        ck.get("optimizer"),
+    )
     if ck.get("scaler"):
-        t.scaler.load_state_dict(ck["scaler"])
+        _load(t, "gradient scaler state", "this run's scaler", t.scaler.load_state_dict, ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
         torch.set_rng_state(ck["rng"])
     lane_rng, streams = ck.get("lane_rng"), _lane_random(t)
@@ -48,6 +58,16 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     t.step = int(ck["step"])
     if ck.get("metrics_window") is not None:
         t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)
+
+
+def _load(t: Trainer, part: str, target: str, load: Any, state: Any) -> None:
+    try:
+        load(state)
+    except Exception as e:
+        rd = getattr(t, "_resume_dir", None)
+        where = rd.path / CHECKPOINT if rd is not None else "the checkpoint"
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(f"checkpoint {where}: the {part} it holds cannot be loaded into {target} ({reason})") from None
 
 
 def _lane_random(t: Trainer) -> Any:

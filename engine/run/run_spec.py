@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import TrainerCallback
+from multilane.engine.rundir.readfile import user_path
 from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, make_task
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
@@ -55,7 +55,7 @@ def resolve_run(
     if task is None and is_task_file(config.task.name):
         # The full path, in the saved config too: a resume from another folder runs the same file.
         config = config.model_copy(deep=True)
-        config.task.name = str(Path(config.task.name).expanduser().resolve())
+        config.task.name = str(user_path(config.task.name, "task file").resolve())
         for cb in callbacks:
             cb.on_task_file(config.task.name)
     task = task or make_task(config.task.name, config.task.params, expect_sha256)

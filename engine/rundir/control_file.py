@@ -17,8 +17,8 @@ from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
-from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
+from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
 from multilane.engine.rundir.writefile import atomic_write_bytes
 
 CONTROL = "control.json"
@@ -29,12 +29,17 @@ def write_control(run_dir: str | Path, command: str) -> Path:
     """Ask the run in ``run_dir`` to pause, resume or stop (atomically; the newest command wins)."""
     if command not in COMMANDS:
         raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
-    folder = Path(run_dir).expanduser()
+    folder = user_path(run_dir, "control")
     try:
         if not folder.is_dir():
             raise UserError(f"control: {run_folder_problem(folder)}")
     except ValueError as e:  # an embedded NUL
         raise UserError(f"control: not a usable path ({e})") from None
+    try:
+        if not says_it_is_a_run(folder):  # an empty folder, a documents folder, a TensorBoard logdir
+            raise UserError(f"control: {folder} is not a run folder ({NOT_A_RUN}); nothing written")
+    except OSError as e:
+        raise UserError(f"control: {folder}: cannot read it ({describe_os_error(e)})") from None
     path = folder / CONTROL
     if path.is_dir() and not path.is_symlink():  # os.replace would say only "Is a directory"
         raise UserError(f"control: {path} is a folder; remove it to control the run")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 
 import filelock
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import read_regular_file, user_path
 from multilane.engine.rundir.run_lock import LOCK, lock_run_folder, refuse_if_in_use
 from multilane.engine.rundir.runread import (
     CHECKPOINT,
@@ -93,12 +95,13 @@ class RunDir:
         self._lock = threading.Lock()
         self._flock: filelock.FileLock | None = None
         self._made_lock_file = False  # this process made .lock (a refused resume removes it)
+        self._lock_before: tuple[bytes, int, int] | None = None  # .lock as found (a refused resume puts it back)
 
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
     def create(cls, runs_dir: str | Path, name: str) -> RunDir:
         """A new ``<runs_dir>/<timestamp>-<name>/``; never one another run already took."""
-        root = Path(runs_dir).expanduser()
+        root = user_path(runs_dir, "runs folder")
         check_writable(root)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for i in range(1000):
@@ -127,7 +130,7 @@ class RunDir:
         the ddp launcher, the app), or a ddp rank other than rank 0 (``in_use_ok``: rank 0 holds the
         lock). A folder another process writes is refused first ("in use by pid N"), before anything
         else is said of it and before anything is written into it."""
-        p = Path(path).expanduser()
+        p = user_path(path, "resume")
         try:
             if not p.is_dir():
                 raise UserError(f"resume: {run_folder_problem(p)}")
@@ -154,15 +157,19 @@ class RunDir:
         """Take the folder's one-writer lock (``RunInUse`` if another process still holds it after
         ``wait_s`` seconds)."""
         self._made_lock_file = not (self.path / LOCK).exists()
+        self._lock_before = _lock_file_as_found(self.path / LOCK)
         self._flock = lock_run_folder(self.path, wait_s)
 
     def close_refused(self) -> None:
         """Close a folder whose resume was refused before it began: leave it as it was found (the
         lock file too, when this process made it)."""
         made = self._flock is not None and self._made_lock_file
+        before = self._lock_before if self._flock is not None else None
         self.close()
         if made:
             remove_quietly(self.path / LOCK)
+        elif before is not None:  # the lock file as it was: its pid, its time (the pid written is ours)
+            _restore_lock_file(self.path / LOCK, *before)
 
     def remove_stale_temp_files(self) -> list[Path]:
         """Remove temporary files a killed write left (only ever called with the lock held)."""
@@ -250,3 +257,24 @@ class RunDir:
 
     def read_json(self, name: str) -> dict[str, Any] | None:
         return read_json(self.path / name)
+
+
+def _lock_file_as_found(path: Path) -> tuple[bytes, int, int] | None:
+    """A lock file's bytes and times (ns) before this process takes the lock, or None."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return None
+        return read_regular_file(path, 4096), st.st_atime_ns, st.st_mtime_ns
+    except (OSError, ValueError):
+        return None
+
+
+def _restore_lock_file(path: Path, data: bytes, atime_ns: int, mtime_ns: int) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.utime(path, ns=(atime_ns, mtime_ns), follow_symlinks=False)

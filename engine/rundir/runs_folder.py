@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.rundir.run_lock import RunInUse, lock_run_folder
 from multilane.engine.rundir.writefile import atomic_write_bytes
 
@@ -30,7 +31,10 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def run_folder_problem(path: str | Path) -> str | None:
     """Why ``path`` is not a run folder, in the one wording the app and the CLI share, or None."""
-    p = Path(path).expanduser()
+    try:
+        p = user_path(path, "run folder")
+    except UserError as e:
+        return str(e).removeprefix("run folder: ")
     try:
         if not p.exists():
             return f"{p} is not a run folder (it does not exist)"
@@ -41,6 +45,45 @@ def run_folder_problem(path: str | Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"{p!r} is not a run folder ({e})"
     return None
+
+
+def says_it_is_a_run(folder: Path) -> bool:
+    """Whether ``folder``'s own files say it is a run folder: a ``status.json`` holding an object with a
+    ``state``, a ``config.json`` holding an object with a ``task``, a ``metrics.jsonl`` whose first line
+    is a record (an object with a ``kind``), or a run just made (its ``.lock`` and ``checkpoints/``).
+    An empty folder, a documents folder or a TensorBoard logdir says no: ``control`` writes nothing
+    there. Only regular files are read (a FIFO is never opened), and at most 64 KiB of each."""
+
+    def head(name: str) -> bytes:
+        try:
+            fd = os.open(folder / name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except (OSError, ValueError):
+            return b""
+        try:
+            return os.read(fd, 1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    def an_object_with(text: bytes, key: str) -> bool:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(data, dict) and key in data
+
+    if an_object_with(head("status.json"), "state") or an_object_with(head("config.json"), "task"):
+        return True
+    if an_object_with(head(METRICS).split(b"\n", 1)[0], "kind"):
+        return True
+    try:
+        return (folder / "checkpoints").is_dir() and (folder / ".lock").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+NOT_A_RUN = "none of its files is a run's: status.json, config.json, metrics.jsonl"
 
 
 def read_meta(run_dir: str | Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import user_path
 from multilane.engine.tasks.base import Task
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
@@ -59,7 +60,7 @@ def default_corpus() -> Path:
 
 
 def read_corpus(path: str) -> bytes:
-    p = Path(path).expanduser() if path else default_corpus()
+    p = user_path(path, "task charlm: task.params.path") if path else default_corpus()
     if not p.is_file():
         raise UserError(f"task charlm: path = {str(p)!r}: no such file")
     try:

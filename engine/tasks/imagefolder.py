@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.readfile import user_path
 from multilane.engine.tasks.base import Task
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -110,7 +111,7 @@ class ImageFolderTask(Task):
         p = self.params
         if not p.root:
             raise UserError("task imagefolder: set task.params.root to a folder of images (one subfolder per class)")
-        root = Path(p.root).expanduser()
+        root = user_path(p.root, "task imagefolder: task.params.root")
         if not root.is_dir():
             raise UserError(f"task imagefolder: root = {p.root!r}: no such folder")
         if (root / "train").is_dir() and (root / "val").is_dir():
@@ -139,6 +140,14 @@ class ImageFolderTask(Task):
                 skipped.extend(skips)
                 if not samples:
                     raise FileNotFoundError(f"no images found in {directory}")
+                empty = empty_classes(samples, class_to_idx)
+                if empty:  # the model would learn a class it can never see (torchvision refuses it too)
+                    first = Path(directory) / empty[0]
+                    more = f" (and {len(empty) - 1} other class folder(s))" if len(empty) > 1 else ""
+                    raise UserError(
+                        f"task imagefolder: class folder {first}{more} holds no image that can be read; "
+                        "add images or remove the folder"
+                    )
                 return samples
 
         try:
@@ -240,6 +249,12 @@ def scan_images(
                     samples.append((entry.path, class_to_idx[name]))
             stack.extend(reversed(subdirs))
     return samples, skipped
+
+
+def empty_classes(samples: list[tuple[str, int]], class_to_idx: dict[str, int]) -> list[str]:
+    """The classes (folder names, sorted) that no sample belongs to."""
+    seen = {c for _, c in samples}
+    return [name for name, idx in sorted(class_to_idx.items()) if idx not in seen]
 
 
 def _inside(path: str, root: str) -> bool:

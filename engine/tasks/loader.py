@@ -12,7 +12,7 @@ from typing import Any
 
 from multilane.engine.config import describe_error
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.readfile import describe_os_error, read_regular_file
+from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.tasks.base import Task
 from multilane.engine.tasks.builtin import BUILTIN_TASKS
 from pydantic import BaseModel, ValidationError
@@ -76,7 +76,7 @@ class TaskFileChanged(UserError):
 def check_resume_task_file(name: str, record: dict[str, Any] | None) -> str:
     """Before a resume imports anything: the sha256 the task file ``name`` must have, or
     ``TaskFileChanged`` when the run folder does not vouch for the file as it is now."""
-    path = str(Path(name).expanduser().resolve())
+    path = str(user_path(name, "task file").resolve())
     recorded = record.get("path") if isinstance(record, dict) else None
     sha = record.get("sha256") if isinstance(record, dict) else None
     hint = "; to run it anyway, give it with --task (the app asks)"
@@ -103,7 +103,7 @@ def load_task_file(path: str | Path, expect_sha256: str | None = None) -> type[T
     """Import a user's task file and return the one Task subclass it defines.
 
     The bytes hashed (and checked against ``expect_sha256``, when given) are the bytes that run."""
-    p = Path(path).expanduser()
+    p = user_path(path, "task file")
     try:
         if not p.exists():
             raise UserError(f"task file {p}: no such file")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from multilane.engine.errors import UserError
+from multilane.engine.telemetry.driver import bounded, driver_problem
 
 MAX_CPU_LANES = 64
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
@@ -36,8 +38,26 @@ class Device:
         return self.name
 
 
-def cuda_count() -> int:
+def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_count() -> int:
+    """How many CUDA GPUs torch sees; ``DriverNotAnswering`` (one line) when the driver does not answer
+    in ``driver.TIMEOUT_S`` seconds."""
+    return bounded(_cuda_count, what="the NVIDIA driver (CUDA)")
+
+
+def cuda_properties(i: int) -> Any:
+    """torch's properties of ``cuda:i``, bounded in time; ``UserError`` in one line when CUDA lists the
+    GPU but cannot read them (a GPU fallen off the bus, a driver and CUDA that disagree)."""
+    try:
+        return bounded(torch.cuda.get_device_properties, i, what="the NVIDIA driver (CUDA)")
+    except UserError:
+        raise
+    except Exception as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise UserError(f"cuda:{i}: CUDA lists this GPU but cannot read its properties ({reason})") from None
 
 
 def default_devices() -> list[Device]:
@@ -123,11 +143,26 @@ def cpu_lane_count() -> int:
     return max(2, min(LISTED_CPU_LANES, usable_cores()))
 
 
-def describe_devices() -> list[dict]:
-    """What this machine offers: every CUDA GPU with its memory, and the CPU (for lanes)."""
+def describe_devices(problems: list[str] | None = None) -> list[dict]:
+    """What this machine offers: every CUDA GPU with its memory, and the CPU (for lanes). A GPU that
+    cannot be read, or a driver that does not answer, leaves its rows out and adds one line to
+    ``problems`` (when given): the CPU is listed whatever the driver does."""
     out: list[dict] = []
-    for i in range(cuda_count()):
-        p = torch.cuda.get_device_properties(i)
+    try:
+        n = cuda_count()
+    except UserError as e:
+        n = 0
+        if problems is not None:
+            problems.append(str(e))
+    for i in range(n):
+        try:
+            p = cuda_properties(i)
+        except UserError as e:
+            if problems is not None:
+                problems.append(str(e))
+            if driver_problem():
+                break  # the driver stopped answering: the other GPUs would only repeat it
+            continue
         out.append(
             {
                 "name": f"cuda:{i}",
@@ -168,7 +203,7 @@ def _cpu_model() -> str | None:
 
 def _pci_bus_id(i: int) -> str | None:
     try:
-        return torch.cuda.get_device_properties(i).pci_bus_id  # type: ignore[attr-defined]
+        return cuda_properties(i).pci_bus_id
     except Exception:
         return None
 

@@ -10,24 +10,37 @@ from typing import Any
 
 import torch
 from multilane.engine import __version__
-from multilane.engine.telemetry.devices import describe_devices
+from multilane.engine.telemetry.devices import cuda_count, describe_devices
+from multilane.engine.telemetry.driver import bounded
+
+
+def _driver_version() -> str:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def nvidia_driver_version() -> str | None:
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else str(v)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
+        return bounded(_driver_version)
+    except Exception:  # no driver, or one that does not answer (bounded: at most driver.TIMEOUT_S)
         return None
 
 
+def _cuda_available() -> bool:
+    try:
+        return cuda_count() > 0
+    except Exception:
+        return False
+
+
 def environment() -> dict[str, Any]:
+    cuda = _cuda_available()
     return {
         "multilane": __version__,
         "python": sys.version.split()[0],
@@ -36,9 +49,9 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cuda_available": torch.cuda.is_available(),
+        "cuda_available": cuda,
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "nvidia_driver": nvidia_driver_version() if torch.cuda.is_available() else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nvidia_driver": nvidia_driver_version() if cuda else None,
         "devices": describe_devices(),
     }

@@ -3,13 +3,17 @@
 CUDA and NVML may number GPUs differently (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER=FASTEST_FIRST),
 so ``cuda:i`` is found in NVML by its PCI domain/bus/device, or by UUID where torch gives no PCI id.
 Handles are created once and cached. A reading the device does not support is left out — never
-reported as 0 — and not asked for again.
+reported as 0 — and not asked for again. Every call into NVML (and torch's view of a device) is
+bounded in time (``driver.py``): a driver that does not answer makes ``NvmlReader`` raise
+``DriverNotAnswering`` at once, or, once open, read as empty from then on, saying why in ``problem``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from multilane.engine.telemetry.driver import DriverNotAnswering, bounded
 
 MB = 2**20
 
@@ -53,9 +57,19 @@ class NvmlReader:
         if nvml is None:
             import pynvml as nvml
         self.nvml = nvml
-        nvml.nvmlInit()
         self._unsupported: set[tuple[int, str]] = set()
         self.handles: dict[int, Any] = {}
+        self.problem: str | None = None  # why readings stopped (the driver stopped answering)
+        bounded(self._open, cuda_indices, pci_of, uuid_of)
+
+    def _open(
+        self,
+        cuda_indices: list[int],
+        pci_of: Callable[[int], tuple[int, int, int] | None],
+        uuid_of: Callable[[int], str | None],
+    ) -> None:
+        nvml = self.nvml
+        nvml.nvmlInit()
         by_pci: dict[tuple[int, int, int], Any] = {}
         by_uuid: dict[str, Any] = {}
         for k in range(nvml.nvmlDeviceGetCount()):
@@ -87,10 +101,20 @@ class NvmlReader:
         return None
 
     def read(self, i: int) -> dict[str, float]:
-        """One reading of CUDA device ``i``; keys absent where unsupported or unmatched."""
+        """One reading of CUDA device ``i``; keys absent where unsupported or unmatched, and empty once
+        the driver has stopped answering (``problem`` says so)."""
         h = self.handles.get(i)
-        if h is None:
+        if h is None or self.problem is not None:
             return {}
+        try:
+            return bounded(self._read, i, h)
+        except DriverNotAnswering as e:
+            self.problem = str(e)
+        except Exception as e:  # not an NVMLError (those are read as "not supported" in _get): a broken binding
+            self.problem = f"NVML failed a reading of cuda:{i} ({type(e).__name__}: {e})"
+        return {}
+
+    def _read(self, i: int, h: Any) -> dict[str, float]:
         n = self.nvml
         out: dict[str, float] = {}
         util = self._get(i, "util", lambda: n.nvmlDeviceGetUtilizationRates(h))
@@ -115,8 +139,10 @@ class NvmlReader:
         return out
 
     def close(self) -> None:
+        if self.problem is not None:
+            return
         try:
-            self.nvml.nvmlShutdown()
+            bounded(self.nvml.nvmlShutdown)
         except Exception:
             pass
 

@@ -152,6 +152,17 @@ class TelemetrySampler:
                 record["devices"].setdefault(name, {})["energy_j"] = joules
         record.update(kind="telemetry", wall_time=time.time(), samples=len(samples))
         self.on_record(record)
+        problem = self.nvml.problem if self.nvml is not None else None
+        if problem and "driver" not in self.warned:  # said once; the run goes on without GPU readings
+            self.warned.add("driver")
+            self.on_record(
+                {
+                    "kind": "event",
+                    "event": "warning",
+                    "wall_time": time.time(),
+                    "message": f"telemetry: {problem}; GPU readings stop for this run (training goes on)",
+                }
+            )
         for message in self.imbalance(record):
             self.on_record({"kind": "event", "event": "warning", "wall_time": time.time(), "message": message})
 
@@ -203,13 +214,15 @@ def aggregate(samples: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     return {"devices": devices, "process": process}
 
 
-def live_readings(seconds: float = 0.5) -> list[dict[str, Any]]:
-    """A one-off reading of every device this machine has (for ``multilane devices``)."""
-    from multilane.engine.telemetry.devices import cuda_count, describe_devices
+def live_readings(seconds: float = 0.5, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """A one-off reading of every device this machine has (for ``multilane devices``). What could not be
+    read (a GPU, a driver that does not answer) is left out and said in one line each in ``problems``."""
+    from multilane.engine.telemetry.devices import describe_devices
 
-    rows = describe_devices()
-    n = cuda_count()
-    reader = open_nvml(list(range(n))) if n else None
+    problems = [] if problems is None else problems
+    rows = describe_devices(problems)
+    cuda = [int(r["name"].split(":")[1]) for r in rows if r["kind"] == "cuda"]
+    reader = open_nvml(cuda) if cuda else None
     per_cpu = psutil.cpu_percent(interval=seconds, percpu=True)
     vm = psutil.virtual_memory()
     for row in rows:
@@ -221,5 +234,7 @@ def live_readings(seconds: float = 0.5) -> list[dict[str, Any]]:
             row["per_core_util_pct"] = per_cpu
             row["mem_used_mb"] = (vm.total - vm.available) / MB
     if reader:
+        if reader.problem:
+            problems.append(reader.problem)
         reader.close()
     return rows

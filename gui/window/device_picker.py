@@ -54,7 +54,8 @@ class DevicePicker(QWidget):
 
         self.host: str | None = None  # None: this computer; else the host the list was read from
         self.items: list[tuple[QTreeWidgetItem, QDoubleSpinBox, Device]] = []
-        self._fill(describe_devices())
+        self.problems: list[str] = []  # GPUs that could not be read, a driver that did not answer
+        self._fill(describe_devices(self.problems))  # each driver call bounded (telemetry/driver.py)
         header = self.tree.header()
         header.setStretchLastSection(False)
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
@@ -84,7 +85,8 @@ class DevicePicker(QWidget):
         self.tree.clear()
         self.items = []
         self.host = host
-        self._fill(describe_devices() if host is None else info or [])
+        self.problems = []
+        self._fill(describe_devices(self.problems) if host is None else info or [])
         for item, _, d in self.items:  # live readings taken there, at the time the list was read
             r = next((x for x in info or [] if x.get("name") == d.name), None)
             if host is not None and r and r.get("util_pct") is not None:
@@ -120,7 +122,7 @@ class DevicePicker(QWidget):
         if current in [d.name for d in chosen]:
             self.output.setCurrentText(current)
         self.output.blockSignals(False)
-        warnings = balance_warnings(chosen) if chosen else []
+        warnings = [*dict.fromkeys(self.problems), *(balance_warnings(chosen) if chosen else [])]
         self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
         self.warning.setVisible(bool(warnings))
 

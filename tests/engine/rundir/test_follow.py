@@ -47,6 +47,7 @@ def test_the_follower_reports_status_only_when_it_changes(tmp_path):
 
 
 def test_the_control_file_applies_new_commands_only(tmp_path):
+    (tmp_path / "status.json").write_text('{"state": "running"}')  # a run folder: control acts only on one
     write_control(tmp_path, "stop")  # written before the run: not for it
     cf, control = ControlFile(tmp_path, every_s=0.0), RunControl()
     assert cf.apply(control) is None and not control.stop_requested
