@@ -326,7 +326,14 @@ class SweepTab(QWidget):
             return
         self.view.setVisible(self.shown)
         curves = self.shown and self._curves_shown and not w.is_running()
+        split = self.view.parentWidget()
+        if curves and view_run.isHidden() and split is not None:  # the curves appear: under the sweep, half
+            h = split.height()
+            split.setSizes([h - h // 2, h // 2])
         view_run.setVisible(not self.shown or curves)
+        w.plots.set_compact(self.shown)  # the loss alone: every plot would not fit under the sweep
+        if self.shown:
+            w.summary.hide()  # the trial's numbers are in the table
         run_bar.setVisible(not self.shown or w.is_running())
         w.why.setVisible(not self.shown and bool(w.why.text()))
         if self.shown:

@@ -89,6 +89,7 @@ def test_the_sweep_tab_is_a_sweep_view_and_shows_a_killed_sweep_as_it_is(make_wi
 
     w.tabs.setCurrentWidget(w.runs_table)
     assert not tab.view.isVisible() and w.run_view.isVisible() and w.run_bar.isVisible()
+    assert not w.plots.compact and w.plots.util.isVisible(), "every run plot again"
 
 
 @pytest.mark.slow
@@ -105,6 +106,9 @@ def test_selected_trials_curves_show_under_the_sweep_and_the_form_stays(make_win
     tab.table.selectRow(row)
     assert w.run_view.isVisible() and tab.view.isVisible() and w.shown_run_dir == run_dir
     assert w.plots.data.train.rows == 10, "the trial's logged steps, drawn"
+    plots = w.plots  # under the sweep: the loss alone, with the height the other plots had
+    assert plots.compact and plots.loss.isVisible() and not plots.util.isVisible()
+    assert plots.loss.geometry().height() > 0.6 * plots.height(), (plots.loss.geometry(), plots.height())
     assert w.config_dict()["train"]["steps"] == 33, "showing a trial's curves leaves the form as it was"
     tab.table.clearSelection()
     assert not w.run_view.isVisible()
