@@ -161,6 +161,8 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
     def set_compact(self, compact: bool) -> None:
         """Only the loss plot, with its header and key (the Sweep tab shows the selected trials' curves
         under the sweep, where every plot would not fit); False: every plot again."""
+        if compact == self.compact:
+            return
         self.compact = compact
         small = [self.metric_plot, self.throughput, self.lr, self.util, self.memory, self.grad_norm, self.phases]
         for p in [*small, self.power, self.temperature]:

@@ -257,7 +257,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         if not self.devices.selected():
             problems.insert(0, "choose at least one device")
         self.why.setText(problems[0] if problems else "")
-        self.why.setVisible(bool(problems))
+        sweep = getattr(self, "sweep_tab", None)  # the Sweep tab says its own why
+        self.why.setVisible(bool(problems) and not (sweep is not None and sweep.shown))
         can = not problems and not self.is_running()
         self.start_btn.setEnabled(can)
         self.start_action.setEnabled(can)
