@@ -5,13 +5,13 @@ step's micro-batches), each rank's own under ddp (``device_loss``), the learning
 its time and the epoch. Validation becomes an eval record (``trainer.callback_metrics`` whose names
 hold "val"). Stop in the app (the run folder's control file) sets ``trainer.should_stop`` at the next
 step, after saving a Lightning checkpoint when the trainer has a checkpoint callback; Pause waits
-between steps. Needs the ``[lightning]`` extra; this module is the only one that imports Lightning.
+between steps. A failure ends the run ``failed`` with its traceback; under ddp the rank that failed
+first is named, not the peers that lost it (recorder.py). Needs the ``[lightning]`` extra; this module is the only one that imports Lightning.
 """
 
 from __future__ import annotations
 
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +167,7 @@ class MultilaneCallback(pl.Callback):
         self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt):
-            self.recorder.finish("stopped", "interrupted")
-            return
-        text = "".join(traceback.format_exception(exception))
-        self.recorder.finish("failed", f"{type(exception).__name__}: {exception}"[:500], text)
+        self.recorder.fail(exception)  # under ddp: the rank that caused it, not its peers' "connection closed"
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.recorder.finish("failed", "training ended without reporting an outcome")

@@ -3,16 +3,21 @@
 The integrations' callbacks hand it what the outside trainer knows (each step's loss, the learning
 rate, validation metrics) and it writes the run folder exactly as the engine does: ``RunDir`` (one
 writer, its lock, whole records), the engine's record schema (every record passes ``record_problem``),
-``status.json``, the engine's telemetry sampler, and the control file the app's Stop and Pause write.
+``status.json`` (its step kept current while training, as the engine's), the engine's telemetry
+sampler, and the control file the app's Stop and Pause write.
 
 Under ddp (``torch.distributed`` initialised, more than one process) rank 0 writes, as in the engine's
 own ddp strategy. At each step every rank calls ``step_end`` together: one small ``all_gather`` carries
 each rank's own loss (``device_loss``), whether a rank holds telemetry for rank 0, and rank 0's reading
-of the control file, so every rank stops (or pauses) at the same step.
+of the control file, so every rank stops (or pauses) at the same step. Every rank knows the run folder:
+a rank that fails writes its own failure note there (engine/distributed/failures.py, as the engine's
+ddp ranks do), and rank 0 records the failure that caused the others, not its peers' "connection
+closed".
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -25,7 +30,9 @@ from typing import Any
 
 import torch
 from multilane.engine.config import RunConfig
+from multilane.engine.distributed.failures import consolidate, write_note
 from multilane.engine.errors import UserError
+from multilane.engine.run.callbacks import STATUS_EVERY_S
 from multilane.engine.run.control import RunControl
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, RunDir, record_problem
@@ -35,6 +42,10 @@ from multilane.engine.telemetry.sampler import TelemetrySampler
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,80}$")  # as the engine's run.name
 PAUSE_POLL_S = 0.2
+# A rank that failed because another rank went away (gloo's "Connection closed by peer"): its own error
+# is secondary (as engine/distributed/worker.py judges it).
+LOST_PEERS = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError", re.I)
+WAIT_FOR_CAUSE_S = 5.0  # rank 0, failed with "lost its peers": how long it waits for the cause's note
 
 
 @dataclass
@@ -85,6 +96,8 @@ class RunRecorder:
         self._rank_telemetry: Any = None
         self._open = False
         self._all_keys = [self.key]
+        self._shared_dir: Path | None = None  # the run folder, on every rank (rank 0 made it)
+        self._status_at = 0.0
 
     @property
     def is_main(self) -> bool:
@@ -137,8 +150,15 @@ class RunRecorder:
             self.rd.write_json(ENVIRONMENT, environment())
             self._file = ControlFile(self.rd.path)
             self.rd.set_status("running", step=self.step, total_steps=self.total_steps)
+            self._status_at = time.monotonic()
             self.event("started", total_steps=self.total_steps)
+        self._shared_dir = self.rd.path if self.rd is not None else None
+        if dist is not None:  # every rank learns the folder: a failing rank writes its note there
+            where: list[Any] = [None] * self.world
+            dist.all_gather_object(where, str(self._shared_dir) if self._shared_dir is not None else None)
+            self._shared_dir = Path(where[0]) if where[0] else None
         self._open = True
+        atexit.register(self._at_exit)
         if self.telemetry:
             self._start_telemetry(dev, host, local_rank, dist)
 
@@ -214,6 +234,9 @@ class RunRecorder:
             stop = self._paused(dist)
         if stop:
             self.stop_asked = True
+        elif self.rd is not None and time.monotonic() - self._status_at >= STATUS_EVERY_S:
+            self._status_at = time.monotonic()  # status.json's step current, as the engine keeps it
+            self.rd.set_status("running", step=step, total_steps=self.total_steps)
         return StepEnd(losses, stop, samples)
 
     def _read_control(self) -> tuple[bool, bool]:
@@ -260,8 +283,44 @@ class RunRecorder:
         return stop
 
     # -- end ------------------------------------------------------------------------------------
-    def finish(self, status: str, message: str | None = None, traceback: str | None = None) -> None:
-        """Record the outcome (finished, stopped, failed) and close the folder. Safe to call twice."""
+    def fail(self, exception: BaseException) -> None:
+        """The outside trainer raised: the run ends ``failed`` with this rank's traceback (Ctrl+C: ``stopped``).
+        Under ddp every rank writes its failure note in the run folder and rank 0 records the one that
+        caused the others: a rank's own error, not its peers' "connection closed"."""
+        if isinstance(exception, KeyboardInterrupt):
+            self.finish("stopped", "interrupted")
+            return
+        import traceback as tb
+
+        text = "".join(tb.format_exception(exception))
+        message = f"{type(exception).__name__}: {exception}"[:500]
+        if self.world == 1 or self._shared_dir is None:
+            self.finish("failed", message, text)
+            return
+        lost = bool(LOST_PEERS.search(message))
+        note = f"rank {self.rank} ({self.key}): {message}"
+        try:
+            write_note(self._shared_dir, self.rank, note, text, lost, time.time())
+        except OSError:  # a folder this node does not share: rank 0 says what it knows
+            pass
+        if not self.is_main:
+            self.finish("failed")  # rank 0 writes the outcome
+            return
+        self.finish(None)  # closed without an outcome: consolidate writes the one that caused the rest
+        try:
+            consolidate(self._shared_dir, wait_for_cause_s=WAIT_FOR_CAUSE_S if lost else 0.0)
+        except Exception:  # the notes cannot be read: this rank's own account, as one process would
+            self._open = True
+            self.rd = RunDir(self._shared_dir)
+            self.finish("failed", message, text)
+
+    def _at_exit(self) -> None:
+        """The interpreter ends with the run still open (no end and no exception reached us): never "running"."""
+        self.finish("failed", "the process ended while the run was training (no outcome was reported)")
+
+    def finish(self, status: str | None, message: str | None = None, traceback: str | None = None) -> None:
+        """Record the outcome (finished, stopped, failed; None: none, another writes it) and close the
+        folder. Safe to call twice."""
         if not self._open:
             return
         self._open = False
@@ -271,6 +330,8 @@ class RunRecorder:
         if self.rd is None:
             return
         try:
+            if status is None:
+                return
             if traceback:
                 self.rd.write_error(traceback)
             self.rd.set_status(status, message, step=self.step, total_steps=self.total_steps)

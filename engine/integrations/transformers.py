@@ -6,11 +6,16 @@ the epoch, and the mean step time of the window; evaluation logs (``eval_*``) be
 Stop in the app sets ``control.should_training_stop`` at the next step (and ``should_save`` when the
 Trainer saves checkpoints); Pause waits between steps. Under ddp the Trainer's loss is already the
 mean over the ranks, so no device's own loss is shown (``device_loss`` is written only for a single
-process). Needs the ``[transformers]`` extra; this module is the only one that imports transformers.
+process). A ``TrainerCallback`` never hears of an exception, so importing this module wraps
+``Trainer.train`` (once, for every Trainer and subclass): an exception out of it ends the run of the
+trainer's ``MultilaneCallback`` ``failed`` with its traceback (Ctrl+C: ``stopped``), then goes on up as
+before; under ddp the rank that failed first is named (recorder.py). Needs the ``[transformers]``
+extra; this module is the only one that imports transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -103,6 +108,28 @@ class MultilaneCallback(hf.TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.recorder.step = state.global_step
         self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
+
+
+def _record_failures(train: Any) -> Any:
+    """``Trainer.train`` that ends its Multilane runs ``failed`` when it raises (the callbacks cannot see it)."""
+
+    @functools.wraps(train)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(self, *args, **kwargs)
+        except BaseException as e:
+            handler = getattr(self, "callback_handler", None)
+            for cb in getattr(handler, "callbacks", ()):
+                if isinstance(cb, MultilaneCallback):
+                    cb.recorder.fail(e)
+            raise
+
+    wrapped.multilane_records_failures = True
+    return wrapped
+
+
+if not getattr(hf.Trainer.train, "multilane_records_failures", False):
+    hf.Trainer.train = _record_failures(hf.Trainer.train)
 
 
 def _finite(v: float | None) -> float | None:

@@ -67,6 +67,8 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self._break_cache: dict[tuple, np.ndarray] = {}
         self.power: pg.PlotItem | None = None
         self.temperature: pg.PlotItem | None = None
+        self.compact = False  # only the loss (the Sweep tab's trial curves): set_compact
+        self._min_heights: dict[int, float] = {}
 
         self.header = WrappingLabel("", justify="left")
         self.header.min_lines = 2
@@ -156,6 +158,31 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         if self._x_span is not None:
             p.setXRange(*self._x_span, padding=0)
         self.plots.append(p)
+
+    def set_compact(self, compact: bool) -> None:
+        """Only the loss plot, with its header and key (the Sweep tab shows the selected trials' curves
+        under the sweep, where every plot would not fit); False: every plot again."""
+        if compact == self.compact:
+            return
+        self.compact = compact
+        small = [self.metric_plot, self.throughput, self.lr, self.util, self.memory, self.grad_norm, self.phases]
+        for p in [*small, self.power, self.temperature]:
+            if p is not None:
+                p.setVisible(not compact)
+                # a hidden item keeps its row's height otherwise
+                self._min_heights.setdefault(id(p), p.minimumHeight())
+                p.setMinimumHeight(0 if compact else self._min_heights[id(p)])
+                p.setMaximumHeight(0 if compact else 16777215)
+        lay = self.ci.layout
+        for r in (3, 4, 5, 6):
+            if compact:
+                lay.setRowFixedHeight(r, 0)
+                lay.setRowStretchFactor(r, 0)
+            else:
+                lay.setRowMinimumHeight(r, 0)
+                lay.setRowMaximumHeight(r, 1e6)
+                lay.setRowStretchFactor(r, 2 if r < 6 or self.power or self.temperature else 0)
+        lay.setRowSpacing(2, 0 if compact else lay.verticalSpacing())
 
     # -- data ------------------------------------------------------------------------------------
     def reset(self, data: RunData | None = None) -> None:
@@ -313,10 +340,12 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
             self.power = self.addPlot(row=6, col=0)
             self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.power, "Power (W)")
+            self.power.setVisible(not self.compact)
         if te.names("temp/") and self.temperature is None:
             self.temperature = self.addPlot(row=6, col=1)
             self.ci.layout.setRowStretchFactor(6, 2)
             self._style_plot(self.temperature, "Temperature (°C)")
+            self.temperature.setVisible(not self.compact)
         for j, dev in enumerate(names):
             color = self._device_color(dev)
             width = device_width(j, len(names), 2.0, 1.0)  # equal lanes (or ranks) must not hide each other

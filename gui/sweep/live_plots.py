@@ -30,6 +30,7 @@ class SweepPlots(QWidget):
         lay.addWidget(self.bars, 2)
         self.setMinimumHeight(200)
         self.best: int | None = None
+        self.placeholder: pg.TextItem | None = None  # "after two finished trials", while there are no importances
 
     def update_from(self, study: Any, keys: list[str], log_keys: set[str], objective: str, maximize: bool) -> None:
         c = coordinates(study, keys, log_keys, objective)
@@ -61,6 +62,7 @@ class SweepPlots(QWidget):
         imp = importances(study)
         b = self.bars
         b.clear()
+        self.placeholder = None
         names = list(imp)[::-1]
         if names:
             b.addItem(
@@ -68,7 +70,10 @@ class SweepPlots(QWidget):
             )
             b.getAxis("left").setTicks([[(i, n.removeprefix("task.params.")) for i, n in enumerate(names)]])
         else:
-            b.addItem(pg.TextItem("after two finished trials", color="#777", anchor=(0.5, 0.5)))
+            # In the middle of the plot (x 0..1, y -0.6..0.6), whole: it needs two finished trials
+            self.placeholder = pg.TextItem("after two\nfinished trials", color="#777", anchor=(0.5, 0.5))
+            self.placeholder.setPos(0.5, 0.0)
+            b.addItem(self.placeholder)
             b.getAxis("left").setTicks([[]])
         b.setXRange(0, 1, padding=0.02)
         b.setYRange(-0.6, max(1, len(names)) - 0.4, padding=0)

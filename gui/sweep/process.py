@@ -1,9 +1,13 @@
 """The app's sweep: ``multilane sweep`` as a child process (the window's config as its base), followed
 through its study; the app never holds the study's trials in memory only, so a killed app loses
-nothing and reopening the sweep folder carries on (``--resume``). No Qt here."""
+nothing and reopening the sweep folder carries on (``--resume``). Each start writes the form's config to
+its own file (two sweeps started together never share one); the sweep keeps it in its ``sweep.json``
+(``base``), and the app's copy goes once the sweep folder exists or the child ended. No Qt here."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import signal
@@ -15,15 +19,17 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 
+FRESH_TRIAL_S = 60.0  # a running trial without its worker's identity this young is being started, not lost
 SWEEP = [sys.executable, "-m", "multilane.engine.cli", "sweep", "--no-table"]
 
 
 class SweepProcess:
     """One ``multilane sweep`` process and the folder it writes into."""
 
-    def __init__(self, args: list[str], log_path: Path, storage: str | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, storage: str | None = None, base: Path | None = None) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
+        self.base = base  # this sweep's own base config file, while the child may still read it
         if storage:  # its password on no command line: `--storage -` reads it from standard input
             args = [*args, "--storage", "-"]
         with open(log_path, "ab") as log:
@@ -45,17 +51,21 @@ class SweepProcess:
         """A new sweep of ``config`` (the form's), searching ``params`` (``--param`` specs)."""
         root = Path(sweeps_dir).expanduser()
         root.mkdir(parents=True, exist_ok=True)
-        base = root / ".app-sweep-config.json"
-        base.write_text(json.dumps(config, indent=2) + "\n")
+        stamp = f".app-sweep-{time.time_ns()}-{os.getpid()}"
+        base = root / f"{stamp}.config.json"  # this sweep's own: a second start never overwrites it
+        with open(base, "x", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2) + "\n")
         args = ["--config", str(base), "--task", config["task"]["name"], "--sweeps-dir", str(root)]
         args += ["--devices", settings["devices"], "--trials", str(settings["trials"])]
         args += ["--per-trial", str(settings["per_trial"]), "--objective", settings["objective"]]
         args += ["--sampler", settings["sampler"], "--pruner", settings["pruner"], "--name", settings["name"]]
         if settings.get("seed") is not None:
             args += ["--seed", str(settings["seed"])]
+        if settings.get("trial_timeout") and sweep_cli_has("--trial-timeout"):
+            args += ["--trial-timeout", str(settings["trial_timeout"])]
         for p in params:
             args += ["--param", p]
-        return cls(args, root / f".app-sweep-{time.time_ns()}.log", settings.get("storage"))
+        return cls(args, root / f"{stamp}.log", settings.get("storage"), base)
 
     @classmethod
     def resume(cls, folder: str, devices: str) -> SweepProcess:
@@ -63,6 +73,12 @@ class SweepProcess:
 
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    def cleanup(self) -> None:
+        """The app's copy of the base config goes (the sweep read it into its sweep.json, or ended)."""
+        if self.base is not None:
+            self.base.unlink(missing_ok=True)
+            self.base = None
 
     def stop(self) -> None:
         """Stop the sweep: its running trials stop with a checkpoint and are re-queued for a resume."""
@@ -102,3 +118,30 @@ def check_params(params: list[str], task: str) -> str | None:
     except UserError as e:
         return str(e)
     return None
+
+
+def recover_lost_trials(sweep: Any) -> list[int]:
+    """The app's one call of the CLI's recovery (``--resume`` does the same): trials still "running" in the
+    study whose worker process on this machine is gone are recorded lost and their parameters re-queued.
+    A trial just asked (under a minute ago) whose worker has not written its identity yet is no one's to
+    judge: then nothing is done this time (the tab asks again later)."""
+    from multilane.engine.sweep.optuna_lib import optuna
+
+    running = sweep.study.get_trials(deepcopy=False, states=(optuna().trial.TrialState.RUNNING,))
+    now = time.time()
+    for t in running:
+        young = t.datetime_start is None or now - t.datetime_start.timestamp() < FRESH_TRIAL_S
+        if "worker_pid" not in t.user_attrs and young:
+            return []
+    return sweep.recover_lost()
+
+
+@functools.cache
+def sweep_cli_has(option: str) -> bool:
+    """Whether this multilane's ``sweep`` command takes ``option`` (the tab offers only what it can pass)."""
+    from multilane.engine.cli.parser import build_parser
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction) and "sweep" in action.choices:
+            return option in action.choices["sweep"]._option_string_actions
+    return False

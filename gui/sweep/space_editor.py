@@ -106,6 +106,13 @@ class SpaceEditor(QWidget):
             self.table.setCellWidget(r, [keys, kinds, edit].index(w), w)
         self.changed.emit()
 
+    def set_params(self, params: list[Any]) -> None:
+        """The rows of a sweep's own params (engine.sweep.space.ParamSpec)."""
+        self.table.setRowCount(0)
+        for p in params:
+            text = ",".join(map(str, p.choices)) if p.kind == "choice" else f"{p.low:g}:{p.high:g}"
+            self.add_row(p.key, p.kind, text)
+
     def remove_selected(self) -> None:
         rows = sorted({i.row() for i in self.table.selectedIndexes()} or {self.table.currentRow()}, reverse=True)
         for r in rows:

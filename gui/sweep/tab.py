@@ -1,26 +1,25 @@
 """The Sweep tab: the parameters to vary and their ranges (beside the Setup form, which gives everything
-else), the trial count, objective, sampler, pruner and devices per trial; Start/Stop; a live sortable
-trials table (the best marked), parallel coordinates and importances; selecting trials shows their
-per-device loss curves in the plots (several: compared); stop or prune one trial; export the table
-(CSV) and the figures (PNG/SVG/PDF). The sweep runs as a child ``multilane sweep`` process (process.py);
-the tab follows its study, so closing or killing the app loses nothing: reopen the folder to resume."""
+else), the trial count, objective, sampler, pruner, devices per trial and trial timeout; the sweep's own
+Start/Resume, Stop and Open under them, always in view. While the tab is open the window's right side is
+the sweep (view.py): a live sortable trials table (the best marked), parallel coordinates and
+importances; selecting trials shows their per-device loss curves under it (several: compared); stop or
+prune one trial; export the table (CSV) and the figures (PNG/SVG/PDF). The sweep runs as a child
+``multilane sweep`` process (process.py); the tab follows its study, so closing or killing the app
+loses nothing: reopen the folder, and its lost trials are recovered as the CLI's ``--resume`` does."""
 
 from __future__ import annotations
 
-import math
+import time
 from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.gui.sweep.live_plots import SweepPlots
-from multilane.gui.sweep.process import SweepProcess, check_params
+from multilane.gui.sweep.process import SweepProcess, check_params, recover_lost_trials, sweep_cli_has
 from multilane.gui.sweep.space_editor import SpaceEditor
+from multilane.gui.sweep.view import HINT, SweepView
 from multilane.gui.sweep.workers import HostWorkers
-from multilane.gui.window.runs_table import _Item
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QComboBox,
     QFileDialog,
     QFrame,
@@ -31,13 +30,12 @@ from PySide6.QtWidgets import (
     QPushButton,
     QScrollArea,
     QSpinBox,
-    QSplitter,
-    QTableWidget,
     QVBoxLayout,
     QWidget,
 )
 
 POLL_MS = 1000
+RECOVER_EVERY_S = 5.0  # a followed sweep whose trials say "running" with no sweep of ours alive: checked this often
 
 
 class SweepTab(QWidget):
@@ -67,42 +65,52 @@ class SweepTab(QWidget):
         self.name = QLineEdit("sweep")
         self.folder = QLineEdit("sweeps")
         self.folder.setToolTip("Where sweep folders go: each holds study.journal and one run folder per trial")
-        form = QGridLayout()  # two columns: the table below gets the height
+        self.timeout = QSpinBox()
+        self.timeout.setObjectName("sweep_trial_timeout")
+        self.timeout.setRange(0, 7 * 24 * 3600)
+        self.timeout.setSingleStep(60)
+        self.timeout.setSuffix(" s")
+        self.timeout.setSpecialValueText("none")
+        if sweep_cli_has("--trial-timeout"):
+            self.timeout.setToolTip(
+                "A trial still running after this long is stopped and recorded failed (none: no limit)"
+            )
+        else:
+            self.timeout.setEnabled(False)
+            self.timeout.setToolTip("This multilane's sweep has no --trial-timeout yet")
+        form = QGridLayout()  # two columns
         fields = [("trials", self.trials), ("devices per trial", self.per_trial), ("objective", self.objective),
-                  ("sampler", self.sampler), ("pruner", self.pruner), ("seed", self.seed), ("name", self.name),
-                  ("sweeps folder", self.folder)]  # fmt: skip
+                  ("sampler", self.sampler), ("pruner", self.pruner), ("seed", self.seed),
+                  ("trial timeout", self.timeout), ("name", self.name), ("sweeps folder", self.folder)]  # fmt: skip
         for i, (label, w) in enumerate(fields):
             form.addWidget(QLabel(label), i // 2, (i % 2) * 2)
             form.addWidget(w, i // 2, (i % 2) * 2 + 1)
+        form.setColumnStretch(1, 1)
+        form.setColumnStretch(3, 1)
 
         self.start_btn = QPushButton("Start sweep")
+        self.start_btn.setObjectName("sweep_start")
         self.start_btn.setStyleSheet("font-weight: bold;")
         self.stop_btn = QPushButton("Stop sweep")
+        self.stop_btn.setObjectName("sweep_stop")
+        self.stop_btn.setToolTip("Running trials stop with a checkpoint and are re-queued: Resume sweep carries on")
         self.open_btn = QPushButton("Open sweep…")
-        self.export_btn = QPushButton("Export…")
         buttons = QHBoxLayout()
-        for b in (self.start_btn, self.stop_btn, self.open_btn, self.export_btn):
+        for b in (self.start_btn, self.stop_btn, self.open_btn):
             buttons.addWidget(b)
         self.why = QLabel()
         self.why.setWordWrap(True)
         self.why.setStyleSheet("color: #d62728;")
         self.state = QLabel("No sweep")
+        self.state.setObjectName("sweep_state")
         self.state.setWordWrap(True)
-
-        self.table = QTableWidget(0, 0)
-        self.table.setSortingEnabled(True)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.table.verticalHeader().setVisible(False)
-        self.show_btn = QPushButton("Show curves")
-        self.stop_trial_btn = QPushButton("Stop trial")
-        self.prune_btn = QPushButton("Prune trial")
-        trial_bar = QHBoxLayout()
-        for b in (self.show_btn, self.stop_trial_btn, self.prune_btn):
-            trial_bar.addWidget(b)
-        trial_bar.addStretch(1)
-        self.plots = SweepPlots()
         self.workers = HostWorkers(self)  # the storage, and workers started on SSH hosts
+
+        # The sweep's side of the window (the main window shows it while this tab is open).
+        self.view = SweepView()
+        self.table, self.plots, self.export_btn = self.view.table, self.view.plots, self.view.export_btn
+        self.shown = False  # whether the tab is open (the window's right side is the sweep)
+        self._curves_shown = False  # selected trials' curves are in the window's run plots
 
         top = QWidget()
         tv = QVBoxLayout(top)
@@ -111,37 +119,29 @@ class SweepTab(QWidget):
         tv.addWidget(self.space)
         tv.addLayout(form)
         tv.addWidget(self.workers)
-        tv.addWidget(self.why)
-        tv.addLayout(buttons)
-        tv.addWidget(self.state)
-        mid = QWidget()
-        mv = QVBoxLayout(mid)
-        mv.setContentsMargins(0, 0, 0, 0)
-        mv.addWidget(self.table, 1)
-        mv.addLayout(trial_bar)
-        self.scroll = scroll = (
-            QScrollArea()
-        )  # the settings scroll, so that the trials table keeps its rows on a small screen
+        tv.addStretch(1)
+        self.scroll = scroll = QScrollArea()  # the settings scroll; the sweep's buttons stay in view under it
         scroll.setWidget(top)
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.NoFrame)
-        split = QSplitter(Qt.Vertical)
-        for w in (scroll, mid, self.plots):
-            split.addWidget(w)
-        split.setSizes([330, 260, 200])
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)  # the fields narrow with the column
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(split)
+        lay.addWidget(scroll, 1)
+        lay.addWidget(self.why)
+        lay.addWidget(self.state)
+        lay.addLayout(buttons)
 
         self.start_btn.clicked.connect(lambda: self.start())
         self.stop_btn.clicked.connect(lambda: self.stop())
         self.open_btn.clicked.connect(self._open_dialog)
         self.export_btn.clicked.connect(self._export_dialog)
-        self.show_btn.clicked.connect(lambda: self.show_selected())
-        self.stop_trial_btn.clicked.connect(lambda: self.request_selected("stop"))
-        self.prune_btn.clicked.connect(lambda: self.request_selected("prune"))
+        self.view.show_btn.clicked.connect(lambda: self.show_selected())
+        self.view.stop_trial_btn.clicked.connect(lambda: self.request_selected("stop"))
+        self.view.prune_btn.clicked.connect(lambda: self.request_selected("prune"))
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.space.changed.connect(self.validate)
+        self._recovered_at = 0.0
         self.timer = QTimer(self)
         self.timer.timeout.connect(self.poll)
         self.timer.start(POLL_MS)
@@ -175,6 +175,7 @@ class SweepTab(QWidget):
             "seed": int(seed) if seed.isdigit() else None,
             "name": self.name.text().strip() or "sweep",
             "storage": self.workers.storage.text().strip() or None,
+            "trial_timeout": self.timeout.value() or None if self.timeout.isEnabled() else None,
         }
 
     def start(self) -> bool:
@@ -210,16 +211,25 @@ class SweepTab(QWidget):
             return False
         self.process = None
         self._finished_count = -1
+        self._recover()  # a sweep that was killed: its dead trials lost and re-queued, as --resume does
         self._show_spec(self.sweep.spec)
         self.poll()
         return True
 
+    def _recover(self) -> list[int]:
+        """Trials "running" whose worker on this machine is gone: recorded lost and re-queued (the CLI's
+        own recovery, process.recover_lost_trials); then the tab offers Resume sweep."""
+        self._recovered_at = time.monotonic()
+        if self.sweep is None or self.running():
+            return []
+        try:
+            return recover_lost_trials(self.sweep)
+        except Exception:  # a shared study's database that does not answer: poll says so
+            return []
+
     def _show_spec(self, spec: Any) -> None:
         """An opened sweep's own settings in the tab (a resume keeps them)."""
-        self.space.table.setRowCount(0)
-        for p in spec.params:
-            text = ",".join(map(str, p.choices)) if p.kind == "choice" else f"{p.low:g}:{p.high:g}"
-            self.space.add_row(p.key, p.kind, text)
+        self.space.set_params(spec.params)
         self.trials.setValue(spec.trials)
         self.per_trial.setValue(spec.per_trial)
         self.objective.setText(f"{spec.objective}:{'max' if spec.direction == 'maximize' else 'min'}")
@@ -227,6 +237,7 @@ class SweepTab(QWidget):
         self.pruner.setCurrentText(spec.pruner)
         self.seed.setText("" if spec.seed is None else str(spec.seed))
         self.name.setText(spec.name)
+        self.timeout.setValue(int(getattr(spec, "trial_timeout", None) or 0))
         self.folder.setText(str(self.sweep.folder.parent))
         self.workers.storage.setText(self.sweep.storage_url or "")
 
@@ -259,21 +270,30 @@ class SweepTab(QWidget):
                 except UserError:
                     self.sweep = None
         if self.process is not None and not self.process.running():
+            self.process.cleanup()
             err = self.process.error_line()
             if err:
                 self.state.setText(f"The sweep stopped: {err}")
         if self.sweep is None:
             self.validate()
+            self.sync_window()
             return
+        if self.process is not None and self.sweep.folder.is_dir():
+            self.process.cleanup()  # the sweep holds its base config (sweep.json): the app's copy goes
         from multilane.engine.sweep.rows import trial_rows
 
-        self._rows = trial_rows(self.sweep.study)
-        self._fill_table()
         c = self.sweep.counts()
+        due = time.monotonic() - self._recovered_at >= RECOVER_EVERY_S
+        if c["running"] and not self.running() and due and self._recover():  # it died while we followed it
+            c = self.sweep.counts()
+        self._rows = trial_rows(self.sweep.study)
+        self.view.fill(self._rows, self.sweep.spec)
         spec = self.sweep.spec
         what = "running" if self.running() or c["running"] else "stopped" if c["done"] < spec.trials else "finished"
         best = next((r for r in self._rows if r["is_best"]), None)
         text = f"{self.sweep.folder.name}: {what} · {c['done']} of {spec.trials} trials done"
+        if c["lost"]:
+            text += f" · {c['lost']} lost (re-queued)"
         if best is not None:
             text += f" · best: trial {best['number']}, {spec.objective} {best['value']:.4g}"
         if not (self.process is not None and self.process.error_line()):
@@ -286,55 +306,47 @@ class SweepTab(QWidget):
             )
         self.validate()
         self.workers.refresh()
+        self.sync_window()
 
     def _log_keys(self) -> set[str]:
         return {p.key for p in self.sweep.spec.params if p.kind == "log"}
 
-    def _fill_table(self) -> None:
-        spec = self.sweep.spec
-        keys = [p.key for p in spec.params]
-        headers = ["#", "state", *(k.removeprefix("task.params.") for k in keys), spec.objective, "best so far",
-                   "step", "duration (s)", "devices", "host"]  # fmt: skip
-        selected = set(self.selected_numbers())
-        self.table.setSortingEnabled(False)
-        self.table.setColumnCount(len(headers))
-        self.table.setHorizontalHeaderLabels(headers)
-        self.table.setRowCount(len(self._rows))
-        bold = QFont()
-        bold.setBold(True)
-        for i, r in enumerate(self._rows):
-            cells = [
-                _Item(f"{r['number']}{' ★' if r['is_best'] else ''}", float(r["number"])),
-                _Item(r["state"], r["state"]),
-            ]
-            cells += [_value_item(r["params"].get(k)) for k in keys]
-            cells += [_value_item(r["value"]), _value_item(r["best"]), _value_item(r["step"])]
-            cells += [
-                _value_item(None if r["duration_s"] is None else round(r["duration_s"], 1)),
-                _Item(r["devices"], r["devices"]),
-                _Item(r["host"], r["host"]),
-            ]
-            for j, cell in enumerate(cells):
-                if r["is_best"]:
-                    cell.setFont(bold)
-                if r["error"]:
-                    cell.setToolTip(r["error"])
-                self.table.setItem(i, j, cell)
-        self.table.setSortingEnabled(True)
-        self.table.blockSignals(True)
-        for i in range(self.table.rowCount()):
-            if self._number_at(i) in selected:
-                self.table.selectRow(i)
-        self.table.blockSignals(False)
+    # -- the window while the tab is open ----------------------------------------------------------------
+    def set_shown(self, shown: bool) -> None:
+        """The tab opened (the window's right side becomes the sweep) or closed (back to the run plots)."""
+        self.shown = shown
+        self.sync_window()
+
+    def sync_window(self) -> None:
+        """While the tab is open: the sweep's view on the right, the run plots under it only when they show
+        selected trials; the run's Start/Pause/Stop hidden unless a run is live (then Pause/Stop apply)."""
+        w = self.window
+        view_run, run_bar = getattr(w, "run_view", None), getattr(w, "run_bar", None)
+        if view_run is None or run_bar is None:
+            return
+        self.view.setVisible(self.shown)
+        curves = self.shown and self._curves_shown and not w.is_running()
+        split = self.view.parentWidget()
+        if curves and view_run.isHidden() and split is not None:  # the curves appear: under the sweep, half
+            h = split.height()
+            split.setSizes([h - h // 2, h // 2])
+        view_run.setVisible(not self.shown or curves)
+        w.plots.set_compact(self.shown)  # the loss alone: every plot would not fit under the sweep
+        if self.shown:
+            w.summary.hide()  # the trial's numbers are in the table
+        run_bar.setVisible(not self.shown or w.is_running())
+        w.why.setVisible(not self.shown and bool(w.why.text()))
+        if self.shown:
+            self.view.hint.setText(
+                "A run is training: its plots are on the Setup tab." if w.is_running() else "" if curves else HINT
+            )
 
     # -- trials ------------------------------------------------------------------------------------------
     def _number_at(self, row: int) -> int | None:
-        item = self.table.item(row, 0)
-        return int(item.key) if item is not None else None
+        return self.view.number_at(row)
 
     def selected_numbers(self) -> list[int]:
-        rows = sorted({i.row() for i in self.table.selectedIndexes()})
-        return [n for n in (self._number_at(r) for r in rows) if n is not None]
+        return self.view.selected_numbers()
 
     def _row(self, number: int) -> dict[str, Any] | None:
         return next((r for r in self._rows if r["number"] == number), None)
@@ -347,8 +359,14 @@ class SweepTab(QWidget):
         paths = [r["run_dir"] for n in self.selected_numbers() if (r := self._row(n)) and r["run_dir"]]
         paths = [p for p in paths if (Path(p) / "metrics.jsonl").exists()]
         if not paths or self.window.is_running():
+            self._curves_shown = False
+            self.sync_window()
             return False
-        return self.window.compare_runs(paths) if len(paths) > 1 else self.window.open_run(paths[0])
+        # the form stays: it is the next sweep's base, not the trial's settings
+        shown = self.window.compare_runs(paths, form=False)
+        self._curves_shown = bool(shown)
+        self.sync_window()
+        return shown
 
     def request_selected(self, action: str) -> list[int]:
         """Stop or prune the selected running trials (the sweep records them stopped or pruned)."""
@@ -386,11 +404,3 @@ class SweepTab(QWidget):
         folder = QFileDialog.getExistingDirectory(self, "Open a sweep folder", self.folder.text())
         if folder:
             self.open_sweep(folder)
-
-
-def _value_item(v: Any) -> _Item:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return _Item("", float("nan"))
-    if isinstance(v, (bool, str)):
-        return _Item(str(v), str(v))
-    return _Item(f"{v:.4g}" if isinstance(v, float) else str(v), float(v))

@@ -39,12 +39,10 @@ class HostWorkers(QWidget):
         self._said = ""
         self.storage = QLineEdit()
         self.storage.setObjectName("sweep_storage")
-        self.storage.setPlaceholderText(
-            "the sweep folder's study.journal; or postgresql+psycopg://USER:PASSWORD@DBHOST/DB to add workers on hosts"
-        )
+        self.storage.setPlaceholderText("the sweep folder's study.journal, or postgresql+psycopg://…")
         self.storage.setToolTip(
-            "Where the study lives. A PostgreSQL URL that your hosts can reach lets workers on them join the "
-            "sweep; its password is passed on standard input, never on a command line"
+            "Where the study lives (empty: the sweep folder's study.journal). A PostgreSQL URL that your hosts can "
+            "reach (postgresql+psycopg://USER:PASSWORD@DBHOST/DB) lets workers on them join the sweep; its password is passed on standard input, never on a command line"
         )
         self.host = QComboBox()
         self.host.setObjectName("worker_host")
@@ -66,17 +64,20 @@ class HostWorkers(QWidget):
         row1 = QHBoxLayout()
         row1.addWidget(QLabel("storage"))
         row1.addWidget(self.storage, 1)
-        row2 = QHBoxLayout()
+        row2 = QHBoxLayout()  # two rows: the tab's column stays narrow (the sweep is on the window's right)
         row2.addWidget(QLabel("<b>Workers on hosts</b>"))
         row2.addWidget(self.host, 1)
         row2.addWidget(QLabel("devices"))
         row2.addWidget(self.devices, 1)
-        row2.addWidget(self.start_btn)
-        row2.addWidget(self.stop_btn)
+        row3 = QHBoxLayout()
+        row3.addStretch(1)
+        row3.addWidget(self.start_btn)
+        row3.addWidget(self.stop_btn)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(row1)
         lay.addLayout(row2)
+        lay.addLayout(row3)
         lay.addWidget(self.list)
         lay.addWidget(self.message)
 

@@ -17,8 +17,9 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 class RunFilesMixin:
     """Part of ``MainWindow`` (its attributes: plots, form, runs_table, settings, status_label, ...)."""
 
-    def open_run(self, path: str, compare: bool = False) -> bool:
-        """Show a past run (its curves, its name, its settings in the form), or overlay it to compare."""
+    def open_run(self, path: str, compare: bool = False, form: bool = True) -> bool:
+        """Show a past run (its curves, its name, its settings in the form), or overlay it to compare.
+        ``form=False``: the form stays as it is (a sweep's trial: the form is the next sweep's base)."""
         p = Path(path)
         problem = run_folder_problem(p)
         if problem:
@@ -39,7 +40,7 @@ class RunFilesMixin:
         else:
             self.plots.reset(data)
             self.shown_run_dir = str(p)
-            self._show_run_settings(p, ask=True)
+            self._show_run_settings(p, ask=True, form=form)
             self.show_summary(str(p))
         self.plots.refresh()
         self.plots.fit_x()
@@ -47,38 +48,46 @@ class RunFilesMixin:
         self.status_label.setText(f"{'Comparing with' if compare else 'Viewing'} {p}{skipped}")
         return True
 
-    def compare_runs(self, paths: list[str]) -> bool:
+    def compare_runs(self, paths: list[str], form: bool = True) -> bool:
         """Show the first run and compare the others with it (the runs table's "Compare selected")."""
-        if not paths or not self.open_run(paths[0]):
+        if not paths or not self.open_run(paths[0], form=form):
             return False
         return all(self.open_run(p, compare=True) for p in paths[1:])
 
     def _tab_changed(self, index: int) -> None:
-        """The runs table wants room for its columns: the left side widens while it is shown."""
-        if self.tabs.widget(index) in (self.runs_table, getattr(self, "sweep_tab", None)):
-            self.refresh_runs()
-            self._setup_sizes = self.splitter.sizes()
-            total = sum(self._setup_sizes)
-            left = max(self._setup_sizes[0], min(760, total // 2))
-            self.splitter.setSizes([left, total - left])
-        elif self._setup_sizes is not None:
+        """The runs table wants room for its columns: the left side widens while it is shown. The Sweep
+        tab's settings want a little more than the Setup form; its trials are on the right (SweepTab.set_shown)."""
+        tab = self.tabs.widget(index)
+        sweep = getattr(self, "sweep_tab", None)
+        if self._setup_sizes is not None:
             self.splitter.setSizes(self._setup_sizes)
             self._setup_sizes = None
+        if tab in (self.runs_table, sweep):
+            if tab is self.runs_table:
+                self.refresh_runs()
+            self._setup_sizes = self.splitter.sizes()
+            total = sum(self._setup_sizes)
+            want = min(760, total // 2) if tab is self.runs_table else min(560, int(total * 0.42))
+            left = max(self._setup_sizes[0], want)
+            self.splitter.setSizes([left, total - left])
+        if sweep is not None:
+            sweep.set_shown(tab is sweep)
 
     def refresh_runs(self) -> None:
         """Re-read the runs folder into the runs table."""
         self.runs_table.load(self._runs_dir())
 
-    def _show_run_settings(self, run_dir: Path, ask: bool = False) -> None:
+    def _show_run_settings(self, run_dir: Path, ask: bool = False, form: bool = True) -> None:
         """The header names the run; the form shows the settings it ran with (not the last live run's).
-        ``ask``: a form the user edited is replaced only if they agree (``ask_replace_form``)."""
+        ``ask``: a form the user edited is replaced only if they agree (``ask_replace_form``); ``form=False``:
+        never replaced."""
         title = run_dir.name
         try:
             cfg = build_config(json.loads((run_dir / "config.json").read_text(encoding="utf-8")), "run config")
         except (OSError, ValueError, UserError):
             cfg = None
         if cfg is not None:
-            if not ask or not self.form_edited() or self.ask_replace_form(run_dir.name):
+            if form and (not ask or not self.form_edited() or self.ask_replace_form(run_dir.name)):
                 self.set_config(cfg, keep_runs_dir=True)
             title += f" · {cfg.task.name} · {cfg.devices.use}"
         self.plots.set_title(title)

@@ -86,7 +86,9 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         self.why.setObjectName("why")
         self.why.setWordWrap(True)
         self.why.setStyleSheet("color: #d62728;")
-        buttons = QHBoxLayout()
+        self.run_bar = QWidget()  # the run's buttons: hidden while the Sweep tab shows the sweep's own
+        buttons = QHBoxLayout(self.run_bar)
+        buttons.setContentsMargins(0, 0, 0, 0)
         for b in (self.start_btn, self.pause_btn, self.stop_btn):
             buttons.addWidget(b)
         left = QWidget()
@@ -104,7 +106,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         self._setup_sizes: list[int] | None = None
         left_layout.addWidget(self.tabs, 1)
         left_layout.addWidget(self.why)
-        left_layout.addLayout(buttons)
+        left_layout.addWidget(self.run_bar)
 
         # -- right: plot controls and plots --------------------------------------------------------
         self.plots = PlotPanel()
@@ -137,10 +139,19 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         self.summary = SummaryView()
         rv.addWidget(self.summary)
         rv.addWidget(self.plots, 1)
+        # While the Sweep tab is open the right side is the sweep (its view), the run plots under it
+        # only when they show the selected trials (SweepTab.sync_window).
+        self.run_view = right
+        right_split = QSplitter(Qt.Vertical)
+        right_split.addWidget(self.sweep_tab.view)
+        right_split.addWidget(right)
+        right_split.setChildrenCollapsible(False)
+        right_split.setStretchFactor(1, 1)
+        self.sweep_tab.view.setVisible(False)
 
         split = QSplitter()
         split.addWidget(left)
-        split.addWidget(right)
+        split.addWidget(right_split)
         split.setStretchFactor(1, 1)
         split.setSizes([380, 1000])
         self.splitter = split
@@ -246,7 +257,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         if not self.devices.selected():
             problems.insert(0, "choose at least one device")
         self.why.setText(problems[0] if problems else "")
-        self.why.setVisible(bool(problems))
+        sweep = getattr(self, "sweep_tab", None)  # the Sweep tab says its own why
+        self.why.setVisible(bool(problems) and not (sweep is not None and sweep.shown))
         can = not problems and not self.is_running()
         self.start_btn.setEnabled(can)
         self.start_action.setEnabled(can)

@@ -21,11 +21,11 @@ def start_script(script: str, tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def run_script(script: str, tmp_path: Path, *args: str, timeout: float = 240) -> Path:
-    """Run it to the end; its one run folder."""
+def run_script(script: str, tmp_path: Path, *args: str, timeout: float = 240, rc: int = 0) -> Path:
+    """Run it to the end (exit status ``rc``); its one run folder."""
     proc = start_script(script, tmp_path, *args)
-    rc = proc.wait(timeout=timeout)
-    assert rc == 0, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
+    code = proc.wait(timeout=timeout)
+    assert code == rc, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
     return run_folder(tmp_path)
 
 

@@ -20,17 +20,25 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, out: Path, sleep_s: float) -> None:
+    def __init__(self, out: Path, sleep_s: float, crash: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.out, self.sleep_s, self.logged = out, sleep_s, []
+        self.crash = crash  # (step, rank): that rank's training_step raises at that step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.crash is not None and (self.global_step + 1, self.global_rank) == self.crash:
+            raise ValueError(f"the user's bug at step {self.global_step + 1} on rank {self.global_rank}")
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         self.logged.append({"step": self.global_step + 1, "loss": loss.item()})
         (self.out / f"losses-rank{self.global_rank}.json").write_text(json.dumps(self.logged))
+        ours = next(c for c in self.trainer.callbacks if isinstance(c, MultilaneCallback))
+        if ours.run_dir is not None:  # rank 0: what a reader of status.json sees meanwhile
+            status = json.loads((ours.run_dir / "status.json").read_text())
+            with open(self.out / "status_seen.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.global_step, "status_step": status["step"]}) + "\n")
         time.sleep(self.sleep_s)
         return loss
 
@@ -61,6 +69,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--crash", default=None, help="STEP:RANK: that rank raises at that step")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -84,7 +93,7 @@ def main() -> None:
         callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="lit")],
     )
     trainer.fit(
-        Regression(out, a.sleep),
+        Regression(out, a.sleep, tuple(map(int, a.crash.split(":"))) if a.crash else None),
         DataLoader(data(256, 0), batch_size=16, shuffle=True),
         DataLoader(data(64, 1), batch_size=32),
     )

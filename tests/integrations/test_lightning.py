@@ -1,5 +1,6 @@
 """Lightning with ``MultilaneCallback``: a real Lightning script, a tiny CPU model, as a real process."""
 
+import json
 import subprocess
 import sys
 import time
@@ -120,3 +121,22 @@ def test_stop_in_the_control_file_saves_a_lightning_checkpoint_and_ends_within_a
     import torch
 
     assert torch.load(ckpt, weights_only=False)["global_step"] == last
+
+
+@pytest.mark.slow
+def test_a_crashed_ddp_rank_s_own_error_is_the_runs_outcome_and_status_follows_the_steps(tmp_path):
+    # Rank 1 raises at step 6; rank 0 then fails on gloo's "Connection closed by peer". The run folder
+    # names rank 1's error and traceback.
+    run = run_script(SCRIPT, tmp_path, "--devices", "2", "--steps", "40", "--sleep", "0.3", "--crash", "6:1", rc=1)
+    s = status(run)
+    assert s["state"] == "failed" and s["rank"] == 1 and s["step"] == 5
+    assert s["message"].startswith("rank 1 (") and s["message"].endswith(
+        "ValueError: the user's bug at step 6 on rank 1"
+    )
+    error = (run / "error.txt").read_text()
+    assert "in training_step" in error and error.rstrip().endswith("ValueError: the user's bug at step 6 on rank 1")
+    failed = [r for r in records(run, "event") if r["event"] == "failed"]
+    assert len(failed) == 1 and failed[0]["rank"] == 1 and failed[0]["message"] == s["message"]
+    # While it trained (0.3 s a step), status.json said how far it was, not step 0.
+    seen = [json.loads(line) for line in (tmp_path / "out" / "status_seen.jsonl").read_text().splitlines()]
+    assert all(x["status_step"] <= x["step"] for x in seen) and any(x["status_step"] >= 2 for x in seen), seen

@@ -45,3 +45,22 @@ def test_a_stop_in_the_control_file_ends_the_trainer_within_a_step(tmp_path):
     ran = int((tmp_path / "out" / "steps.txt").read_text())
     assert seen <= last <= seen + 2 and ran == last, "no step after the one that saw the stop"
     assert status(run)["state"] == "stopped" and status(run)["step"] == last
+
+
+@pytest.mark.slow
+def test_a_trainer_that_raises_ends_failed_with_its_traceback_and_status_follows_the_steps(tmp_path):
+    # The script catches the exception and carries on: the run's end is recorded as train() raises,
+    # not by the process's exit (a TrainerCallback never hears of an exception).
+    run = run_script(SCRIPT, tmp_path, "--steps", "8", "--sleep", "0.3", "--crash-at", "7", "--catch")
+    assert (tmp_path / "out" / "caught.txt").read_text() == "the user's bug at step 7", "the exception went on up"
+    s = status(run)
+    assert s["state"] == "failed" and s["message"] == "ValueError: the user's bug at step 7" and s["step"] == 6
+    error = (run / "error.txt").read_text()
+    assert error.startswith("Traceback") and "in on_step_begin" in error
+    assert error.rstrip().endswith("ValueError: the user's bug at step 7")
+    events = [r["event"] for r in records(run, "event")]
+    assert events[0] == "started" and events[-1] == "failed"
+    # While it trained (0.3 s a step), status.json said how far it was, not step 0.
+    seen = [json.loads(line) for line in (tmp_path / "out" / "status_seen.jsonl").read_text().splitlines()]
+    assert all(x["state"] == "running" and x["status_step"] <= x["step"] for x in seen)
+    assert any(x["status_step"] >= 3 for x in seen), seen

@@ -30,11 +30,22 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Slow(transformers.TrainerCallback):
-    def __init__(self, seconds: float, out: Path) -> None:
-        self.seconds, self.out = seconds, out
+    def __init__(self, seconds: float, out: Path, crash_at: int, ours: MultilaneCallback) -> None:
+        self.seconds, self.out, self.crash_at, self.ours = seconds, out, crash_at, ours
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.crash_at:  # the user's bug, in the middle of a step
+            raise ValueError(f"the user's bug at step {self.crash_at}")
 
     def on_step_end(self, args, state, control, **kwargs):
         (self.out / "steps.txt").write_text(str(state.global_step))
+        status = json.loads(
+            (self.ours.run_dir / "status.json").read_text()
+        )  # what a reader of status.json sees meanwhile
+        with open(self.out / "status_seen.jsonl", "a") as f:
+            f.write(
+                json.dumps({"step": state.global_step, "state": status["state"], "status_step": status["step"]}) + "\n"
+            )
         time.sleep(self.seconds)
 
 
@@ -44,6 +55,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--crash-at", type=int, default=0, help="raise in this step (0: never)")
+    p.add_argument("--catch", action="store_true", help="the script catches the exception and carries on")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -66,14 +79,20 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    ours = MultilaneCallback(runs_dir=a.runs_dir, name="hf")
     trainer = transformers.Trainer(
         model=transformers.GPT2LMHeadModel(config),
         args=args,
         train_dataset=Tokens(64, 0),
         eval_dataset=Tokens(16, 1),
-        callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="hf"), Slow(a.sleep, out)],
+        callbacks=[ours, Slow(a.sleep, out, a.crash_at, ours)],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except ValueError as e:
+        if not a.catch:
+            raise
+        (out / "caught.txt").write_text(str(e))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
 
 
