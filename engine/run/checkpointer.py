@@ -34,8 +34,15 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
 
 def restore(t: Trainer, ck: dict[str, Any]) -> None:
     """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it."""
-    t.model.load_state_dict(ck["model"])
-    t.optimizer.load_state_dict(ck["optimizer"])
+    if ck.get("sharded") is not None or getattr(t, "sharded", False):
+        # A sharded checkpoint (engine/fsdp/sharded.py), or any checkpoint into a sharded model.
+        from multilane.engine.fsdp.sharded import restore_model
+
+        assert t._resume_dir is not None
+        restore_model(t.model, t.optimizer, ck, t._resume_dir.path)
+    else:
+        t.model.load_state_dict(ck["model"])
+        t.optimizer.load_state_dict(ck["optimizer"])
     if ck.get("scaler"):
         t.scaler.load_state_dict(ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
@@ -63,7 +70,10 @@ def _lane_random(t: Trainer) -> Any:
 def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None
-    t.run_dir.save_checkpoint(checkpoint_state(t))
+    t.run_dir.save_checkpoint(t.checkpoint_state())  # a sharded model's writes its shards first
+    saved = getattr(t, "checkpoint_saved", None)
+    if saved is not None:
+        saved()
     t.checkpoint_step = t.step
     t.checkpoint_time = time.monotonic()
 
