@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,35 @@ def sharded_folder(run_path: Path, name: Any) -> Path:
     return path
 
 
-def _load_dcp(state: dict[str, Any], path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
+def _check_index(path: Path) -> Any:
+    """The folder's DCP index, read through the allowlist (before DCP reads it itself)."""
     try:
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=not dist.is_initialized())
+        return SafeReader(path).read_metadata()
     except UnsafeCheckpoint as e:
         raise UserError(f"checkpoint {path}: refused: {e}") from None
-    except Exception as e:
-        text = str(e)
-        if "UnsafeCheckpoint" in text:  # DCP wraps a rank's error in its own
-            detail = text.split("UnsafeCheckpoint:", 1)[1].strip().splitlines()[0]
+    except OSError as e:
+        raise UserError(f"checkpoint {path}: cannot read its index ({e.strerror or e})") from None
+
+
+def _load_dcp(state: dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    _check_index(path)
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming a single process": so it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        # DCP wraps each rank's error in a CheckpointException whose text holds the tracebacks: the
+        # last "XError: message" line says what went wrong.
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        unsafe = [ln for ln in lines if ln.startswith(("UnsafeCheckpoint:", "multilane.engine.fsdp"))]
+        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+        if isinstance(e, UnsafeCheckpoint) or unsafe:
+            detail = str(e) if isinstance(e, UnsafeCheckpoint) else unsafe[-1].split(": ", 1)[1]
             raise UserError(f"checkpoint {path}: refused: {detail}") from None
-        head = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+        head = errors[-1] if errors else next((ln for ln in lines if ln), type(e).__name__)
         raise UserError(f"checkpoint {path}: cannot load it ({head[:200]})") from None
 
 
@@ -137,10 +154,7 @@ def read_model_state(run_path: str | Path) -> dict[str, torch.Tensor]:
     if ck.get("sharded") is None:
         return ck["model"]
     path = sharded_folder(run_path, ck["sharded"])
-    try:
-        md = SafeReader(path).read_metadata()
-    except UnsafeCheckpoint as e:
-        raise UserError(f"checkpoint {path}: refused: {e}") from None
+    md = _check_index(path)
     model = {
         k[len("model.") :]: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in md.state_dict_metadata.items()
