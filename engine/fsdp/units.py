@@ -1,10 +1,11 @@
 """Which modules of a model become FSDP units, and sharding the model with ``fully_shard``.
 
 The rule (docs/fsdp.md): walking down from the model, a child that is a container (``nn.Sequential``,
-``nn.ModuleList``, ``nn.ModuleDict``) is opened and its children are looked at the same way; any other
-child that holds parameters becomes a unit, unless one of its parameters is also used by a module
-outside it (tied weights: such a child stays in the root's unit, which must all-gather the shared
-tensor once). The root is sharded last and holds whatever is left. A task chooses its own units with
+``nn.ModuleList``, ``nn.ModuleDict``) or that holds a stack of blocks (a ``ModuleList`` or
+``ModuleDict`` among its own children, as a transformer's ``layers``) is opened and its children are
+looked at the same way; any other child that holds parameters becomes a unit, unless one of its
+parameters is also used by a module outside it (tied weights: such a child stays in the root's unit,
+which must all-gather the shared tensor once). The root is sharded last and holds whatever is left. A task chooses its own units with
 ``fsdp_units(model) -> list[nn.Module]``.
 
 Each unit's parameters are all-gathered just before its forward and freed after it (and again around
@@ -45,7 +46,8 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
     def walk(parent: nn.Module) -> Iterator[nn.Module]:
         for child in parent.children():
-            if isinstance(child, CONTAINERS):
+            stack = any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in child.children())
+            if isinstance(child, CONTAINERS) or stack:
                 yield from walk(child)
             elif _self_contained(child, owners):
                 yield child

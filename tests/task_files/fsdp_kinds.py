@@ -78,7 +78,9 @@ class FsdpKinds(Task):
         return pad_collate(samples)
 
     def loss(self, output, target):
-        return F.cross_entropy(output.flatten(0, -2) if output.dim() > 2 else output, target.flatten(), ignore_index=IGNORE)
+        return F.cross_entropy(
+            output.flatten(0, -2) if output.dim() > 2 else output, target.flatten(), ignore_index=IGNORE
+        )
 
     def loss_weight(self, output, target):
         return (target != IGNORE).sum()
