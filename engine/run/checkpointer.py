@@ -74,6 +74,10 @@ def save(t: Trainer) -> None:
     saved = getattr(t, "checkpoint_saved", None)
     if saved is not None:
         saved()
+    elif (t._checkpoint or {}).get("sharded") and t.run_dir.writes:  # resumed from shards, saved whole
+        from multilane.engine.fsdp.sharded import remove_older
+
+        remove_older(t.run_dir.path / "checkpoints", keep="last.pt")
     t.checkpoint_step = t.step
     t.checkpoint_time = time.monotonic()
 
