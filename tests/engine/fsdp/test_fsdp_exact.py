@@ -46,6 +46,13 @@ def test_fsdp_equals_one_device_full_batch_training(tmp_path, case):
     (run,) = run_dirs(tmp_path / "runs")
     state, records, ref_run = single_process(tmp_path, cfg, "one")
     assert_equal_runs(run, state, records, case)
+    # Item 4: each rank holds its shards; together they are one device's parameters, gradients and
+    # optimizer state, byte for byte (tied weights once).
+    mine = [r for r in read_metrics(run) if r["kind"] == "train"][-1]["memory"]
+    (one,) = [r for r in records if r["kind"] == "train"][-1]["memory"].values()
+    assert len(mine) == len(devices.split(","))
+    for part in ("params", "grads", "optimizer"):
+        assert sum(m[part] for m in mine.values()) == one[part], (part, mine, one)
     if kind == "charlm":
         assert (run / "samples.txt").read_text() == (ref_run / "samples.txt").read_text()
 

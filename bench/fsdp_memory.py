@@ -1,0 +1,104 @@
+"""What fsdp saves, and what it costs: per-device bytes and step time against replicate and ddp.
+
+    python bench/fsdp_memory.py [--width 1024] [--depth 4] [--steps 24] [--ranks 2 4]
+
+Every run is a real ``multilane train`` (subprocess; ddp and fsdp through the elastic launcher, Gloo
+on CPU lanes) of the built-in ``mlp`` task with Adam; the numbers are the engine's own (the train
+records' ``memory`` and ``step_ms``), read from the run folders.
+
+1. Memory: each device's parameter + gradient + optimizer-state bytes under fsdp on N processes,
+   against 1/N of replicate's on one device (the goal: within 5 %). FSDP shards each tensor along
+   dim 0 in N near-equal pieces, so the largest shard is at most one row per tensor over 1/N.
+2. Step time: fsdp against ddp on the same job and the same N (median ``step_ms`` after the first
+   log window). On CPU lanes both are dominated by Gloo's collectives over loopback; fsdp does two
+   all-gathers (forward, backward) and one reduce-scatter per unit and step where ddp does one
+   bucketed all-reduce, so fsdp is expected to be slower here: the table says by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from multilane.engine.rundir.runlog import read_metrics
+
+PARTS = ("params", "grads", "optimizer")
+
+
+def train(strategy: str, ranks: int, width: int, depth: int, steps: int, threads: int) -> list[dict]:
+    """The train records of one run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        devices = ",".join(f"cpu:{i}" for i in range(ranks))
+        args = [sys.executable, "-m", "multilane.engine.cli", "train", "--task", "mlp", "--steps", str(steps)]
+        args += ["--devices", devices, "--strategy", strategy, "--runs-dir", tmp, "--batch-size", "128"]
+        for s in (
+            f"task.params.width={width}",
+            f"task.params.depth={depth}",
+            "task.params.samples=4096",
+            "optim.name=adam",
+            "train.log_every=4",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "telemetry.enabled=false",
+        ):
+            args += ["--set", s]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        r = subprocess.run(args, capture_output=True, text=True, timeout=1200, env=env)
+        if r.returncode != 0:
+            raise SystemExit(f"{strategy} on {ranks}: exit {r.returncode}: {r.stderr.strip()[-500:]}")
+        (run,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
+        return [rec for rec in read_metrics(run) if rec["kind"] == "train"]
+
+
+def per_device(records: list[dict]) -> dict[str, int]:
+    """Each device's parameter + gradient + optimizer bytes at the last log."""
+    return {k: sum(m[p] for p in PARTS) for k, m in records[-1]["memory"].items()}
+
+
+def step_ms(records: list[dict]) -> float:
+    return statistics.median(r["step_ms"] for r in records[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    a = ap.parse_args()
+    one = per_device(train("replicate", 1, a.width, a.depth, 4, a.threads))
+    (ref,) = one.values()
+    print(
+        f"mlp width {a.width} depth {a.depth}, Adam: one device holds {ref / 2**20:.2f} MiB of parameters + gradients + optimizer state"
+    )
+    print()
+    print(
+        f"{'N':>2} | {'fsdp largest device MiB':>23} | {'replicate / N MiB':>17} | {'ratio':>6} | {'within 5 %':>10} | {'ddp per device MiB':>18}"
+    )
+    rows = []
+    for n in a.ranks:
+        fsdp = train("fsdp", n, a.width, a.depth, a.steps, a.threads)
+        ddp = train("ddp", n, a.width, a.depth, a.steps, a.threads)
+        largest, ideal = max(per_device(fsdp).values()), ref / n
+        ratio = largest / ideal
+        print(
+            f"{n:>2} | {largest / 2**20:>23.3f} | {ideal / 2**20:>17.3f} | {ratio:>6.4f} | {'yes' if ratio <= 1.05 else 'NO':>10} | "
+            f"{max(per_device(ddp).values()) / 2**20:>18.3f}"
+        )
+        rows.append((n, step_ms(fsdp), step_ms(ddp)))
+    print()
+    print(
+        f"{'N':>2} | {'fsdp step ms':>12} | {'ddp step ms':>11} | {'fsdp / ddp':>10}   (CPU lanes, Gloo; median after the first window)"
+    )
+    for n, f, d in rows:
+        print(f"{n:>2} | {f:>12.1f} | {d:>11.1f} | {f / d:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
