@@ -103,6 +103,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.tasks import make_task
 
         make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
+            from multilane.engine.fsdp.units import mixed_precision
+
+            mixed_precision(config.train.precision)
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )

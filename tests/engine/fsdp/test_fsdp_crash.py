@@ -1,4 +1,5 @@
-"""Issue 36 item 3: SIGKILL in the middle of a sharded save leaves the previous checkpoint whole.
+"""Issue 36 items 1 and 3: an fsdp run stops on SIGTERM with a sharded checkpoint at the step every
+rank stopped at; SIGKILL in the middle of a sharded save leaves the previous checkpoint whole.
 
 An fsdp run saves at every step; the test watches its checkpoints folder and kills every process of
 the run (launcher and ranks, SIGKILL) the moment a save's temporary folder appears, i.e. while the
@@ -24,6 +25,14 @@ from multilane.engine.run.trainer import Trainer
 pytestmark = pytest.mark.timeout(300)
 
 
+def long_run(runs, *settings: str) -> subprocess.Popen:
+    args = [*CLI, "train", "--strategy", "fsdp", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--runs-dir", str(runs)]
+    args += ["--steps", "100000", "--set", "task.params.width=384", "--set", "task.params.samples=512"]
+    for s in ("train.log_every=1", "train.eval_every=0", "telemetry.enabled=false", *settings):
+        args += ["--set", s]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def kill_tree(p: subprocess.Popen) -> list[int]:
     procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
     for proc in procs:
@@ -37,11 +46,7 @@ def kill_tree(p: subprocess.Popen) -> list[int]:
 @pytest.mark.slow
 def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_whole(tmp_path):
     runs = tmp_path / "runs"
-    args = [*CLI, "train", "--strategy", "fsdp", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--runs-dir", str(runs)]
-    args += ["--steps", "100000", "--set", "task.params.width=384", "--set", "task.params.samples=512"]
-    for s in ("train.checkpoint_every=1", "train.log_every=1", "train.eval_every=0", "telemetry.enabled=false"):
-        args += ["--set", s]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = long_run(runs, "train.checkpoint_every=1")
     caught = None
     try:
         end = time.monotonic() + 240
@@ -74,3 +79,31 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_whole(tmp_
     assert result.status == "finished", result.message
     # A plain save (one process) names no folder: the sharded ones, and the killed save's, are gone.
     assert os.listdir(run / "checkpoints") == ["last.pt"]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_at_one_step_with_a_sharded_checkpoint_there(tmp_path):
+    import json
+
+    from multilane.engine.rundir.runlog import read_metrics
+
+    runs = tmp_path / "runs"
+    p = long_run(runs)
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and p.poll() is None:
+            found = run_dirs(runs)
+            if found and len([r for r in read_metrics(found[0]) if r["kind"] == "train"]) >= 3:
+                break
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        kill_tree(p)
+    assert p.returncode == 0, err[-3000:]
+    (run,) = run_dirs(runs)
+    status = json.loads((run / "status.json").read_text())
+    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert status["state"] == "stopped" and ck["step"] == status["step"] >= 3, status
+    assert [n for n in os.listdir(run / "checkpoints") if n != "last.pt"] == [ck["sharded"]]
+    assert len(ck["lane_rng"]["lanes"]) == 2  # every rank's random stream
