@@ -13,12 +13,17 @@ records' ``memory`` and ``step_ms``), read from the run folders.
    log window). On CPU lanes both are dominated by Gloo's collectives over loopback; fsdp does two
    all-gathers (forward, backward) and one reduce-scatter per unit and step where ddp does one
    bucketed all-reduce, so fsdp is expected to be slower here: the table says by how much.
+3. ``--cap``: a model whose parameters, gradients and Adam state do not fit a per-process memory cap
+   (``RLIMIT_AS``, the address space, set on the launcher and so on every rank): replicate on one
+   device fails with one line; fsdp on 4 processes trains under the same cap. The cap is the address
+   space a rank needs for torch itself (measured: a small run's peak) plus half the model's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -30,8 +35,14 @@ from multilane.engine.rundir.runlog import read_metrics
 PARTS = ("params", "grads", "optimizer")
 
 
-def train(strategy: str, ranks: int, width: int, depth: int, steps: int, threads: int) -> list[dict]:
-    """The train records of one run."""
+class RunFailed(RuntimeError):
+    pass
+
+
+def train(
+    strategy: str, ranks: int, width: int, depth: int, steps: int, threads: int, cap: int | None = None
+) -> list[dict]:
+    """The train records of one run (``cap``: RLIMIT_AS in bytes for every process of it)."""
     with tempfile.TemporaryDirectory() as tmp:
         devices = ",".join(f"cpu:{i}" for i in range(ranks))
         args = [sys.executable, "-m", "multilane.engine.cli", "train", "--task", "mlp", "--steps", str(steps)]
@@ -48,9 +59,11 @@ def train(strategy: str, ranks: int, width: int, depth: int, steps: int, threads
         ):
             args += ["--set", s]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        r = subprocess.run(args, capture_output=True, text=True, timeout=1200, env=env)
+        limit = None if cap is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+        r = subprocess.run(args, capture_output=True, text=True, timeout=1200, env=env, preexec_fn=limit)
         if r.returncode != 0:
-            raise SystemExit(f"{strategy} on {ranks}: exit {r.returncode}: {r.stderr.strip()[-500:]}")
+            lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+            raise RunFailed(f"{strategy} on {ranks}: exit {r.returncode}: {lines[-1] if lines else ''}"[:400])
         (run,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
         return [rec for rec in read_metrics(run) if rec["kind"] == "train"]
 
@@ -71,7 +84,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    ap.add_argument("--cap", action="store_true", help="only part 3: the memory cap")
     a = ap.parse_args()
+    if a.cap:
+        return cap_demo(a.threads)
     one = per_device(train("replicate", 1, a.width, a.depth, 4, a.threads))
     (ref,) = one.values()
     print(
@@ -98,6 +114,56 @@ def main() -> None:
     )
     for n, f, d in rows:
         print(f"{n:>2} | {f:>12.1f} | {d:>11.1f} | {f / d:>10.2f}")
+
+
+def peak_address_space(strategy: str, ranks: int, threads: int) -> int:
+    """The largest VmPeak among a small run's processes (torch, Gloo and the engine, without a model
+    to speak of): what a rank needs before its model."""
+    import threading
+    import time
+
+    import psutil
+
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            for c in me.children(recursive=True):
+                try:
+                    peak[0] = max(peak[0], c.memory_info().vms)
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        train(strategy, ranks, 64, 1, 3, threads)
+    finally:
+        stop.set()
+        t.join()
+    return peak[0]
+
+
+def cap_demo(threads: int, width: int = 4096, depth: int = 4) -> None:
+    model_bytes = 4 * (4 * (64 * width + width * width * (depth - 1) + width * 10))  # fp32: params, grads, Adam x2
+    base = peak_address_space("fsdp", 4, threads)
+    cap = base + model_bytes // 2
+    print(f"mlp width {width} depth {depth}: parameters + gradients + Adam state {model_bytes / 2**30:.2f} GiB")
+    print(
+        f"RLIMIT_AS per process: {cap / 2**30:.2f} GiB (a small fsdp rank's peak {base / 2**30:.2f} GiB + half the model)"
+    )
+    for strategy, ranks in (("replicate", 1), ("fsdp", 4)):
+        try:
+            recs = train(strategy, ranks, width, depth, 3, threads, cap=cap)
+            largest = max(sum(m[p] for p in PARTS) for m in recs[-1]["memory"].values())
+            print(
+                f"  {strategy} on {ranks}: trained 3 steps; largest device holds {largest / 2**30:.2f} GiB of the three"
+            )
+        except RunFailed as e:
+            print(f"  {strategy} on {ranks}: FAILED: {e}")
 
 
 if __name__ == "__main__":
