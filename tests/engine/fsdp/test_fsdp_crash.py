@@ -34,7 +34,11 @@ def long_run(runs, *settings: str) -> subprocess.Popen:
 
 
 def kill_tree(p: subprocess.Popen) -> list[int]:
-    procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    try:
+        root = psutil.Process(p.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:  # it has ended (and its ranks with it: the agent stops them first)
+        return []
     for proc in procs:
         try:
             proc.send_signal(signal.SIGKILL)
