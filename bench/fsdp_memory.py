@@ -16,12 +16,13 @@ records' ``memory`` and ``step_ms``), read from the run folders.
 3. ``--cap``: a model whose parameters, gradients and Adam state do not fit a per-process memory cap
    (``RLIMIT_AS``, the address space, set on the launcher and so on every rank): replicate on one
    device fails with one line; fsdp on 4 processes trains under the same cap. The cap is the address
-   space a rank needs for torch itself (measured: a small run's peak) plus half the model's bytes.
+   space a rank needs for torch itself (measured: a small run's peak) plus 0.7 of the model's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -61,10 +62,13 @@ def train(
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         limit = None if cap is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
         r = subprocess.run(args, capture_output=True, text=True, timeout=1200, env=env, preexec_fn=limit)
-        if r.returncode != 0:
+        runs = [p for p in Path(tmp).iterdir() if p.is_dir()]
+        if r.returncode != 0:  # the run's own one line (status.json), else the last line it printed
+            status = json.loads((runs[0] / "status.json").read_text()) if runs else {}
             lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-            raise RunFailed(f"{strategy} on {ranks}: exit {r.returncode}: {lines[-1] if lines else ''}"[:400])
-        (run,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
+            line = status.get("message") or (lines[-1] if lines else "")
+            raise RunFailed(f"exit {r.returncode}: {line}"[:400])
+        (run,) = runs
         return [rec for rec in read_metrics(run) if rec["kind"] == "train"]
 
 
@@ -150,10 +154,10 @@ def peak_address_space(strategy: str, ranks: int, threads: int) -> int:
 def cap_demo(threads: int, width: int = 4096, depth: int = 4) -> None:
     model_bytes = 4 * (4 * (64 * width + width * width * (depth - 1) + width * 10))  # fp32: params, grads, Adam x2
     base = peak_address_space("fsdp", 4, threads)
-    cap = base + model_bytes // 2
+    cap = base + int(0.7 * model_bytes)
     print(f"mlp width {width} depth {depth}: parameters + gradients + Adam state {model_bytes / 2**30:.2f} GiB")
     print(
-        f"RLIMIT_AS per process: {cap / 2**30:.2f} GiB (a small fsdp rank's peak {base / 2**30:.2f} GiB + half the model)"
+        f"RLIMIT_AS per process: {cap / 2**30:.2f} GiB (a small fsdp rank's peak {base / 2**30:.2f} GiB + 0.7 of the model)"
     )
     for strategy, ranks in (("replicate", 1), ("fsdp", 4)):
         try:
