@@ -4,7 +4,7 @@
     python bench/gpu_check.py --dry-run    # the same checks on CPU lanes (cpu:0,cpu:1), Gloo for ddp
 
 Checks (bench/gpu_checks/, one module each): the environment; correctness of every strategy
-(replicate, persistent, ddp) against one device and the whole batch, on [cuda:0] and
+(replicate, persistent, ddp, fsdp) against one device and the whole batch, on [cuda:0] and
 [cuda:0, cuda:0], float32 and bf16, with BatchNorm and dropout under checkpointing among the models;
 speed of each strategy against nn.DataParallel and DDP with the MLP step's TFLOP/s against the
 card's bf16 rate; NVML telemetry against nvidia-smi; a real out-of-memory reported with its hint and
@@ -43,6 +43,7 @@ CHECKS: dict[str, tuple[str, str | None, bool, tuple[int, int]]] = {
     "telemetry": ("telemetry", None, True, (60, 60)),
     "speed": ("speed", None, False, (180, 240)),
     "correctness ddp": ("correctness", "ddp", False, (180, 240)),
+    "correctness fsdp": ("correctness", "fsdp", False, (180, 240)),
 }
 """In the order they run: the slowest (ddp starts processes for every run) last, so that a check that
 outruns the budget costs the least."""

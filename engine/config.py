@@ -57,13 +57,14 @@ class DevicesSection(Section):
         default_factory=list,
         description="Share of each batch per device, e.g. [2, 1]; empty splits evenly",
     )
-    strategy: Literal["replicate", "persistent", "ddp"] = Field(
+    strategy: Literal["replicate", "persistent", "ddp", "fsdp"] = Field(
         "replicate",
         description="replicate: one process drives every device, copying the model to each at every step, as "
         "nn.DataParallel does (the reference); persistent: one process, one replica per device kept for the whole "
         "run, each device's own backward and gradients summed across devices (no per-step copy: for models with "
         "many modules on GPUs); ddp: one process per device (DistributedDataParallel, NCCL on GPUs, Gloo on CPU), "
-        "also across machines. Same results.",
+        "also across machines; fsdp: one process per device as ddp, the model, its gradients and optimizer state "
+        "sharded across them (torch's FSDP2), for models larger than one device. Same results.",
     )
     ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
@@ -87,6 +88,10 @@ class DevicesSection(Section):
         if self.ddp_backend == "nccl" and "cpu" in self.use.lower():
             raise ValueError(f"ddp_backend nccl needs GPUs, and use = {self.use!r} lists CPU lanes; use gloo or auto")
         return self
+
+
+PROCESS_STRATEGIES = ("ddp", "fsdp")
+"""The strategies that run one process per device (through the ddp launcher)."""
 
 
 class DataSection(Section):

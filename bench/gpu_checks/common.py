@@ -182,8 +182,9 @@ def engine_ddp(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> tupl
         lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
         return "failed", lines[-1] if lines else f"exit {r.returncode}", None
     (run,) = [p for p in runs.glob("*") if p not in before and p.is_dir()]
-    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True, map_location="cpu")
-    return "finished", "", {k: v.clone() for k, v in ck["model"].items()}
+    from multilane.engine.fsdp.sharded import read_model_state  # fsdp's checkpoint is sharded
+
+    return "finished", "", {k: v.clone() for k, v in read_model_state(run).items()}
 
 
 def fmt(x: float) -> str:

@@ -49,6 +49,8 @@ def cases(ctx: Context, strategy: str) -> list[tuple[str, str, str]]:
     each), so it runs fewer: on a GPU, one process with the MLP and two processes with every model in
     float32 and the MLP in bf16; in the dry run, two processes with the MLP (the rest is covered on CPU
     by tests/engine/distributed)."""
+    if strategy == "fsdp":  # FSDP2 over NCCL: one process, and two (Gloo where they share one GPU)
+        return [(ctx.two, "fp32", "mlp")] if ctx.dry_run else [(ctx.one, "fp32", "mlp"), (ctx.two, "fp32", "mlp")]
     if strategy == "ddp":
         if ctx.dry_run:
             return [(ctx.two, "fp32", "mlp")]
@@ -72,7 +74,7 @@ def ddp_library(devices: str) -> str:
 
 
 def train(ctx: Context, strategy: str, cfg: dict[str, Any]) -> tuple[str, str, dict | None]:
-    if strategy == "ddp":
+    if strategy in ("ddp", "fsdp"):
         return engine_ddp(cfg, ctx.workdir)
     return engine_in_process(cfg)
 
@@ -81,7 +83,7 @@ def run(ctx: Context, strategy: str) -> None:
     precise_math()
     name = f"correctness {strategy}"
     for devices, precision, model in cases(ctx, strategy):
-        case = f"{model} {precision} [{devices}]" + (f" {ddp_library(devices)}" if strategy == "ddp" else "")
+        case = f"{model} {precision} [{devices}]" + (f" {ddp_library(devices)}" if strategy in ("ddp", "fsdp") else "")
         try:
             one_case(ctx, strategy, devices, precision, model, case)
         except Exception as e:  # this case's error is its row; the next case still runs

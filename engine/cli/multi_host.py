@@ -42,6 +42,11 @@ def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]],
     hosts = [h for h, _ in pairs]
     if args.resume:
         raise UserError("--resume with several --host: resuming a run across hosts is not supported yet")
+    if args.strategy == "fsdp":
+        raise UserError(
+            "several --host with --strategy fsdp: every rank writes its shards into the run folder, which these "
+            "hosts do not share; on a shared filesystem run `multilane train --strategy fsdp --nnodes N` on each"
+        )
     if args.strategy not in (None, "ddp"):
         raise UserError(f"several --host make one ddp run; --strategy {args.strategy} cannot span hosts")
     if args.nnodes not in (1, len(pairs)):

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         metavar="S",
         help="replicate (default: one process, the model copied to every device each step, as nn.DataParallel), "
-        "persistent (one process, a replica kept per device), or ddp (one process per device)",
+        "persistent (one process, a replica kept per device), ddp (one process per device) or fsdp (one process "
+        "per device, the model sharded across them)",
     )
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")

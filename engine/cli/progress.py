@@ -170,6 +170,10 @@ def summary(result: RunResult, total_steps: int | None = None, timing: dict[str,
     if t:
         per = ", ".join(f"{k} {format_number(v)}" for k, v in t.get("device_loss", {}).items())
         lines.append(f"  final train loss {format_number(t['loss'])} ({per})")
+        if t.get("memory"):
+            from multilane.engine.telemetry.memory_split import summary_lines
+
+            lines += summary_lines(t["memory"])
     e = result.last_eval
     if e:
         metrics = "".join(f", {k} {format_number(v)}" for k, v in e.get("metrics", {}).items())

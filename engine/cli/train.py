@@ -88,13 +88,14 @@ def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from multilane.engine.config import PROCESS_STRATEGIES
     from multilane.engine.distributed import in_worker
 
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
     config = _run_config(args, overrides)  # checked before torch is imported, where it can be
-    if config.devices.strategy == "ddp":
+    if config.devices.strategy in PROCESS_STRATEGIES:
         if in_worker():
             from multilane.engine.distributed.worker import run_rank
 
@@ -103,11 +104,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.tasks import make_task
 
         make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
+            from multilane.engine.fsdp.units import mixed_precision
+
+            mixed_precision(config.train.precision)
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )
     if in_worker():
-        raise UserError("started by torchrun: add --strategy ddp (each process is one rank of a ddp run)")
+        raise UserError("started by torchrun: add --strategy ddp or fsdp (each process is one rank of the run)")
     from rich.console import Console
 
     # On a terminal, a spinner until the first step (imports, data and model take seconds); it goes

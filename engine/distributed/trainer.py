@@ -50,6 +50,7 @@ from multilane.engine.run.run_spec import planned_steps
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
+from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 
 PAUSE_POLL_S = 0.2
@@ -242,6 +243,12 @@ class DdpTrainer(Trainer):
             if self._loss_weight is not None:
                 weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
             return output, loss, weight
+
+    def _memory(self) -> dict[str, Any]:
+        """Every rank's split of its device's memory (a collective, at each log)."""
+        info = self.info
+        dev = info.device.torch_device()
+        return gathered_rank_memory(self.model, self.optimizer, info.key, dev, info.world, self._control_group)
 
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, *bits: bool) -> torch.Tensor:

@@ -39,6 +39,7 @@ class RankLostPeers(RankFailed):
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
     from multilane.engine.cli.progress import ProgressDisplay, summary
     from multilane.engine.distributed.trainer import DdpTrainer
+    from multilane.engine.fsdp.trainer import FsdpTrainer
 
     if config is None:  # resuming: the devices come from the checkpoint's config
         from multilane.engine.config import build_config, merge
@@ -56,11 +57,12 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     callbacks = [ProgressDisplay()] if info.is_main else []
+    rank_trainer = FsdpTrainer if config.devices.strategy == "fsdp" else DdpTrainer
     if resume_from:
-        trainer = DdpTrainer(info, requests, callbacks=callbacks, resume_from=resume_from, overrides=overrides)
+        trainer = rank_trainer(info, requests, callbacks=callbacks, resume_from=resume_from, overrides=overrides)
     else:
         run_dir = os.environ.get(RUN_DIR_ENV)
-        trainer = DdpTrainer(info, requests, run_dir=run_dir, callbacks=callbacks, config=config)
+        trainer = rank_trainer(info, requests, run_dir=run_dir, callbacks=callbacks, config=config)
     result = trainer.run()
     if info.is_main:
         print(summary(result, getattr(trainer, "total_steps", None)), flush=True)

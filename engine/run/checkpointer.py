@@ -38,14 +38,21 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it. A checkpoint
     that does not fit the run (damaged, or another model's) is refused in one line naming the
     checkpoint and the part that does not fit, not the task."""
-    _load(t, "model weights", f"task {t.task.name}'s model", t.model.load_state_dict, ck.get("model"))
-    _load(
-        t,
-        "optimizer state",
-        f"this run's {t.config.optim.name} optimizer",
-        t.optimizer.load_state_dict,
-        ck.get("optimizer"),
-    )
+    if ck.get("sharded") is not None or getattr(t, "sharded", False):
+        # A sharded checkpoint (engine/fsdp/sharded.py), or any checkpoint into a sharded model.
+        from multilane.engine.fsdp.sharded import restore_model
+
+        assert t._resume_dir is not None
+        restore_model(t.model, t.optimizer, ck, t._resume_dir.path)
+    else:
+        _load(t, "model weights", f"task {t.task.name}'s model", t.model.load_state_dict, ck.get("model"))
+        _load(
+            t,
+            "optimizer state",
+            f"this run's {t.config.optim.name} optimizer",
+            t.optimizer.load_state_dict,
+            ck.get("optimizer"),
+        )
     if ck.get("scaler"):
         _load(t, "gradient scaler state", "this run's scaler", t.scaler.load_state_dict, ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
@@ -83,7 +90,14 @@ def _lane_random(t: Trainer) -> Any:
 def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None
-    t.run_dir.save_checkpoint(checkpoint_state(t))
+    t.run_dir.save_checkpoint(t.checkpoint_state())  # a sharded model's writes its shards first
+    saved = getattr(t, "checkpoint_saved", None)
+    if saved is not None:
+        saved()
+    elif (t._checkpoint or {}).get("sharded") and t.run_dir.writes:  # resumed from shards, saved whole
+        from multilane.engine.fsdp.sharded import remove_older
+
+        remove_older(t.run_dir.path / "checkpoints", keep="last.pt")
     t.checkpoint_step = t.step
     t.checkpoint_time = time.monotonic()
 

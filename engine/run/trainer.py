@@ -37,6 +37,7 @@ from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
+from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -241,7 +242,7 @@ class Trainer:
             last = self.step == self.total_steps
             if self.step % log_every == 0 or last:
                 try:
-                    self._log()
+                    self._log(memory=self._memory())
                 except NonFiniteLoss as e:
                     # Keep the last good checkpoint: nothing is saved from here on.
                     if cfg.train.on_nonfinite == "pause":
@@ -311,6 +312,10 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_log(rec)
         check_finite(rec, first, self.step)
+
+    def _memory(self) -> dict[str, Any]:
+        """Each device's parameter, gradient, optimizer-state and other bytes (telemetry/memory_split.py)."""
+        return lanes_memory(self.model, self.optimizer, self.strategy, self.backend)
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""

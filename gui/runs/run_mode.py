@@ -8,6 +8,7 @@ processes (one per device), so for ddp the box is ticked and locked. The choice 
 
 from __future__ import annotations
 
+from multilane.engine.config import PROCESS_STRATEGIES
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QCheckBox, QComboBox
 
@@ -17,7 +18,7 @@ TIP = (
     "window never slows training, and the run can outlive the app. Unticked, training runs in the app's "
     "own thread (it starts a second or two sooner, but shares Python's GIL with the window)."
 )
-DDP_TIP = "ddp runs one process per device: it always runs outside the app"
+DDP_TIP = "ddp and fsdp run one process per device: they always run outside the app"
 
 
 class SeparateProcessOption(QCheckBox):
@@ -40,7 +41,7 @@ class SeparateProcessOption(QCheckBox):
             self.settings.setValue("separate_process", on)
 
     def follow_strategy(self, strategy: str) -> None:
-        ddp = strategy == "ddp"
+        ddp = strategy in PROCESS_STRATEGIES
         self.setEnabled(not ddp)
         self.setChecked(True if ddp else self.wanted)
         self.setToolTip(DDP_TIP if ddp else TIP)

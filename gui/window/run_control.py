@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.progress import data_wait
-from multilane.engine.config import RunConfig, build_config
+from multilane.engine.config import PROCESS_STRATEGIES, RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.runlog import CONFIG, RunDir, iter_metrics
 from multilane.engine.rundir.runs_folder import run_folder_problem
@@ -73,7 +73,7 @@ class RunControlMixin:
         strategy = config.devices.strategy if config is not None else None
         if resume_from:
             strategy = ((RunDir(Path(resume_from)).read_json(CONFIG) or {}).get("devices") or {}).get("strategy")
-        return strategy == "ddp" or self.separate.isChecked()
+        return strategy in PROCESS_STRATEGIES or self.separate.isChecked()
 
     def start(self, resume_from: str | None = None, overrides: dict[str, Any] | None = None) -> bool:
         if self.is_running():

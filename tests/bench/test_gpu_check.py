@@ -59,6 +59,8 @@ def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tm
     assert [row["status"] for row in by_check["correctness ddp"] if row["case"] == "mlp fp32 [cpu:0,cpu:1] Gloo"] == [
         "pass"
     ]
+    fsdp = [row["status"] for row in by_check["correctness fsdp"] if row["case"] == "mlp fp32 [cpu:0,cpu:1] Gloo"]
+    assert fsdp == ["pass"]
     speed = {row["case"]: row for row in by_check["speed"]}
     assert speed["mlp 4x256 [cpu:0,cpu:1] DDP (Gloo, 2 processes)"]["status"] == "pass"
     assert speed["mlp 4x256 [cpu:0,cpu:1] replicate"]["data"]["vs_data_parallel"] > 0

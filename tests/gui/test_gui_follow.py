@@ -44,13 +44,17 @@ def test_follow_a_cli_run_live_and_stop_it_from_the_app(qtbot, window, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_rank_loss(qtbot, window, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_rank_loss(
+    qtbot, window, tmp_path, strategy
+):
     window.form.set_task("linear")
     window.form.editors["train.steps"].widget.setValue(12)
     window.form.editors["train.log_every"].widget.setValue(3)
     window.form.editors["train.eval_every"].widget.setValue(0)
-    window.form.editors["devices.strategy"].widget.setCurrentText("ddp")
-    assert window.separate.isChecked() and not window.separate.isEnabled()  # ddp always runs outside
+    window.form.editors["devices.strategy"].widget.setCurrentText(strategy)
+    assert window.form.editors["devices.strategy"].widget.currentText() == strategy  # a choice of the form
+    assert window.separate.isChecked() and not window.separate.isEnabled()  # ddp and fsdp always run outside
     assert window.validate() == []
     t0 = time.monotonic()
     assert window.start()
@@ -58,7 +62,7 @@ def test_a_ddp_run_started_from_the_app_runs_as_child_processes_and_shows_per_ra
     assert window.last_result["status"] == "finished", window.last_result
     assert time.monotonic() - t0 < 180
     (run_dir,) = list((tmp_path / "runs").iterdir())
-    assert json.loads((run_dir / "config.json").read_text())["devices"]["strategy"] == "ddp"
+    assert json.loads((run_dir / "config.json").read_text())["devices"]["strategy"] == strategy
     assert train_steps(window) == [3, 6, 9, 12]
     assert sorted(k.split("/")[1] for k in window.plots.data.devices) == ["rank0", "rank1"]
 

@@ -1,0 +1,150 @@
+"""The fsdp trainer: the ddp trainer's loop with the model sharded by FSDP2 instead of replicated.
+
+Everything but the model is the ddp rank's (``engine/distributed/trainer.py``): the shards of each
+global micro-batch, the loss scaled so that the gradient average is the full-batch gradient, the
+random streams, the buffer merge, pause/stop agreement, telemetry, the log window. What differs:
+
+- the model is ``fully_shard``-ed per unit (``units.py``); each rank keeps 1/N of every parameter,
+  gradient and optimizer state, and the optimizer steps on its shards;
+- gradients are reduce-scattered (averaged, as DDP's all-reduce) once per optimizer step: the
+  micro-batches before the last accumulate unreduced (``set_requires_gradient_sync(False)``);
+- ``train.grad_clip`` clips by the global norm over every rank's shards
+  (``clip_grad_norm_`` on DTensor gradients reduces the norm across the ranks);
+- evaluation gathers the whole parameters once (``unshard``) and frees them after, so the ranks can
+  each run their own slice and rank 0 the task's text sample without a collective per forward;
+- checkpoints are sharded (``sharded.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from multilane.engine.data.loader import build_loader
+from multilane.engine.distributed.batchnorm import convert_rank_batchnorm
+from multilane.engine.distributed.rank import cpu_threads_per_rank
+from multilane.engine.distributed.rank_state import RankRules, RankStreams
+from multilane.engine.distributed.shards import RankLoader
+from multilane.engine.distributed.trainer import DdpTrainer
+from multilane.engine.distributed.window import ShardWindow
+from multilane.engine.errors import UserError
+from multilane.engine.fsdp.sharded import remove_older, save_sharded
+from multilane.engine.fsdp.units import choose_units, shard_model
+from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.run import checkpointer
+from multilane.engine.run.optim import build_optimizer
+from multilane.engine.run.run_spec import planned_steps
+from multilane.engine.tasks import loss_weight_fn
+from torch import nn
+
+
+class _Sharded:
+    """What the ddp loop calls ``self.ddp``: the sharded model, and ``no_sync`` as FSDP2 spells it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+class _FsdpWindow(ShardWindow):
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        full = getattr(norm, "full_tensor", None)  # a DTensor: the norm over every rank's shards
+        super().add_grad_norm(full() if full is not None else norm)
+
+
+class FsdpTrainer(DdpTrainer):
+    """``DdpTrainer`` with the model sharded by FSDP2 (see the module docstring)."""
+
+    sharded = True  # checkpointer.restore loads any checkpoint through the state-dict helpers
+
+    def _setup(self) -> None:
+        cfg, info = self.config, self.info
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.manual_seed(cfg.train.seed)
+        if not info.device.is_cuda:
+            torch.set_num_threads(cpu_threads_per_rank(info.local_world))
+        dev = info.device.torch_device()
+        self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
+        self.model = self.task.build_model().to(dev)
+        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if cfg.devices.sync_batchnorm:
+            convert_rank_batchnorm(self.model, dist.new_group())
+        mesh = init_device_mesh(dev.type, (info.world,))
+        self.units = shard_model(self.model, choose_units(self.task, self.model), cfg.train.precision, mesh)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
+        self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
+        self._weights = cfg.devices.weights or None
+        if self._weights and len(self._weights) != info.world:
+            raise UserError(f"devices.weights: {len(self._weights)} weights for {info.world} fsdp processes")
+        self._sizes_cache: dict[int, list[int]] = {}
+        self.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
+        self.window = _FsdpWindow()
+        self.autocast_dtype = None  # FSDP2's MixedPrecisionPolicy casts (units.py)
+        self._loss_weight = loss_weight_fn(self.task)
+        self._sharded_name: str | None = None
+        saved_streams = None
+        if self._checkpoint is not None:
+            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})
+            saved_streams = self._checkpoint.get("lane_rng")
+            self._sharded_name = self._checkpoint.get("sharded")
+        self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
+        self.streams.begin(saved_streams)
+        self.rules = RankRules(self.model, dev, info.world, self._control_group)
+        self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        self._due_at: float | None = None
+        self.ddp = _Sharded(self.model)  # type: ignore[assignment]
+        self._find_unused = True  # an empty shard's zero loss goes through the outputs only
+        keys: list[Any] = [None] * info.world
+        dist.all_gather_object(keys, info.key)
+        self._keys = keys
+        self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
+
+    def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
+        raise AssertionError("fsdp has no DDP to rebuild")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Every rank writes its shards (DCP); ``last.pt`` (rank 0) holds the rest and the folder's name."""
+        assert self.run_dir is not None
+        folder = self.run_dir.path / "checkpoints"
+        self._saving = save_sharded(self.model, self.optimizer, folder, self.step, self.info.is_main)
+        state = checkpointer.checkpoint_state(self)  # the rest as every strategy writes it
+        return {**state, "model": {}, "optimizer": {}, "sharded": self._saving}
+
+    def checkpoint_saved(self) -> None:
+        """``last.pt`` names the new folder: rank 0 removes the older ones."""
+        self._sharded_name = self._saving
+        if self.info.is_main and self.run_dir is not None:
+            remove_older(self.run_dir.path / "checkpoints", self._saving)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def _evaluate(self) -> None:
+        """The parameters gathered whole once for the whole evaluation (a collective on every rank),
+        then the ddp rank's evaluation of its slices, then freed."""
+        if not self.loader.has_val:
+            return
+        fsdp_modules = [m for m in self.model.modules() if hasattr(m, "unshard")]
+        for m in fsdp_modules:
+            m.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+            m.unshard()  # type: ignore[operator]
+        try:
+            super()._evaluate()
+        finally:
+            for m in fsdp_modules:
+                m.reshard()  # type: ignore[operator]
+                m.set_reshard_after_forward(m is not self.model, recurse=False)  # type: ignore[operator]

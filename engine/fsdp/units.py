@@ -1,0 +1,104 @@
+"""Which modules of a model become FSDP units, and sharding the model with ``fully_shard``.
+
+The rule (docs/fsdp.md): walking down from the model, a child that is a container (``nn.Sequential``,
+``nn.ModuleList``, ``nn.ModuleDict``) or that holds a stack of blocks (a ``ModuleList`` or
+``ModuleDict`` among its own children, as a transformer's ``layers``) is opened and its children are
+looked at the same way; any other child that holds parameters becomes a unit, unless one of its
+parameters is also used by a module outside it (tied weights: such a child stays in the root's unit,
+which must all-gather the shared tensor once). The root is sharded last and holds whatever is left. A task chooses its own units with
+``fsdp_units(model) -> list[nn.Module]``.
+
+Each unit's parameters are all-gathered just before its forward and freed after it (and again around
+its backward), so a device holds one unit's full parameters at a time, plus its shards of everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from multilane.engine.errors import UserError
+from torch import nn
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _owners(model: nn.Module) -> dict[int, set[int]]:
+    """For each parameter (by id), the ids of the modules that hold it directly."""
+    out: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                out.setdefault(id(p), set()).add(id(m))
+    return out
+
+
+def _self_contained(module: nn.Module, owners: dict[int, set[int]]) -> bool:
+    inside = {id(m) for m in module.modules()}
+    params = list(module.parameters())
+    return bool(params) and all(owners[id(p)] <= inside for p in params)
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become units by the rule in the module docstring (the root not included)."""
+    owners = _owners(model)
+
+    def walk(parent: nn.Module) -> Iterator[nn.Module]:
+        for child in parent.children():
+            stack = any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in child.children())
+            if isinstance(child, CONTAINERS) or stack:
+                yield from walk(child)
+            elif _self_contained(child, owners):
+                yield child
+
+    return list(walk(model))
+
+
+def choose_units(task: Any, model: nn.Module) -> list[nn.Module]:
+    """The task's ``fsdp_units(model)`` if it defines one (checked), else ``default_units``."""
+    hook = getattr(task, "fsdp_units", None)
+    if hook is None:
+        return default_units(model)
+    units = list(hook(model))
+    inside = {id(m) for m in model.modules()}
+    for u in units:
+        if not isinstance(u, nn.Module) or id(u) not in inside or u is model:
+            raise UserError(
+                f"task {getattr(task, 'name', '?')}: fsdp_units must return submodules of the model "
+                f"(not the model itself), got {type(u).__name__}"
+            )
+    return units
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``train.precision``: bf16 computes with bf16 copies of the
+    parameters (all-gathered in bf16: half the traffic), reduces gradients in float32 and hands the
+    root's outputs to the loss in float32; fp32 keeps every tensor as it is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise UserError(
+        f"train.precision = {precision} with devices.strategy = fsdp: use bf16 (FSDP2's mixed precision; "
+        "fp16's loss scaling over sharded gradients is not supported here) or fp32"
+    )
+
+
+def shard_model(model: nn.Module, units: list[nn.Module], precision: str, mesh: Any = None) -> list[nn.Module]:
+    """``fully_shard`` each unit, then the root, in place; returns the units."""
+    from torch.distributed.fsdp import fully_shard
+
+    mp = mixed_precision(precision)
+    root_mp = mp
+    if mp.param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, output_dtype=torch.float32)
+    kwargs = {"mesh": mesh} if mesh is not None else {}
+    for u in units:
+        fully_shard(u, mp_policy=mp, **kwargs)
+    fully_shard(model, mp_policy=root_mp, **kwargs)
+    return units

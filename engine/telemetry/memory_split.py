@@ -1,0 +1,124 @@
+"""Each device's memory split into parameters, gradients, optimizer state and the rest.
+
+Counted from the tensors themselves at log time (sizes only: no device sync), per lane or rank:
+
+- replicate: the model, its gradients and the optimizer state live on the model's device; the other
+  devices hold the step's replicas only while a step runs (counted in their rest);
+- persistent: lane 0 holds the model, its gradients and the optimizer state; every other lane its
+  replica's parameters and gradients;
+- ddp: every rank a whole copy of all three;
+- fsdp: every rank its shards of all three (1/N each, plus one unit's gathered parameters while it
+  computes, which is part of the rest).
+
+The rest is what the device's allocator holds beyond those (activations, buffers, workspaces,
+communication buffers): known on GPUs (``torch.cuda.memory_allocated``), ``None`` on CPU lanes,
+whose memory is the process's and shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+KINDS = ("params", "grads", "optimizer")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
+    return to_local() if to_local is not None else t
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct tensors among ``tensors`` (tied parameters counted once)."""
+    seen: set[tuple[Any, int]] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        key = (t.device, t.data_ptr())
+        if t.numel() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def split(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes of ``params`` (and ``optimizer``'s state)."""
+    state: list[Any] = []
+    if optimizer is not None:
+        for s in list(optimizer.state.values()):
+            state.extend(v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": tensor_bytes(state),
+    }
+
+
+def with_rest(parts: dict[str, dict[str, int]], devices: dict[str, torch.device]) -> dict[str, dict[str, Any]]:
+    """Each lane's parts and its rest: the device's allocated bytes beyond all lanes' parts on it (GPUs)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in parts.items():
+        dev = devices[name]
+        rest = None
+        if dev.type == "cuda":
+            same = [q for n, q in parts.items() if devices[n] == dev]
+            rest = max(0, torch.cuda.memory_allocated(dev) - sum(sum(q.values()) for q in same))
+        out[name] = {**p, "rest": rest}
+    return out
+
+
+def lanes_memory(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any, backend: Any) -> dict[str, Any]:
+    """A single-process run's split, per lane (see the module docstring)."""
+    names = list(backend.lane_names)
+    devices = {n: d.torch_device() for n, d in zip(names, backend.devices, strict=True)}
+    parts = {n: dict.fromkeys(KINDS, 0) for n in names}
+    replicas = strategy.replicas() if hasattr(strategy, "replicas") else []
+    if replicas:  # persistent: lane j runs replica j (replica 0 is the model)
+        for name, r in zip(names[1:], replicas[1:], strict=False):
+            parts[name] = split(list(r.parameters()), None)
+    home = next((n for n in names if devices[n] == backend.model_device), names[0])
+    parts[home] = split(list(model.parameters()), optimizer)
+    return with_rest(parts, devices)
+
+
+def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer, key: str, device: torch.device) -> dict[str, Any]:
+    """One rank's split (ddp: whole copies; fsdp: its shards)."""
+    return with_rest({key: split(list(model.parameters()), optimizer)}, {key: device})
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def summary_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
+    """The end-of-run summary's lines: one per device."""
+    lines = []
+    for name, m in memory.items():
+        rest = "" if m.get("rest") is None else f" · rest {fmt_bytes(m['rest'])}"
+        lines.append(
+            f"  memory {name}: params {fmt_bytes(m['params'])} · grads {fmt_bytes(m['grads'])}"
+            f" · optimizer {fmt_bytes(m['optimizer'])}{rest}"
+        )
+    return lines
+
+
+def gathered_rank_memory(
+    model: nn.Module, optimizer: Any, key: str, device: torch.device, world: int, group: Any
+) -> dict[str, Any]:
+    """Every rank's split, on every rank (a collective: one small all-gather on the CPU group)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, rank_memory(model, optimizer, key, device), group=group)
+    return {k: v for part in everyone for k, v in part.items()}

@@ -1,0 +1,43 @@
+"""Issue 36 item 4: each device's memory split into parameters, gradients, optimizer state and the
+rest, in the train records and the end-of-run summary, for the single-process strategies (ddp and
+fsdp: tests/engine/fsdp/test_fsdp_exact.py)."""
+
+from __future__ import annotations
+
+import pytest
+from multilane.engine.cli.progress import summary
+from multilane.engine.run.trainer import Trainer
+from multilane.engine.rundir.runlog import read_metrics
+from multilane.engine.telemetry.memory_split import split, tensor_bytes
+from torch import nn
+
+
+def test_tied_parameters_count_once_and_adams_state_is_twice_the_parameters():
+    import torch
+
+    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    m[1].weight = m[0].weight
+    assert tensor_bytes(m.parameters()) == tensor_bytes([m[0].weight]) == 10 * 4 * 4
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    assert split(list(m.parameters()), opt) == {"params": 160, "grads": 160, "optimizer": 320}
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "persistent"])
+def test_each_lane_of_a_single_process_run_reports_what_it_holds(make_config, strategy):
+    cfg = make_config(task__name="mlp", task__params={"samples": 64, "width": 32, "depth": 1}, train__steps=2)
+    cfg = cfg.model_copy(update={"devices": cfg.devices.model_copy(update={"strategy": strategy})})
+    cfg.telemetry.enabled = False
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    assert result.status == "finished", result.message
+    params = tensor_bytes(trainer.model.parameters())
+    mem = [r for r in read_metrics(result.run_dir) if r["kind"] == "train"][-1]["memory"]
+    lane0, lane1 = mem.values()
+    assert lane0 == {"params": params, "grads": params, "optimizer": 2 * params, "rest": None}  # Adam: 2 moments
+    # replicate copies the model to lane 1 only while a step runs; persistent keeps a replica there.
+    assert lane1["params"] == (params if strategy == "persistent" else 0)
+    assert lane1["optimizer"] == 0
+    text = summary(result)
+    assert f"memory {next(iter(mem))}: params " in text and "optimizer " in text
