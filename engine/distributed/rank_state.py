@@ -136,18 +136,18 @@ def build_ddp(model: nn.Module, device: Any, find_unused: bool) -> DistributedDa
     )
 
 
-def weight_share(weight: torch.Tensor | None, group: Any) -> float:
-    """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
-    e.g. its non-padding tokens), NaN when the whole batch has none (its mean is 0/0, as on one
-    device). The sum is one small all-reduce per micro-batch on the CPU group; only tasks that
-    define ``loss_weight`` pay it."""
+def weight_share(weight: torch.Tensor | None, group: Any) -> tuple[float, float]:
+    """``(w_r / Σ w, Σ w)``: this shard's share of a micro-batch's loss weight (the task's
+    ``loss_weight``, e.g. its non-padding tokens), NaN when the whole batch has none (its mean is 0/0,
+    as on one device), and the batch's total weight. The sum is one small all-reduce per micro-batch
+    on the CPU group; only tasks that define ``loss_weight`` pay it."""
     w = 0.0 if weight is None else float(weight)
     if not 0 <= w < math.inf:
         raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
     total = torch.tensor([w], dtype=torch.float64)
     dist.all_reduce(total, group=group)
     t = float(total[0])
-    return w / t if t > 0 else math.nan
+    return (w / t if t > 0 else math.nan), t
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
+from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -112,10 +113,16 @@ class Trainer:
         self._weights = weights
         self.timer = self.backend.make_timer()
         self.window = MetricsWindow(self.backend.lane_names)
+        self.health = self._make_health(len(self.devices), self.backend.output_device)
+        self.strategy.lane_grads = self.health.probe
         if self._checkpoint is not None:
             checkpointer.restore(self, self._checkpoint)
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def _make_health(self, lanes: int, device: torch.device) -> HealthMonitor:
+        unit = "samples" if self._loss_weight is None else "loss weight"
+        return HealthMonitor(self.config.health, lanes, device, unit)
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -257,17 +264,21 @@ class Trainer:
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
+        timer, opt, window, strategy, health = self.timer, self.optimizer, self.window, self.strategy, self.health
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        replicas = strategy.replicas() if hasattr(strategy, "replicas") else ()
+        health.begin_step(self.step + 1, self.model, accum, replicas)
         for k in range(accum):
             timer.mark(None)
             t0 = time.perf_counter()
             inputs, target, size = self.loader.next()
             timer.add("data", time.perf_counter() - t0)
+            sizes = self._sizes(size)
             out = strategy.forward_loss(
-                self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
+                self.model, inputs, target, self.task.loss, sizes, timer, weight_fn=self._loss_weight
             )
+            health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
@@ -278,12 +289,15 @@ class Trainer:
             strategy.backward(out, self.scaler.scale(loss))
             window.add(out, size, self.step + 1)
         strategy.reduce_gradients(timer)
+        health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+        health.before_update()
         self.scaler.step(opt)
         self.scaler.update()
+        health.after_update()
         strategy.sync_replicas(self.model, timer)
         timer.end_step()
         window.end_step()
@@ -305,10 +319,20 @@ class Trainer:
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
         rec.update(self.energy.at_log(samples))
+        self._report_health(rec)
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
         check_finite(rec, first, self.step)
+
+    def _report_health(self, rec: dict[str, Any]) -> None:
+        """The log window's sampled health: its records first, the noise scale into ``rec``."""
+        noise, records = self.health.at_log(rec.get("wall_time"))
+        if noise is not None:
+            rec["noise"] = noise
+        for h in records:
+            for cb in self.callbacks:
+                cb.on_health(h)
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""
