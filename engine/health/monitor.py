@@ -69,8 +69,10 @@ class HealthMonitor:
         return ONE_DEVICE if self.every and self.lanes < 2 else None
 
     # -- the step ---------------------------------------------------------------------------------
-    def begin_step(self, step: int, model: nn.Module, accum: int, replicas: Sequence[nn.Module] = ()) -> None:
-        """Before step ``step`` (1-based): arm the sampling if this step is sampled."""
+    def begin_step(self, step: int, model: nn.Module, accum: int, replicas: Sequence[nn.Module] | None = ()) -> None:
+        """Before step ``step`` (1-based): arm the sampling if this step is sampled. ``replicas``: the
+        strategy's own copies of the model (persistent), whose hooks are their own; None while they are
+        still to be made (that step samples no activations: a copy made then would keep the hooks)."""
         if not self.every or step % self.every:
             return
         self.on, self._step = True, step
@@ -81,8 +83,9 @@ class HealthMonitor:
         if self.probe is not None:
             self.probe.arm(accum)
         # replicate's replicas share the model's hooks; persistent's own copies need their own
-        targets = [model, *[r for r in replicas if r is not model]]
-        self._handles = self.layers.hook_activations(targets)
+        if replicas is not None:
+            targets = [model, *[r for r in replicas if r is not model]]
+            self._handles = self.layers.hook_activations(targets)
 
     def micro(self, lane_units: Sequence[float], lanes: Sequence[int], accum: int, total: float | None = None) -> None:
         """One micro-batch: how many units (samples, or loss weight) each lane in ``lanes`` carried

@@ -124,6 +124,12 @@ class Trainer:
         unit = "samples" if self._loss_weight is None else "loss weight"
         return HealthMonitor(self.config.health, lanes, device, unit)
 
+    def _replicas(self) -> list[torch.nn.Module] | None:
+        """The strategy's own copies of the model (persistent; None until it has made them), or []."""
+        if not hasattr(self.strategy, "replicas") or len(self.devices) < 2:
+            return []
+        return self.strategy.replicas() or None
+
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
         if s is None:
@@ -267,8 +273,7 @@ class Trainer:
         timer, opt, window, strategy, health = self.timer, self.optimizer, self.window, self.strategy, self.health
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
-        replicas = strategy.replicas() if hasattr(strategy, "replicas") else ()
-        health.begin_step(self.step + 1, self.model, accum, replicas)
+        health.begin_step(self.step + 1, self.model, accum, self._replicas())
         for k in range(accum):
             timer.mark(None)
             t0 = time.perf_counter()
