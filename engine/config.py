@@ -194,6 +194,11 @@ class HealthSection(Section):
     groups: int = Field(
         24, ge=1, le=4096, description="At most this many rows shown per quantity: deeper models are grouped by block"
     )
+    nan_replay: bool = Field(
+        True,
+        description="Keep the state before each log window, so that a loss gone NaN or inf is replayed to "
+        "name the first module, parameter, device and samples that went non-finite",
+    )
     noise_decay: float = Field(
         0.9, ge=0.0, lt=1.0, description="Smoothing of the noise-scale estimates (per sample: EMA decay)"
     )

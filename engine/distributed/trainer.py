@@ -39,7 +39,7 @@ from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.health.lane_grads import ddp_comm_hook
-from multilane.engine.health.monitor import HealthMonitor
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
@@ -128,7 +128,8 @@ class DdpTrainer(Trainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
-        self.health = self._make_health(info.world, dev)
+        self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce)
+        self.run_health = RunHealth(replay=False)  # a replay would need every rank: not under ddp
         # This process's first step finds out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
         self._build_ddp(find_unused=False)
@@ -144,10 +145,6 @@ class DdpTrainer(Trainer):
         self._find_unused = find_unused
         if self.health.probe is not None:  # this rank's gradient, before the all-reduce (engine/health)
             self.ddp.register_comm_hook(None, ddp_comm_hook(self.health.probe, self.info.rank, self.info.world))
-
-    def _make_health(self, lanes: int, device: torch.device) -> HealthMonitor:
-        unit = "samples" if self._loss_weight is None else "loss weight"
-        return HealthMonitor(self.config.health, lanes, device, unit, exchange=functools.partial(dist.all_reduce))
 
     @property
     def lane_names(self) -> list[str]:
@@ -359,7 +356,7 @@ class DdpTrainer(Trainer):
             **extra,
         )
         rec["phase_ms"] = everyone[0][2]
-        self._report_health(rec)  # every rank: its noise-scale read is a collective
+        self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
         if self.info.is_main:
             for _, records, _ in everyone[1:]:
                 for r in records:

@@ -19,7 +19,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
-from multilane.engine.health.monitor import HealthMonitor
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -113,16 +113,13 @@ class Trainer:
         self._weights = weights
         self.timer = self.backend.make_timer()
         self.window = MetricsWindow(self.backend.lane_names)
-        self.health = self._make_health(len(self.devices), self.backend.output_device)
+        self.health = make_monitor(self, len(self.devices), self.backend.output_device)
         self.strategy.lane_grads = self.health.probe
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
         if self._checkpoint is not None:
             checkpointer.restore(self, self._checkpoint)
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
-
-    def _make_health(self, lanes: int, device: torch.device) -> HealthMonitor:
-        unit = "samples" if self._loss_weight is None else "loss weight"
-        return HealthMonitor(self.config.health, lanes, device, unit)
 
     def _replicas(self) -> list[torch.nn.Module] | None:
         """The strategy's own copies of the model (persistent; None until it has made them), or []."""
@@ -243,6 +240,8 @@ class Trainer:
                 self._stop()
                 return "stopped", f"stopped at step {self.step}"
             self._at_step = self.step + 1
+            if self.window.steps == 0:
+                self.run_health.window_start(self)  # the state a replay of this window starts from
             self._train_step(accum)
             self.step += 1
             self._at_step = self.step
@@ -255,9 +254,10 @@ class Trainer:
                     self._log()
                 except NonFiniteLoss as e:
                     # Keep the last good checkpoint: nothing is saved from here on.
+                    message = self.run_health.explain(self, str(e))
                     if cfg.train.on_nonfinite == "pause":
-                        self._pause(str(e))
-                    return "stopped", str(e)
+                        self._pause(message)
+                    return "stopped", message
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
             if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
@@ -324,20 +324,11 @@ class Trainer:
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
         rec.update(self.energy.at_log(samples))
-        self._report_health(rec)
+        self.run_health.report(self, rec)
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
         check_finite(rec, first, self.step)
-
-    def _report_health(self, rec: dict[str, Any]) -> None:
-        """The log window's sampled health: its records first, the noise scale into ``rec``."""
-        noise, records = self.health.at_log(rec.get("wall_time"))
-        if noise is not None:
-            rec["noise"] = noise
-        for h in records:
-            for cb in self.callbacks:
-                cb.on_health(h)
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""
