@@ -65,7 +65,7 @@ class LayerSample:
         self.weight_sq: torch.Tensor | None = None
         self.update_sq: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
-        self._act: list[list[torch.Tensor]] = []  # per hooked output: [sum, sum of squares, zeros, count]
+        self._act: list[torch.Tensor] = []  # per hooked output: [sum, sum of squares, zeros, count]
         self._act_of: list[int] = []
 
     # -- gradients and weights -----------------------------------------------------------------
@@ -113,14 +113,13 @@ class LayerSample:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
                 return
             x = out.detach()
-            row = [
-                x.sum(dtype=torch.float64),
-                x.square().sum(dtype=torch.float64),
-                (x == 0).sum(),
-                torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
-            ]
+            n = x.numel()
+            var, mean = torch.var_mean(x, correction=0)  # one pass; the lanes' sums are formed from it
+            nonzero = torch.count_nonzero(x)
+            row = torch.stack([mean.double() * n, (var.double() + mean.double().square()) * n, (n - nonzero).double()])
+            row = torch.cat([row, row.new_full((1,), float(n))]).to(self.device)
             with self._lock:  # lanes run at once
-                self._act.append([v.to(self.device, torch.float64) for v in row])
+                self._act.append(row)
                 self._act_of.append(k)
 
         return hook
@@ -134,7 +133,7 @@ class LayerSample:
                 out[key] = t
         if self._act:
             n = len(self.act_names)
-            rows = torch.stack([torch.stack(r) for r in self._act])
+            rows = torch.stack(self._act)
             idx = torch.tensor(self._act_of, dtype=torch.long, device=self.device)
             out["act"] = torch.zeros(n, 4, dtype=torch.float64, device=self.device).index_add_(0, idx, rows)
         return out
