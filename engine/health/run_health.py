@@ -62,7 +62,7 @@ class RunHealth:
             "nonfinite_origin",
             message=line,
             origin_step=origin.step,
-            kind=origin.kind,
+            origin=origin.kind,
             where=origin.where,
             device=origin.device,
             samples=origin.samples[:1000],

@@ -102,7 +102,8 @@ def test_a_module_making_inf_from_one_sample_is_named_with_its_device_and_sample
     # the run's own state is the one it noticed the NaN in, not the replay's
     assert trainer.step == 5
     events = [json.loads(x) for x in (trainer.run_dir.path / "metrics.jsonl").read_text().splitlines()]
-    assert [e["message"] for e in events if e.get("event") == "nonfinite_origin"] == [line]
+    found = [e for e in events if e.get("event") == "nonfinite_origin"]
+    assert [(e["kind"], e["message"], e["origin_step"], e["device"]) for e in found] == [("event", line, step, device)]
 
 
 def test_a_nan_in_the_data_is_named_as_the_data(make_config):
