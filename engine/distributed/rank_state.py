@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from inspect import signature
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from multilane.engine.distributed.batchnorm import empty_shard
 from multilane.engine.parallel.replicas.buffers import merge_values, set_buffer
 from multilane.engine.parallel.replicas.lane_rng import _generators, lane_seed
-from multilane.engine.parallel.strategy import LossWeightError
+from multilane.engine.parallel.strategy import LossWeightError, _LaneLoss, check_batch, model_args
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -266,3 +267,22 @@ class RankRules:
             dist.all_reduce(p.grad)
             p.grad.div_(self.world)
         return any(missing)
+
+
+def shard_forward(
+    ddp: nn.Module, task: Any, loss_weight: Any, kind: str, dtype: Any, inputs: Any, target: Any, n: int
+) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    """A rank's forward of its shard: the output, the shard's loss and (with the task's ``loss_weight``)
+    its weight, inside autocast with the run's dtype."""
+    args, kwargs = model_args(inputs)
+    cast = torch.autocast(kind, dtype=dtype) if dtype else contextlib.nullcontext()
+    with cast:
+        output = ddp(*args, **kwargs)
+        if n == 0:
+            return output, None, None
+        check_batch(output, target)
+        loss = _LaneLoss.check(task.loss(output, target))
+        weight = None
+        if loss_weight is not None:
+            weight = _LaneLoss.weight(loss_weight(output, target), loss)
+        return output, loss, weight

@@ -31,6 +31,7 @@ from multilane.engine.distributed.rank_state import (
     build_ddp,
     check_param_writes,
     param_versions,
+    shard_forward,
     weight_share,
     zero_loss,
 )
@@ -41,7 +42,7 @@ from multilane.engine.errors import UserError
 from multilane.engine.health.lane_grads import ddp_comm_hook
 from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
-from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
@@ -243,19 +244,9 @@ class DdpTrainer(Trainer):
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
-        args, kwargs = model_args(inputs)
-        dtype = self.autocast_dtype
-        cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
-        with cast:
-            output = self.ddp(*args, **kwargs)
-            if n == 0:
-                return output, None, None
-            check_batch(output, target)
-            loss = _LaneLoss.check(self.task.loss(output, target))
-            weight = None
-            if self._loss_weight is not None:
-                weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
-            return output, loss, weight
+        return shard_forward(
+            self.ddp, self.task, self._loss_weight, self.info.device.kind, self.autocast_dtype, inputs, target, n
+        )
 
     # -- agreeing on pause and stop -------------------------------------------------------------
     def _flags(self, *bits: bool) -> torch.Tensor:

@@ -24,6 +24,13 @@ def make_monitor(t: Trainer, lanes: int, device: Any, exchange: Any = None) -> H
     return HealthMonitor(t.config.health, lanes, device, unit, exchange)
 
 
+def strategy_replicas(strategy: Any, lanes: int) -> list[Any] | None:
+    """A strategy's own copies of the model (persistent; None until it has made them), or []."""
+    if not hasattr(strategy, "replicas") or lanes < 2:
+        return []
+    return strategy.replicas() or None
+
+
 class RunHealth:
     def __init__(self, replay: bool) -> None:
         self.keeper = StepKeeper() if replay else None

@@ -19,7 +19,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
-from multilane.engine.health.run_health import RunHealth, make_monitor
+from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -38,7 +38,7 @@ from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
-from multilane.engine.telemetry.sampler import TelemetrySampler
+from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
@@ -123,9 +123,7 @@ class Trainer:
 
     def _replicas(self) -> list[torch.nn.Module] | None:
         """The strategy's own copies of the model (persistent; None until it has made them), or []."""
-        if not hasattr(self.strategy, "replicas") or len(self.devices) < 2:
-            return []
-        return self.strategy.replicas() or None
+        return strategy_replicas(self.strategy, len(self.devices))
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -384,18 +382,7 @@ class Trainer:
         return checkpointer.checkpoint_state(self)
 
     def _make_sampler(self) -> TelemetrySampler | None:
-        t = self.config.telemetry
-        if not t.enabled:
-            return None
-        return TelemetrySampler(
-            self.devices,
-            self.backend.lane_names,
-            self._telemetry,
-            rate_hz=t.rate_hz,
-            record_s=t.record_s,
-            busy_seconds=self.backend.lane_busy_seconds,
-            output_index=self.config.devices.output,
-        )
+        return run_sampler(self.config, self.devices, self.backend, self._telemetry)
 
     def _telemetry(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:
