@@ -60,25 +60,47 @@ class Kept:
     lane_rng: dict[str, Any] | None
 
 
+def _copy_into(old: Any, new: Any) -> Any:
+    """``new`` copied into ``old``'s tensors where they fit (no fresh memory each window: new pages cost
+    the next steps more than the copy), a fresh copy where they do not."""
+    if isinstance(new, torch.Tensor):
+        if (
+            isinstance(old, torch.Tensor)
+            and old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.device == new.device
+        ):
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, dict):
+        prev = old if isinstance(old, dict) else {}
+        return {k: _copy_into(prev.get(k), v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        prev = old if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(_copy_into(a, b) for a, b in zip(prev, new, strict=True))
+    return copy.deepcopy(new)
+
+
 class StepKeeper:
-    """Keeps the state before each log window (the only cost on steps that stay finite)."""
+    """Keeps the state before each log window (the only cost on steps that stay finite), in the same
+    buffers from one window to the next."""
 
     def __init__(self) -> None:
         self.kept: Kept | None = None
 
     def keep(self, t: Trainer) -> None:
-        self.kept = snapshot(t)
+        self.kept = snapshot(t, self.kept)
 
 
-def snapshot(t: Trainer) -> Kept:
+def snapshot(t: Trainer, into: Kept | None = None) -> Kept:
     random = getattr(t.strategy, "random", None)
     return Kept(
         step=t.step,
-        model=_clone(t.model.state_dict()),
-        optimizer=_clone(t.optimizer.state_dict()),
+        model=_copy_into(into.model if into else None, t.model.state_dict()),
+        optimizer=_copy_into(into.optimizer if into else None, t.optimizer.state_dict()),
         scaler=t.scaler.state_dict() if t.scaler.is_enabled() else None,
         rng=torch.get_rng_state(),
-        lane_rng=_clone(random.state_dict()) if random is not None else None,
+        lane_rng=_copy_into(into.lane_rng if into else None, random.state_dict()) if random is not None else None,
     )
 
 
