@@ -22,6 +22,8 @@ MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every
 MAX_DEPTH = 32  # tables and lists nested deeper than this are not a config
 MAX_FILE_BYTES = 1 << 20  # a config is a few KiB
 CHECKPOINT_MINUTES = 5.0  # the default wall-time cadence; its cost is measured in bench/checkpoint_cost.py
+HEALTH_EVERY = 50  # health's default cadence: its cost is measured in bench/health_overhead.py
+ACTIVATION_KINDS = ("ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "LeakyReLU", "ELU", "Softplus", "Mish")
 
 
 class Section(BaseModel):
@@ -175,6 +177,38 @@ class TelemetrySection(Section):
     )
 
 
+class HealthSection(Section):
+    enabled: bool = Field(
+        True,
+        description="Sample the run's health: per-layer gradient, weight and update norms, activations, and "
+        "(on two or more devices) the gradient noise scale",
+    )
+    every: int = Field(
+        HEALTH_EVERY,
+        ge=1,
+        le=MAX_COUNT,
+        description="Sample health every N optimizer steps (the default keeps its cost within 2 % of step time)",
+    )
+    activations: str = Field(
+        ",".join(ACTIVATION_KINDS),
+        max_length=2000,
+        pattern=r"^[A-Za-z0-9_, ]*$",
+        description="Module kinds (class names, comma-separated) whose outputs get mean, std and fraction of "
+        "exact zeros; empty: none",
+    )
+    groups: int = Field(
+        24, ge=1, le=4096, description="At most this many rows shown per quantity: deeper models are grouped by block"
+    )
+    nan_replay: bool = Field(
+        True,
+        description="Keep the state before each log window, so that a loss gone NaN or inf is replayed to "
+        "name the first module, parameter, device and samples that went non-finite",
+    )
+    noise_decay: float = Field(
+        0.9, ge=0.0, lt=1.0, description="Smoothing of the noise-scale estimates (per sample: EMA decay)"
+    )
+
+
 class RunSection(Section):
     name: str = Field("run", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$", description="Run name")
     runs_dir: str = Field("runs", min_length=1, description="Folder that holds one folder per run")
@@ -199,6 +233,7 @@ class RunConfig(Section):
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     train: TrainSection = Field(default_factory=TrainSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    health: HealthSection = Field(default_factory=HealthSection)
     run: RunSection = Field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,6 +35,21 @@ def format_telemetry(record: dict[str, Any]) -> str:
     return "· " + " · ".join(parts) if parts else ""
 
 
+def format_health(record: dict[str, Any]) -> str:
+    """The sampled health in a few words: the largest update-to-weight ratio and its layer, and the
+    deadest activation ("update/weight 3.1e-03 at head.1 · 62% zeros at features.1 (ReLU)")."""
+    parts = []
+    ratios = [(v, r) for v, r in zip(record.get("update_ratio") or [], record.get("rows") or [], strict=False) if v]
+    if ratios:
+        v, row = max(ratios)
+        parts.append(f"update/weight {v:.1e} at {row}")
+    zeros = [(v, r) for v, r in zip(record.get("act_zero") or [], record.get("act_rows") or [], strict=False) if v]
+    if zeros:
+        v, row = max(zeros)
+        parts.append(f"{100 * v:.0f}% zeros at {row}")
+    return " · ".join(parts)
+
+
 class WatchState:
     """What the progress line shows, folded from the records as they arrive."""
 
@@ -44,6 +59,7 @@ class WatchState:
         self.train: dict[str, Any] = {}
         self.eval: dict[str, Any] = {}
         self.telemetry = ""
+        self.health = ""
         self.state = "waiting"
         self.message: str | None = None
 
@@ -57,6 +73,8 @@ class WatchState:
             self.eval = rec
         elif kind == "telemetry":
             self.telemetry = format_telemetry(rec)
+        elif kind == "health":
+            self.health = format_health(rec)
         elif kind == "event" and rec.get("event") == "started":
             self.total = rec.get("total_steps", self.total)
             self.step = rec.get("step", self.step)
@@ -77,6 +95,11 @@ class WatchState:
                 parts.append(f"{self.train['samples_per_s']:,.0f} samples/s")
         if "val_loss" in self.eval:
             parts.append(f"val {_value(self.eval['val_loss'])}")
+        noise = self.train.get("noise")
+        if isinstance(noise, dict) and noise.get("b_simple") is not None:
+            parts.append(f"noise scale ≈ {format_number(noise['b_simple'])}")
+        if self.health:
+            parts.append(self.health)
         text = " · ".join(parts)
         if self.telemetry and telemetry:
             text += " " + self.telemetry

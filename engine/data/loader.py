@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from multilane.engine.data.order import Batches, eval_batches, split_data, split_indices
+from multilane.engine.data.order import Batches, epoch_order, eval_batches, split_data, split_indices
 from multilane.engine.data.sampling import (
     DataError,
     EvalBatchSampler,
@@ -83,7 +83,9 @@ def build_loader(task: Task, cfg: Any, device: torch.device | None) -> Loader:
     opts = LoaderOptions(task, workers, cfg.data.prefetch, device)
     if isinstance(data, ArrayData):
         train, val = split_data(data, frac, seed)
-        return ArrayLoader(_non_empty(train, task), val, bs, seed, device)
+        loader = ArrayLoader(_non_empty(train, task), val, bs, seed, device)
+        loader.train_index = split_indices(len(data), frac, seed)[0]
+        return loader
     if isinstance(data, tuple) and len(data) == 2:
         train, val = data
         if isinstance(train, ArrayData) and (val is None or isinstance(val, ArrayData)):
@@ -157,6 +159,14 @@ class ArrayLoader(_Epochs):
         self._m += 1
         return batch
 
+    train_index: torch.Tensor | None = None
+    """The task's sample index of each training sample (after the split), or None: the same."""
+
+    def sample_indices(self, m: int) -> list[int]:
+        """The task's indices of the samples of micro-batch ``m``, in batch order."""
+        idx = self.batches.indices(m).cpu()
+        return (self.train_index[idx] if self.train_index is not None else idx).tolist()
+
     def eval_batches(self) -> Iterator[Batch]:
         assert self.val is not None
         return eval_batches(self.val, self.batch_size)
@@ -217,6 +227,13 @@ class DatasetLoader(_DataLoaderReader):
             self.train, False, self.seed, batch_sampler=sampler, collate_fn=self.opts.collate("training")
         )
         self._it = iter(loader)  # the workers start here and live until the run ends
+
+    def sample_indices(self, m: int) -> list[int]:
+        """The dataset's indices of the samples of micro-batch ``m``, in batch order (as the sampler takes them)."""
+        bs = min(self.batch_size, self.n)
+        epoch, pos = divmod(m, -(-self.n // bs))
+        idx = epoch_order(self.n, self.seed, epoch)[pos * bs : (pos + 1) * bs].tolist()
+        return [self.train.indices[i] for i in idx] if self.train.indices is not None else idx
 
     def next(self) -> Batch:
         assert self._it is not None, "start() first"

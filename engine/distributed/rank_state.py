@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from inspect import signature
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from multilane.engine.distributed.batchnorm import empty_shard
 from multilane.engine.parallel.replicas.buffers import merge_values, set_buffer
 from multilane.engine.parallel.replicas.lane_rng import _generators, lane_seed
-from multilane.engine.parallel.strategy import LossWeightError
+from multilane.engine.parallel.strategy import LossWeightError, _LaneLoss, check_batch, model_args
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -136,18 +137,18 @@ def build_ddp(model: nn.Module, device: Any, find_unused: bool) -> DistributedDa
     )
 
 
-def weight_share(weight: torch.Tensor | None, group: Any) -> float:
-    """``w_r / Σ w``: this shard's share of a micro-batch's loss weight (the task's ``loss_weight``,
-    e.g. its non-padding tokens), NaN when the whole batch has none (its mean is 0/0, as on one
-    device). The sum is one small all-reduce per micro-batch on the CPU group; only tasks that
-    define ``loss_weight`` pay it."""
+def weight_share(weight: torch.Tensor | None, group: Any) -> tuple[float, float]:
+    """``(w_r / Σ w, Σ w)``: this shard's share of a micro-batch's loss weight (the task's
+    ``loss_weight``, e.g. its non-padding tokens), NaN when the whole batch has none (its mean is 0/0,
+    as on one device), and the batch's total weight. The sum is one small all-reduce per micro-batch
+    on the CPU group; only tasks that define ``loss_weight`` pay it."""
     w = 0.0 if weight is None else float(weight)
     if not 0 <= w < math.inf:
         raise LossWeightError(f"loss_weight must be a finite number >= 0, got {w}")
     total = torch.tensor([w], dtype=torch.float64)
     dist.all_reduce(total, group=group)
     t = float(total[0])
-    return w / t if t > 0 else math.nan
+    return (w / t if t > 0 else math.nan), t
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> list[int]:
@@ -266,3 +267,22 @@ class RankRules:
             dist.all_reduce(p.grad)
             p.grad.div_(self.world)
         return any(missing)
+
+
+def shard_forward(
+    ddp: nn.Module, task: Any, loss_weight: Any, kind: str, dtype: Any, inputs: Any, target: Any, n: int
+) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    """A rank's forward of its shard: the output, the shard's loss and (with the task's ``loss_weight``)
+    its weight, inside autocast with the run's dtype."""
+    args, kwargs = model_args(inputs)
+    cast = torch.autocast(kind, dtype=dtype) if dtype else contextlib.nullcontext()
+    with cast:
+        output = ddp(*args, **kwargs)
+        if n == 0:
+            return output, None, None
+        check_batch(output, target)
+        loss = _LaneLoss.check(task.loss(output, target))
+        weight = None
+        if loss_weight is not None:
+            weight = _LaneLoss.weight(loss_weight(output, target), loss)
+        return output, loss, weight

@@ -31,6 +31,7 @@ from multilane.engine.distributed.rank_state import (
     build_ddp,
     check_param_writes,
     param_versions,
+    shard_forward,
     weight_share,
     zero_loss,
 )
@@ -38,8 +39,10 @@ from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
+from multilane.engine.health.lane_grads import ddp_comm_hook
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
-from multilane.engine.parallel.strategy import AUTOCAST_DTYPES, _LaneLoss, check_batch, model_args
+from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
@@ -127,6 +130,8 @@ class DdpTrainer(Trainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
+        self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce)
+        self.run_health = RunHealth(replay=False)  # a replay would need every rank: not under ddp
         # This process's first step finds out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
         self._build_ddp(find_unused=False)
@@ -140,6 +145,8 @@ class DdpTrainer(Trainer):
         self.ddp = None  # the old DDP (and its reducer's hooks) goes first
         self.ddp = build_ddp(self.model, self.info.device, find_unused)
         self._find_unused = find_unused
+        if self.health.probe is not None:  # this rank's gradient, before the all-reduce (engine/health)
+            self.ddp.register_comm_hook(None, ddp_comm_hook(self.health.probe, self.info.rank, self.info.world))
 
     @property
     def lane_names(self) -> list[str]:
@@ -180,6 +187,8 @@ class DdpTrainer(Trainer):
         self.rank_telemetry.busy.start(0)  # counted while it runs: a long step is not 0 % busy
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        health = self.health
+        health.begin_step(self.step + 1, self.model, accum)
         for k in range(accum):
             timer.mark(None)
             t_data = time.perf_counter()
@@ -195,7 +204,10 @@ class DdpTrainer(Trainer):
                 fwd = functools.partial(self._forward, inputs, target, n)
                 output, shard_loss, weight = self.rules.forward(fwd, n, self._sizes(size))
                 timer.mark("backward")
-                share = n / size if self._loss_weight is None else weight_share(weight, self._control_group)
+                share, units = (
+                    (n / size, size) if self._loss_weight is None else weight_share(weight, self._control_group)
+                )
+                health.micro([share * units if share == share else 0.0], [self.info.rank], accum, units)
                 if shard_loss is not None and share > 0:
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
                     local = contrib * world  # DDP divides the summed gradients by the world size
@@ -218,31 +230,24 @@ class DdpTrainer(Trainer):
             self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
         if probing and self.rules.reduce_probe():
             self._build_ddp(find_unused=True)
+        health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             self.window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+        health.before_update()
         self.scaler.step(opt)
         self.scaler.update()
+        health.after_update()
         timer.end_step()
         self.window.end_step()
         self.rank_telemetry.busy.stop(0)
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
-        args, kwargs = model_args(inputs)
-        dtype = self.autocast_dtype
-        cast = torch.autocast(self.info.device.kind, dtype=dtype) if dtype else contextlib.nullcontext()
-        with cast:
-            output = self.ddp(*args, **kwargs)
-            if n == 0:
-                return output, None, None
-            check_batch(output, target)
-            loss = _LaneLoss.check(self.task.loss(output, target))
-            weight = None
-            if self._loss_weight is not None:
-                weight = _LaneLoss.weight(self._loss_weight(output, target), loss)
-            return output, loss, weight
+        return shard_forward(
+            self.ddp, self.task, self._loss_weight, self.info.device.kind, self.autocast_dtype, inputs, target, n
+        )
 
     def _memory(self) -> dict[str, Any]:
         """Every rank's split of its device's memory (a collective, at each log)."""
@@ -349,6 +354,7 @@ class DdpTrainer(Trainer):
             **extra,
         )
         rec["phase_ms"] = everyone[0][2]
+        self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
         if self.info.is_main:
             for _, records, _ in everyone[1:]:
                 for r in records:

@@ -4,7 +4,8 @@ Out: with ``train.tensorboard = true`` the run also writes TensorBoard event fil
 (``torch.utils.tensorboard.SummaryWriter``), so ``tensorboard --logdir runs/`` shows each Multilane run
 under its folder's name. Tags: ``train/loss``, ``train/device_loss/<device>``, ``train/lr`` (and the
 other train numbers), ``val/loss``, ``val/<metric>``, ``telemetry/<reading>/<device>``,
-``telemetry/process/<reading>``. Steps and wall times are the records' own.
+``telemetry/process/<reading>``, ``train/noise_scale`` (B_simple) and per sampled step
+``health/<quantity>/<layer>`` (engine/health). Steps and wall times are the records' own.
 
 In: ``TensorBoardLogdir`` reads the event files of one TensorBoard run folder with TensorBoard's own
 ``EventFileLoader``, incrementally: each ``read()`` returns only the scalars appended since the last,
@@ -25,6 +26,7 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
+from multilane.engine.rundir.records import HEALTH_ROWS
 from multilane.integrations.extras import require
 
 WHAT = "multilane.integrations.tensorboard (train.tensorboard, File → Open TensorBoard logdir)"
@@ -64,6 +66,15 @@ class TensorBoardWriter(TrainerCallback):
             self._add(f"train/device_loss/{dev}", v, record)
         for key in TRAIN_KEYS:
             self._add(f"train/{key}", record.get(key), record)
+        noise = record.get("noise") or {}
+        self._add("train/noise_scale", noise.get("b_simple"), record)
+
+    def on_health(self, record: dict[str, Any]) -> None:
+        """Per layer (group), one scalar per quantity: ``health/<quantity>/<layer>``."""
+        for rows_key, fields in HEALTH_ROWS.items():
+            for f in fields:
+                for row, v in zip(record.get(rows_key) or [], record.get(f) or [], strict=False):
+                    self._add(f"health/{f}/{row}", v, record)
 
     def on_eval(self, record: dict[str, Any]) -> None:
         self._add("val/loss", record.get("val_loss"), record)
@@ -93,6 +104,10 @@ def record_for(tag: str) -> tuple[str, str, str | None]:
     loss when it names a loss, else a validation metric; one naming the learning rate is ``lr``; the
     first other loss-like tag is the train loss; every other scalar is shown as a metric."""
     parts = tag.split("/")
+    if tag == "train/noise_scale":
+        return "train", "noise", None
+    if parts[0] == "health" and len(parts) >= 3 and parts[1] in HEALTH_FIELDS:
+        return "health", parts[1], "/".join(parts[2:])
     if parts[0] == "train" and len(parts) >= 3 and parts[1] == "device_loss":
         return "train", "device_loss", "/".join(parts[2:])
     if parts[0] == "train" and len(parts) == 2 and parts[1] in ("loss", *TRAIN_KEYS):
@@ -115,6 +130,21 @@ def record_for(tag: str) -> tuple[str, str, str | None]:
     if "loss" in low:
         return "train", "loss", tag
     return "eval", "metrics", tag
+
+
+HEALTH_FIELDS = {f for fields in HEALTH_ROWS.values() for f in fields}
+
+
+def _health_rows(rec: dict[str, Any]) -> None:
+    """A health record's ``{quantity: {row: value}}`` as its rows and one list per quantity."""
+    values = rec.pop("values", {})
+    for rows_key, fields in HEALTH_ROWS.items():
+        rows = list(dict.fromkeys(r for f in fields for r in values.get(f, {})))
+        if rows:
+            rec[rows_key] = rows
+            for f in fields:
+                if f in values:
+                    rec[f] = [values[f].get(r) for r in rows]
 
 
 class TensorBoardLogdir:
@@ -183,6 +213,10 @@ class TensorBoardLogdir:
                 rec.setdefault(field, {})[name or tag] = x
             elif kind == "telemetry":
                 rec.setdefault("devices", {}).setdefault(name, {})[field] = x
+            elif kind == "health":
+                rec.setdefault("values", {}).setdefault(field, {})[name] = x
+            elif field == "noise":
+                rec["noise"] = {"b_simple": x}
             else:
                 rec[field] = x
         if scalars:
@@ -196,6 +230,8 @@ class TensorBoardLogdir:
                 rec["loss"] = sum(rec["device_loss"].values()) / len(rec["device_loss"])
             if rec["kind"] == "train" and "loss" not in rec:
                 rec["loss"] = math.nan  # an lr alone: the loss plot shows a gap, never a made-up value
+            if rec["kind"] == "health":
+                _health_rows(rec)
             out.append(rec)
-        order = {"train": 0, "eval": 1, "telemetry": 2}
+        order = {"train": 0, "eval": 1, "telemetry": 2, "health": 3}
         return sorted(out, key=lambda r: (r["step"], order[r["kind"]]))

@@ -190,8 +190,10 @@ class PersistentReplicas(ReplicateEachStep):
                 loss.backward()  # one lane: lane 0's replica is the model
             return
         seeds = torch.autograd.grad(loss, out.shard_losses)
-        if self._buckets is not None:
-            self._buckets.arm(out.lanes)
+        # A step whose lanes' own gradients are sampled (engine/health) sums them after backward.
+        buckets = self._buckets if not (self.lane_grads is not None and self.lane_grads.armed) else None
+        if buckets is not None:
+            buckets.arm(out.lanes)
         try:
             if self._joined or self.random.locked("train"):
                 # One backward over every lane's graph: the lanes' graphs are joined (synchronized
@@ -205,8 +207,8 @@ class PersistentReplicas(ReplicateEachStep):
                     [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
                 )
         finally:
-            if self._buckets is not None:
-                self._buckets.disarm()
+            if buckets is not None:
+                buckets.disarm()
 
     def reduce_gradients(self, timer: PhaseTimer) -> None:
         """Sum what backward's buckets left (all of it without overlap) into the model's gradients, and
@@ -215,6 +217,8 @@ class PersistentReplicas(ReplicateEachStep):
             return
         timer.mark("reduce")
         self._sum_buffer_grads()
+        if self.lane_grads is not None and self.lane_grads.armed:
+            self.lane_grads.take_lanes(self._params)  # each lane's own gradient, before the sum
         master, others = self._params[0], self._params[1:]
         left = [j for j, p in enumerate(master) if p.requires_grad and any(lane[j].grad is not None for lane in others)]
         if not left:

@@ -53,6 +53,8 @@ class StepOutput:
     shard_losses: list[torch.Tensor] = field(default_factory=list)
     """Each lane's loss in ``lanes`` as its lane computed it, before gather, with grad: the roots of the
     lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
+    lane_weights: list[float] | None = None
+    """With a task's ``loss_weight``: each lane's weight in ``lanes`` (host numbers, already read)."""
 
 
 class LossNotScalarError(ValueError):
@@ -153,6 +155,9 @@ class ReplicateEachStep:
         self._writes_params: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self.random = LaneRandom([d.torch_device() for d in backend.devices], seed)
         """Each lane's random stream (lane 0's is torch's default generator); saved in checkpoints."""
+        self.lane_grads: Any = None
+        """A probe (engine/health/lane_grads.py) that, while ``armed``, is shown each lane's own
+        gradient before the lanes' are summed; None: nobody asks."""
 
     def _apply(self, kind: str, fns, inputs, kwargs, lanes) -> list[Any]:
         """parallel_apply, each lane with its own random stream and a group to exchange values in."""
@@ -239,7 +244,15 @@ class ReplicateEachStep:
         lane_losses = b.gather(shard_losses)
         total = w.sum()
         combined = (lane_losses * w).sum() / total
-        return StepOutput(combined, lane_losses.detach(), lanes, weight=total, output=output, shard_losses=shard_losses)
+        return StepOutput(
+            combined,
+            lane_losses.detach(),
+            lanes,
+            weight=total,
+            output=output,
+            shard_losses=shard_losses,
+            lane_weights=[ws[k] for k in keep],
+        )
 
     def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
@@ -324,6 +337,9 @@ class ReplicateEachStep:
                 before = inplace.versions(replicas.params)
                 outputs = self._apply(kind, self._wrap(replicas), *fns_args, lanes)
                 inplace.check_settled(model, replicas.params, before, names)
+        probe = self.lane_grads
+        if probe is not None and probe.armed and not detach:
+            probe.watch_replicas(replicas.params, lanes)  # each lane's gradient, before LaneCopies sums them
         merge_buffers(model, replicas, active)
         return outputs
 

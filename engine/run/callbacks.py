@@ -5,6 +5,7 @@ The run directory writer, the CLI's progress display and the app's worker are al
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,9 @@ class TrainerCallback:
     def on_telemetry(self, record: dict[str, Any]) -> None:
         """Device readings, from the sampler's own thread (not the training thread)."""
 
+    def on_health(self, record: dict[str, Any]) -> None:
+        """A sampled step's per-layer health (grouped rows; ``record["layers"]``: every layer's values)."""
+
     def on_train_end(self, result: RunResult) -> None: ...
 
 
@@ -53,6 +57,9 @@ class RunResult:
     last_eval: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
+
+HEALTH_LAYERS = "health_layers.jsonl"
+"""Every layer's sampled health, one line per sampled step (metrics.jsonl holds the grouped rows)."""
 
 STATUS_EVERY_S = 1.0
 """At most how often ``status.json``'s step follows the train records (an atomic, fsynced rewrite)."""
@@ -81,6 +88,13 @@ class MetricsWriter(TrainerCallback):
 
     def on_record(self, record: dict[str, Any]) -> None:
         self.run_dir.append_metric(record)
+
+    def on_health(self, record: dict[str, Any]) -> None:
+        """The grouped record into metrics.jsonl; every layer's values into health_layers.jsonl."""
+        rec = {k: v for k, v in record.items() if k != "layers"}
+        self.run_dir.append_metric(rec)
+        if record.get("layers"):
+            self.run_dir.append_text(HEALTH_LAYERS, json.dumps(record["layers"], separators=(",", ":")) + "\n")
 
     on_eval = on_record
     on_event = on_record

@@ -30,6 +30,7 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
         "rng": torch.get_rng_state(),
         "lane_rng": _lane_random(t).state_dict() if _lane_random(t) is not None else None,
         "metrics_window": t.window.state_dict(),
+        "health": t.health.state_dict() if getattr(t, "health", None) is not None else None,
         "multilane": __version__,
     }
 
@@ -65,6 +66,8 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     t.step = int(ck["step"])
     if ck.get("metrics_window") is not None:
         t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)
+    if getattr(t, "health", None) is not None:
+        t.health.load_state_dict(ck.get("health"))
 
 
 def _load(t: Trainer, part: str, target: str, load: Any, state: Any) -> None:

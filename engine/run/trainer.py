@@ -19,6 +19,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
+from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -38,7 +39,7 @@ from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.memory_split import lanes_memory
-from multilane.engine.telemetry.sampler import TelemetrySampler
+from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
@@ -113,10 +114,17 @@ class Trainer:
         self._weights = weights
         self.timer = self.backend.make_timer()
         self.window = MetricsWindow(self.backend.lane_names)
+        self.health = make_monitor(self, len(self.devices), self.backend.output_device)
+        self.strategy.lane_grads = self.health.probe
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
         if self._checkpoint is not None:
             checkpointer.restore(self, self._checkpoint)
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def _replicas(self) -> list[torch.nn.Module] | None:
+        """The strategy's own copies of the model (persistent; None until it has made them), or []."""
+        return strategy_replicas(self.strategy, len(self.devices))
 
     def _sizes(self, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
@@ -233,6 +241,8 @@ class Trainer:
                 self._stop()
                 return "stopped", f"stopped at step {self.step}"
             self._at_step = self.step + 1
+            if self.window.steps == 0:
+                self.run_health.window_start(self)  # the state a replay of this window starts from
             self._train_step(accum)
             self.step += 1
             self._at_step = self.step
@@ -245,9 +255,10 @@ class Trainer:
                     self._log(memory=self._memory())
                 except NonFiniteLoss as e:
                     # Keep the last good checkpoint: nothing is saved from here on.
+                    message = self.run_health.explain(self, str(e))
                     if cfg.train.on_nonfinite == "pause":
-                        self._pause(str(e))
-                    return "stopped", str(e)
+                        self._pause(message)
+                    return "stopped", message
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
             if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
@@ -260,17 +271,20 @@ class Trainer:
 
     def _train_step(self, accum: int) -> None:
         cfg = self.config
-        timer, opt, window, strategy = self.timer, self.optimizer, self.window, self.strategy
+        timer, opt, window, strategy, health = self.timer, self.optimizer, self.window, self.strategy, self.health
         for group in opt.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        health.begin_step(self.step + 1, self.model, accum, self._replicas())
         for k in range(accum):
             timer.mark(None)
             t0 = time.perf_counter()
             inputs, target, size = self.loader.next()
             timer.add("data", time.perf_counter() - t0)
+            sizes = self._sizes(size)
             out = strategy.forward_loss(
-                self.model, inputs, target, self.task.loss, self._sizes(size), timer, weight_fn=self._loss_weight
+                self.model, inputs, target, self.task.loss, sizes, timer, weight_fn=self._loss_weight
             )
+            health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
@@ -281,12 +295,15 @@ class Trainer:
             strategy.backward(out, self.scaler.scale(loss))
             window.add(out, size, self.step + 1)
         strategy.reduce_gradients(timer)
+        health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+        health.before_update()
         self.scaler.step(opt)
         self.scaler.update()
+        health.after_update()
         strategy.sync_replicas(self.model, timer)
         timer.end_step()
         window.end_step()
@@ -308,6 +325,7 @@ class Trainer:
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
         rec.update(self.energy.at_log(samples))
+        self.run_health.report(self, rec)
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
@@ -371,18 +389,7 @@ class Trainer:
         return checkpointer.checkpoint_state(self)
 
     def _make_sampler(self) -> TelemetrySampler | None:
-        t = self.config.telemetry
-        if not t.enabled:
-            return None
-        return TelemetrySampler(
-            self.devices,
-            self.backend.lane_names,
-            self._telemetry,
-            rate_hz=t.rate_hz,
-            record_s=t.record_s,
-            busy_seconds=self.backend.lane_busy_seconds,
-            output_index=self.config.devices.output,
-        )
+        return run_sampler(self.config, self.devices, self.backend, self._telemetry)
 
     def _telemetry(self, record: dict[str, Any]) -> None:
         for cb in self.callbacks:

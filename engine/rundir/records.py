@@ -60,6 +60,40 @@ def _reading_problem(name: str, reading: Any) -> str | None:
     return None
 
 
+HEALTH_ROWS = {"rows": ("grad_norm", "weight_norm", "update_ratio"), "act_rows": ("act_mean", "act_std", "act_zero")}
+
+
+def _health_problem(rec: dict[str, Any]) -> str | None:
+    """A ``health`` record: row names, and per quantity one number (or null) per row."""
+    for rows_key, fields in HEALTH_ROWS.items():
+        rows = rec.get(rows_key)
+        if rows is None:
+            if any(rec.get(f) is not None for f in fields):
+                return f"{rows_key} missing"
+            continue
+        if not isinstance(rows, list) or not all(isinstance(r, str) for r in rows):
+            return f"{rows_key} not a list of names"
+        for f in fields:
+            v = rec.get(f)
+            if v is None:
+                continue
+            if not isinstance(v, list) or len(v) != len(rows) or not all(_num_or_null(x) for x in v):
+                return f"{f} not one number per row"
+    return None
+
+
+def _noise_problem(noise: Any) -> str | None:
+    if not isinstance(noise, dict):
+        return "noise not an object"
+    for key, v in noise.items():
+        if key == "unit":
+            if not isinstance(v, str):
+                return "noise.unit not text"
+        elif not _num_or_null(v):
+            return f"noise.{key} not a number"
+    return None
+
+
 def record_problem(rec: Any) -> str | None:
     """Why a parsed line is not a record readers can use, or None."""
     if not isinstance(rec, dict):
@@ -88,6 +122,10 @@ def record_problem(rec: Any) -> str | None:
             return f"{key} not a number"
     if rec.get("sample") is not None and not isinstance(rec["sample"], str):
         return "sample not text"
+    if kind == "health" and (problem := _health_problem(rec)):
+        return problem
+    if rec.get("noise") is not None and (problem := _noise_problem(rec["noise"])):
+        return problem
     for key in ("device_loss", "metrics", "phase_ms", "lane_busy_s"):
         if rec.get(key) is not None and not _table_of_numbers(rec[key]):
             return f"{key} not an object of numbers"

@@ -13,7 +13,7 @@ from multilane.engine.errors import UserError
 
 KINDS = ("log", "float", "int", "choice")
 # Keys that say where and how a trial runs, never what it learns: the sweep sets them itself.
-NOT_SWEPT = {"devices", "run", "telemetry"}
+NOT_SWEPT = {"devices", "run", "telemetry", "health"}
 SYNTAX = "KEY=log:LOW:HIGH, float:LOW:HIGH, int:LOW:HIGH or choice:A,B,C"
 
 

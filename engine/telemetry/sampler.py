@@ -238,3 +238,21 @@ def live_readings(seconds: float = 0.5, problems: list[str] | None = None) -> li
             problems.append(reader.problem)
         reader.close()
     return rows
+
+
+def run_sampler(
+    config: Any, devices: list[Device], backend: Any, emit: Callable[[dict], None]
+) -> TelemetrySampler | None:
+    """The sampler of a single-process run (``config.telemetry``), or None when telemetry is off."""
+    t = config.telemetry
+    if not t.enabled:
+        return None
+    return TelemetrySampler(
+        devices,
+        backend.lane_names,
+        emit,
+        rate_hz=t.rate_hz,
+        record_s=t.record_s,
+        busy_seconds=backend.lane_busy_seconds,
+        output_index=config.devices.output,
+    )

@@ -72,6 +72,10 @@ def export_run(
         path = out / "metrics.csv"
         try:
             run.write_csv(path)
+            if run.health or run.noise.rows:
+                health = out / "health.csv"
+                run.write_health_csv(health)
+                written.append(health)
         except OSError as e:
             raise UserError(f"export: cannot write {path} ({e.strerror or e})") from None
         written.append(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 
+import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.items import set_plot_title, swatch
 from multilane.gui.plots.palette import COMBINED, VALIDATION, series_color
@@ -15,9 +16,13 @@ from multilane.gui.plots.run_view import (
     run_breaks,
     settings_text,
     values_at,
+    x_values,
 )
 from multilane.gui.plots.style import PAUSE_BRUSH, STOP_BRUSH
 from PySide6.QtCore import Qt
+
+NAN_COLOR = "#d62728"
+NAN_LABEL = {"position": 0.9, "color": NAN_COLOR, "movable": False}
 
 
 class PlotMarks:
@@ -81,7 +86,8 @@ class PlotMarks:
         (no data there, not a straight trend; the lines break there too); on the step axis a line at
         its step, dotted for a pause, dashed for a stop and resume."""
         spans = run_breaks(self.data)
-        state = (self.x_mode, tuple((round(a, 1), round(b, 1), w, s) for a, b, w, s in spans))
+        origin = self.data.nan_origin
+        state = (self.x_mode, tuple((round(a, 1), round(b, 1), w, s) for a, b, w, s in spans), id(origin))
         if state == self._pause_state:
             return
         self._clear_pauses()
@@ -102,6 +108,29 @@ class PlotMarks:
                 item.setToolTip(tip)
                 p.addItem(item, ignoreBounds=True)
                 self._pause_items.append((p, item))
+        if origin is not None:
+            self._draw_nan_origin(origin)
+
+    def _draw_nan_origin(self, origin: dict) -> None:
+        """Where a NaN began (engine/health/nan_origin.py): a red line on the loss plot at that step,
+        labelled, with the one-line finding as its tooltip."""
+        d = self.data
+        step = origin.get("origin_step")
+        steps = d.train.get("step")
+        if not isinstance(step, int) or not len(steps):
+            return
+        if self.x_mode == "step":
+            x = float(step)
+        else:
+            xs = x_values(d, d.train, self.x_mode)
+            after = np.nonzero(steps >= step)[0]
+            x = float(xs[after[0]] if len(after) else xs[-1])
+        line = pg.InfiniteLine(
+            x, angle=90, movable=False, pen=pg.mkPen(NAN_COLOR, width=2), label="NaN began", labelOpts=NAN_LABEL
+        )
+        line.setToolTip(str(origin.get("message", "")))
+        self.plots[0].addItem(line, ignoreBounds=True)
+        self._pause_items.append((self.plots[0], line))
 
     # -- crosshair -------------------------------------------------------------------------------
     def _on_mouse(self, event) -> None:

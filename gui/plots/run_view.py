@@ -140,7 +140,14 @@ def metric_title(names: list[str]) -> str:
 
 
 # Settings that name or place a run rather than shape its training: never "what differs".
-_NOT_HYPERPARAMETERS = ("run.", "telemetry.", "train.checkpoint_", "train.log_every", "devices.collective_timeout_s")
+_NOT_HYPERPARAMETERS = (
+    "run.",
+    "telemetry.",
+    "health.",
+    "train.checkpoint_",
+    "train.log_every",
+    "devices.collective_timeout_s",
+)
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, object]:

@@ -118,6 +118,9 @@ class RunData:
         self.last_step = 0
         self.skipped = 0  # unreadable lines of the run's metrics.jsonl, left out
         self.config: dict[str, Any] | None = None  # the run's config.json, for what differs between runs
+        self.noise = Series()  # step, b_simple, batch, g2, trace (engine/health: the gradient noise scale)
+        self.health: list[dict[str, Any]] = []  # the sampled steps' per-layer health records, in step order
+        self.nan_origin: dict[str, Any] | None = None  # the "nonfinite_origin" event: where a NaN began
 
     def add(self, rec: dict[str, Any]) -> None:
         kind = rec.get("kind")
@@ -137,6 +140,12 @@ class RunData:
             for phase, ms in (rec.get("phase_ms") or {}).items():
                 row[f"phase/{phase}"] = _num(ms)
             self.train.add(row)
+            noise = rec.get("noise")
+            if isinstance(noise, dict):
+                values = {k: _num(noise.get(k)) for k in ("b_simple", "batch", "g2", "trace")}
+                self.noise.add({"step": rec["step"], **values})
+        elif kind == "health":
+            self.health.append(rec)
         elif kind == "eval":
             row = {"step": rec["step"], "wall_time": wall, "val_loss": _num(rec.get("val_loss"))}
             for k, v in (rec.get("metrics") or {}).items():
@@ -173,6 +182,10 @@ class RunData:
                 s = float(rec["resumed_from_step"])
                 self.train.truncate_after_step(s)
                 self.eval.truncate_after_step(s)
+                self.noise.truncate_after_step(s)
+                self.health = [h for h in self.health if h["step"] <= s]
+            if rec.get("event") == "nonfinite_origin":
+                self.nan_origin = rec
             self.events.append(rec)
 
     def set_devices(self, names: Iterable[str]) -> None:
@@ -255,6 +268,32 @@ class RunData:
                     ]
                 )
         return self.train.rows
+
+    def write_health_csv(self, path: str | Path) -> int:
+        """Every sampled step's per-layer health, one row per (step, quantity, layer) — the long form
+        a spreadsheet or pandas pivots — and the noise scale per logged step; returns rows."""
+        n = 0
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "quantity", "layer", "value"])
+            for rec in self.health:
+                for rows_key, fields in HEALTH_FIELDS:
+                    for q in fields:
+                        for layer, v in zip(rec.get(rows_key) or [], rec.get(q) or [], strict=False):
+                            w.writerow([rec["step"], q, layer, _fmt(_num(v))])
+                            n += 1
+            steps = self.noise.get("step")
+            for key in ("b_simple", "batch", "g2", "trace"):
+                for i, v in enumerate(self.noise.get(key)):
+                    w.writerow([int(steps[i]), f"noise_{key}", "", _fmt(v)])
+                    n += 1
+        return n
+
+
+HEALTH_FIELDS = (
+    ("rows", ("grad_norm", "weight_norm", "update_ratio")),
+    ("act_rows", ("act_mean", "act_std", "act_zero")),
+)
 
 
 def config_lanes(config: dict[str, Any] | None) -> list[str]:

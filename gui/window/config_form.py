@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 CUSTOM = "Custom task file…"
 HIDDEN = {("task", "params"), ("task", "name"), ("devices", "use"), ("devices", "weights"), ("devices", "output")}
 # Sections in the order a user fills them in: how long to train first, housekeeping last.
-ORDER = ["train", "data", "optim", "schedule", "run", "telemetry"]
+ORDER = ["train", "data", "optim", "schedule", "run", "telemetry", "health"]
 # Fields that only some choices use: (field, the field that decides, the values it applies to).
 APPLIES = {
     "optim.momentum": ("optim.name", {"sgd"}),
@@ -48,6 +48,7 @@ TITLES = {
     "schedule": "Learning-rate schedule",
     "train": "Training",
     "telemetry": "Telemetry",
+    "health": "Run health",
     "run": "Run",
 }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from multilane.engine.config import RunConfig, build_config
 from multilane.engine.errors import UserError
+from multilane.gui.health.view import HealthView
 from multilane.gui.hosts.host_bar import HostBar, RemoteRunsMixin
 from multilane.gui.hosts.host_picks import HostPicks
 from multilane.gui.hosts.remote_resume import RemoteResumeMixin
@@ -138,7 +139,12 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         rv.addLayout(bar)
         self.summary = SummaryView()
         rv.addWidget(self.summary)
-        rv.addWidget(self.plots, 1)
+        self.health_view = HealthView()
+        self.views = QTabWidget()  # the curves, and the run's health (gui/health)
+        self.views.addTab(self.plots, "Curves")
+        self.views.addTab(self.health_view, "Health")
+        self.views.currentChanged.connect(lambda _: self._refresh_health())
+        rv.addWidget(self.views, 1)
         # While the Sweep tab is open the right side is the sweep (its view), the run plots under it
         # only when they show the selected trials (SweepTab.sync_window).
         self.run_view = right
@@ -316,7 +322,17 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         self.auto_range.blockSignals(False)
         self.plots.set_auto_range(False)
 
+    def _refresh_health(self) -> None:
+        """The Health view follows the run the curves show, redrawn only while it is the tab shown."""
+        if self.views.currentWidget() is not self.health_view:
+            return
+        if self.health_view.data is not self.plots.data:
+            self.health_view.set_data(self.plots.data)
+        else:
+            self.health_view.refresh()
+
     def _idle_tick(self) -> None:
+        self._refresh_health()
         if not self.is_running():
             self.devices.update_idle()
             if self.devices.host is None:

@@ -30,7 +30,8 @@ def f32(x: float) -> float:
 def test_a_runs_tensorboard_files_read_back_to_its_records(tmp_path):
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--task", "mlp", "--steps", "60", "--devices", "cpu:0,cpu:1", "--runs-dir", str(runs)]
-    for s in ("train.tensorboard=true", "train.log_every=3", "train.eval_every=20", "telemetry.record_s=0.1"):
+    sets = ("train.tensorboard=true", "train.log_every=3", "train.eval_every=20", "telemetry.record_s=0.1")
+    for s in (*sets, "health.every=6"):
         args += ["--set", s]
     r = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
@@ -70,6 +71,18 @@ def test_a_runs_tensorboard_files_read_back_to_its_records(tmp_path):
     assert [(x["step"], x["val_loss"]) for x in back if x["kind"] == "eval"] == [
         (x["step"], f32(x["val_loss"])) for x in evals
     ]
+    # the noise scale and the per-layer health (issue 32), out and back
+    noisy = [x for x in train if (x.get("noise") or {}).get("b_simple") is not None]
+    assert noisy
+    for rec in noisy:
+        assert tb["train/noise_scale"][rec["step"]] == [f32(rec["noise"]["b_simple"])]
+    health = [x for x in recs if x["kind"] == "health"]
+    back_health = [x for x in back if x["kind"] == "health"]
+    assert [x["step"] for x in health] == list(range(6, 61, 6)) == [x["step"] for x in back_health]
+    for mine, orig in zip(back_health, health, strict=True):
+        assert mine["rows"] == orig["rows"] and mine["act_rows"] == orig["act_rows"]
+        for key in ("grad_norm", "weight_norm", "update_ratio", "act_mean", "act_std", "act_zero"):
+            assert mine[key] == [f32(v) for v in orig[key]], key
 
 
 def snapshot(folder) -> dict:

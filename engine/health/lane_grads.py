@@ -1,0 +1,112 @@
+"""Each lane's own gradient, caught where the strategy holds it before the lanes are summed.
+
+- ``replicate``: every lane's parameters are its own tensors (``LaneCopies``' outputs), so a tensor
+  hook on each receives exactly that lane's gradient before ``LaneCopies.backward`` sums them
+  (``watch_replicas``);
+- ``persistent``: each replica's ``.grad`` holds its lane's gradient (summed over the step's
+  micro-batches) until ``reduce_gradients`` sums them into the model's (``take_lanes``, called there;
+  on GPUs a sampled step sums after backward, not in buckets while it runs);
+- ``ddp``: a DDP communication hook sees each bucket of this rank's gradient before the all-reduce
+  (``ddp_hook``).
+
+Norms stay on the device; ``read()`` returns them all at log time in one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``Σ |g|²`` over ``grads`` as a float64 0-dim tensor on ``device`` (no sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([g.detach() for g in grads])
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+
+
+class LaneGradProbe:
+    """Catches ``|h_i|²`` for every lane over one optimizer step, while ``armed``."""
+
+    def __init__(self, lanes: int, device: torch.device, always: bool = False) -> None:
+        self.lanes = lanes
+        self.always = always  # a ddp rank: a vector at every sampled step, for the ranks' sum
+        self.device = device
+        self.armed = False
+        self._accum = 1
+        self._grads: list[dict[int, torch.Tensor]] = [{} for _ in range(lanes)]
+        self._sq: list[torch.Tensor | None] = [None] * lanes
+
+    def arm(self, accum: int) -> None:
+        self.armed = True
+        self._accum = accum
+        self._grads = [{} for _ in range(self.lanes)]
+        self._sq = [None] * self.lanes
+
+    def disarm(self) -> None:
+        self.armed = False
+        self._grads = [{} for _ in range(self.lanes)]
+
+    # -- replicate: tensor hooks on each lane's parameter copies --------------------------------
+    def watch_replicas(self, params: Sequence[Sequence[torch.Tensor]], lanes: Sequence[int]) -> None:
+        """Hook every differentiable parameter copy of each lane in ``lanes`` (``params[k]``: lane
+        ``lanes[k]``'s copies, in ``model.parameters()`` order)."""
+        for lane, lane_params in zip(lanes, params, strict=True):
+            for j, p in enumerate(lane_params):
+                if p.requires_grad and p.grad_fn is not None:
+                    p.register_hook(self._hook(lane, j))
+
+    def _hook(self, lane: int, j: int) -> Callable[[torch.Tensor], None]:
+        store = self._grads[lane]
+
+        def hook(g: torch.Tensor) -> None:
+            old = store.get(j)
+            # out of place: ``g`` is the very tensor LaneCopies then sums
+            store[j] = g.detach() if old is None else old + g.detach()
+
+        return hook
+
+    # -- persistent: each replica's own .grad before the reduce ---------------------------------
+    def take_lanes(self, params: Sequence[Sequence[torch.Tensor]]) -> None:
+        """``params[lane]``: that lane's replica parameters; their ``.grad`` is the lane's gradient."""
+        for lane, lane_params in enumerate(params):
+            grads = [p.grad for p in lane_params if p.grad is not None]
+            if grads:
+                self._sq[lane] = squared_norm(grads, self.device)
+
+    # -- ddp: this rank's buckets before the all-reduce -----------------------------------------
+    def add_bucket(self, lane: int, flat: torch.Tensor, scale: float) -> None:
+        sq = flat.detach().to(torch.float64).square().sum().to(self.device) * (scale * scale)
+        old = self._sq[lane]
+        self._sq[lane] = sq if old is None else old + sq
+
+    # -- the step's end ---------------------------------------------------------------------------
+    def lane_squares(self) -> torch.Tensor | None:
+        """``|h_i|²`` per lane (float64, on the probe's device; 0 for a lane without a gradient), or None
+        if no lane's gradient was caught."""
+        for lane, store in enumerate(self._grads):
+            if store:
+                self._sq[lane] = squared_norm(list(store.values()), self.device)
+        self._grads = [{} for _ in range(self.lanes)]
+        sq, self._sq = self._sq, [None] * self.lanes
+        if all(s is None for s in sq) and not self.always:
+            return None
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([zero if s is None else s for s in sq])
+
+
+def ddp_comm_hook(probe: LaneGradProbe, rank: int, world: int) -> Callable[[Any, Any], Any]:
+    """A DDP communication hook: this rank's bucket's ``|·|²`` into ``probe`` (while it is armed), then
+    torch's own all-reduce hook (the mean over the ranks, as DDP does without a hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):  # no annotations: torch checks them against its own types
+        if probe.armed:
+            # The rank's loss is its shard's part of the batch's times ``world`` (DDP divides by it).
+            probe.add_bucket(rank, bucket.buffer(), 1.0 / world)
+        return allreduce_hook(state, bucket)
+
+    return hook

@@ -1,0 +1,240 @@
+"""The run's health, sampled every ``health.every`` steps: the trainer's one object for it.
+
+The trainer calls, on every step, ``begin_step`` → ``micro`` (per micro-batch) → ``after_reduce``
+(the model's ``.grad`` is the batch's) → ``before_update`` → the optimizer steps → ``after_update``;
+each is a flag test on a step that is not sampled. On a sampled step the per-layer values
+(layers.py) and each lane's gradient (lane_grads.py) are computed on the device; ``at_log`` reads
+every sampled step of the log window in one transfer and returns the noise scale for the train record
+and one ``health`` record per sampled step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from multilane.engine.health.groups import add_by_group, group_rows
+from multilane.engine.health.lane_grads import LaneGradProbe, squared_norm
+from multilane.engine.health.layers import LayerSample, activation_values, layer_values
+from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate
+from torch import nn
+
+ONE_DEVICE = "the noise scale needs two or more devices: it compares each device's gradient with the combined one"
+
+
+def _round(v: float | None) -> float | None:
+    """4 significant digits: the records stay small (a heatmap needs no more)."""
+    if v is None or not math.isfinite(v):
+        return None
+    return float(f"{v:.4g}")
+
+
+class HealthMonitor:
+    """Samples per-layer health and the lanes' gradients on every ``every``-th step."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        lanes: int,
+        device: torch.device,
+        unit: str = "samples",
+        exchange: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.every = cfg.every if cfg.enabled else 0
+        self.lanes = lanes
+        self.device = device
+        self.unit = unit
+        self.exchange = exchange
+        """ddp: sums a vector over the ranks in place (each rank fills its own lane's entries)."""
+        self.probe = LaneGradProbe(lanes, device, always=exchange is not None) if lanes > 1 and self.every else None
+        self.noise = NoiseScale(cfg.noise_decay)
+        self.kinds = [k for k in cfg.activations.split(",") if k.strip()]
+        self.layers: LayerSample | None = None
+        self._rows: tuple[list[str], list[int]] | None = None
+        self._act_rows: tuple[list[str], list[int]] | None = None
+        self.on = False
+        self._step = 0
+        self._shares = LaneShares.empty(lanes)
+        self._handles: list[Any] = []
+        self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]] = []
+        self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
+
+    @property
+    def noise_note(self) -> str | None:
+        """Why the noise scale is not measured in this run, or None."""
+        return ONE_DEVICE if self.every and self.lanes < 2 else None
+
+    # -- the step ---------------------------------------------------------------------------------
+    def begin_step(self, step: int, model: nn.Module, accum: int, replicas: Sequence[nn.Module] | None = ()) -> None:
+        """Before step ``step`` (1-based): arm the sampling if this step is sampled. ``replicas``: the
+        strategy's own copies of the model (persistent), whose hooks are their own; None while they are
+        still to be made (that step samples no activations: a copy made then would keep the hooks)."""
+        if not self.every or step % self.every:
+            return
+        self.on, self._step = True, step
+        if self.layers is None:
+            self.layers = LayerSample(model, self.kinds, self.device)
+        self.layers.reset()
+        self._shares = LaneShares.empty(self.lanes)
+        if self.probe is not None:
+            self.probe.arm(accum)
+        # replicate's replicas share the model's hooks; persistent's own copies need their own
+        if replicas is not None:
+            targets = [model, *[r for r in replicas if r is not model]]
+            self._handles = self.layers.hook_activations(targets)
+
+    def micro(self, lane_units: Sequence[float], lanes: Sequence[int], accum: int, total: float | None = None) -> None:
+        """One micro-batch: how many units (samples, or loss weight) each lane in ``lanes`` carried
+        (``total``: the micro-batch's, where ``lanes`` are not all of them)."""
+        if self.on:
+            self._shares.add_micro(lane_units, lanes, accum, total)
+
+    def after_reduce(self, model: nn.Module, scale: torch.Tensor | None) -> None:
+        """The model's ``.grad`` is the batch's gradient (before clipping; ``scale``: fp16's loss scale)."""
+        if not self.on:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        assert self.layers is not None
+        self.layers.gradients(scale)
+        out: dict[str, torch.Tensor] = {}
+        if self.probe is not None:
+            lane_sq = self.probe.lane_squares()
+            if lane_sq is not None:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                total = squared_norm(grads, self.device)
+                if scale is not None:
+                    s2 = scale.to(self.device, torch.float64).square()
+                    lane_sq, total = lane_sq / s2, total / s2
+                out["lane_sq"], out["total_sq"] = lane_sq, total.reshape(1)
+            self.probe.disarm()
+        self._noise_tensors = out
+
+    def before_update(self) -> None:
+        if self.on and self.layers is not None:
+            self.layers.before_update()
+
+    def after_update(self) -> None:
+        if not self.on:
+            return
+        assert self.layers is not None
+        self.layers.after_update()
+        self._pending.append((self._step, {**self.layers.tensors(), **self._noise_tensors}, self._shares))
+        self.batch_units = self._shares.units
+        self.on = False
+
+    def abandon(self) -> None:
+        """A step that failed part way: drop what it armed."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.probe is not None:
+            self.probe.disarm()
+        self.on = False
+
+    # -- log time ---------------------------------------------------------------------------------
+    def at_log(self, wall_time: float | None = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """``(noise, records)``: the smoothed noise scale for the train record (None if not measured)
+        and one ``health`` record per sampled step of the window (grouped rows; its ``layers`` holds
+        every layer's values, for the run folder's ``health_layers.jsonl``). The window's one read of
+        the device."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return self._noise_value(), []
+        if self.exchange is not None:
+            self._exchange(pending)
+        keys = [sorted(t) for _, t, _ in pending]
+        flat = [
+            t[k].reshape(-1).to(self.device, torch.float64)
+            for (_, t, _), ks in zip(pending, keys, strict=True)
+            for k in ks
+        ]
+        values = torch.cat(flat).tolist() if flat else []
+        records, at = [], 0
+        wall = time.time() if wall_time is None else wall_time
+        for (step, tensors, shares), ks in zip(pending, keys, strict=True):
+            sums: dict[str, list[float]] = {}
+            for k in ks:
+                n = tensors[k].numel()
+                sums[k] = values[at : at + n]
+                at += n
+            if "lane_sq" in sums:
+                est = step_estimate(sums["lane_sq"], sums["total_sq"][0], shares)
+                if est is not None:
+                    self.noise.add(*est)
+            records.append(self._record(step, sums, wall))
+        return self._noise_value(), records
+
+    def _exchange(self, pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]]) -> None:
+        """ddp: every rank's lane entries and shares summed over the ranks (one collective)."""
+        n = self.lanes
+        parts = []
+        for _, t, sh in pending:
+            if "lane_sq" in t:
+                parts += [t["lane_sq"], torch.tensor([*sh.a, *sh.q, sh.units], dtype=torch.float64, device=self.device)]
+        if not parts:
+            return
+        pack = torch.cat(parts)
+        self.exchange(pack)
+        at = 0
+        for _, t, sh in pending:
+            if "lane_sq" in t:
+                t["lane_sq"] = pack[at : at + n]
+                vals = pack[at + n : at + 3 * n + 1].tolist()
+                sh.a, sh.q, sh.units = vals[:n], vals[n : 2 * n], vals[2 * n]
+                self.batch_units = sh.units
+                at += 3 * n + 1
+
+    def _noise_value(self) -> dict[str, Any] | None:
+        v = self.noise.value()
+        if v is None:
+            return None
+        return {k: _round(x) for k, x in v.items()} | {"batch": self.batch_units, "unit": self.unit}
+
+    def _record(self, step: int, sums: dict[str, list[float]], wall: float) -> dict[str, Any]:
+        """One ``health`` record: the grouped rows (the full per-layer list is ``layers``)."""
+        assert self.layers is not None
+        names = self.layers.names
+        if self._rows is None:
+            self._rows = group_rows(names, self.cfg.groups)
+        groups, of = self._rows
+        rec: dict[str, Any] = {"kind": "health", "step": step, "wall_time": wall, "rows": groups}
+        grouped = {
+            k: add_by_group(sums[k], of, len(groups)) for k in ("grad_sq", "weight_sq", "update_sq") if k in sums
+        }
+        for k, v in layer_values(groups, grouped).items():
+            rec[k] = [_round(x) for x in v]
+        full = layer_values(names, sums)
+        if "act" in sums:
+            act_names = [f"{n} ({kind})" for n, kind in self.layers.act_names]
+            if self._act_rows is None:
+                self._act_rows = group_rows(act_names, self.cfg.groups)
+            agroups, aof = self._act_rows
+            rows4 = [sums["act"][4 * i : 4 * i + 4] for i in range(len(act_names))]
+            summed = [[0.0] * 4 for _ in agroups]
+            for r, g in zip(rows4, aof, strict=True):
+                summed[g] = [a + b for a, b in zip(summed[g], r, strict=True)]
+            rec["act_rows"] = agroups
+            for k, v in activation_values(summed).items():
+                rec[k] = [_round(x) for x in v]
+            full |= {k: v for k, v in activation_values(rows4).items()}
+            full["act_rows"] = act_names
+        rec["layers"] = {
+            "step": step,
+            "names": names,
+            **{k: [_round(x) if isinstance(x, float) else x for x in v] for k, v in full.items()},
+        }
+        return rec
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self.noise.state_dict()}
+
+    def load_state_dict(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.noise.load_state_dict(state.get("noise"))

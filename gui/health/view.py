@@ -1,0 +1,175 @@
+"""The Health view: a heatmap of layers × sampled steps for each quantity, and the noise scale.
+
+The heatmap draws the run's ``health`` records as they are: one column per sampled step, one row per
+layer (or block), the colour the value's log10 for the norms and ratios (a linear scale for the
+activations' mean and fraction of zeros), a missing value left transparent. Hovering names the layer,
+the step and the value. Below it, the smoothed noise scale ``B_simple`` per logged step with the run's
+batch as a line, and the verdict (engine/health/noise_scale.py). Redrawn from the run's lists on the
+window's timer, only while the view is shown.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from multilane.engine.health.monitor import ONE_DEVICE
+from multilane.engine.health.noise_scale import verdict
+from multilane.gui.runs.run_data import RunData
+from PySide6.QtCore import QRectF
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+
+QUANTITIES = {
+    "grad_norm": ("gradient norm", "rows", True),
+    "weight_norm": ("weight norm", "rows", True),
+    "update_ratio": ("update / weight (‖Δw‖/‖w‖)", "rows", True),
+    "act_mean": ("activation mean", "act_rows", False),
+    "act_std": ("activation std", "act_rows", True),
+    "act_zero": ("activation: fraction of exact zeros", "act_rows", False),
+}
+
+
+def matrix(records: list[dict], quantity: str) -> tuple[list[str], list[int], np.ndarray]:
+    """``(row names, steps, values[row, step])`` of ``quantity``; NaN where a record has no value."""
+    _, rows_key, _ = QUANTITIES[quantity]
+    recs = [r for r in records if r.get(quantity) is not None and r.get(rows_key)]
+    if not recs:
+        return [], [], np.zeros((0, 0))
+    names = list(recs[-1][rows_key])
+    where = {n: i for i, n in enumerate(names)}
+    out = np.full((len(names), len(recs)), np.nan)
+    for j, r in enumerate(recs):
+        for name, v in zip(r[rows_key], r[quantity], strict=False):
+            i = where.get(name)
+            if i is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                out[i, j] = v
+    return names, [int(r["step"]) for r in recs], out
+
+
+class HealthView(QWidget):
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.data = RunData()
+        self._state: tuple | None = None
+        self.quantity = QComboBox()
+        for key, (label, _, _) in QUANTITIES.items():
+            self.quantity.addItem(label, key)
+        self.quantity.currentIndexChanged.connect(lambda _: self.refresh(force=True))
+        self.hover = QLabel("")
+        self.hover.setObjectName("health.hover")
+        self.noise_line = QLabel("")
+        self.noise_line.setObjectName("health.noise")
+        bar = QHBoxLayout()
+        bar.addWidget(QLabel("quantity"))
+        bar.addWidget(self.quantity)
+        bar.addSpacing(12)
+        bar.addWidget(self.hover, 1)
+        self.canvas = pg.GraphicsLayoutWidget()
+        self.canvas.setBackground("w")
+        self.heat = self.canvas.addPlot(row=0, col=0)
+        self.heat.setLabel("bottom", "step")
+        self.image = pg.ImageItem()
+        self.image.setColorMap(pg.colormap.get("viridis"))
+        self.heat.addItem(self.image)
+        self.bar = pg.ColorBarItem(colorMap=pg.colormap.get("viridis"), interactive=False, width=12)
+        self.bar.setImageItem(self.image, insert_in=self.heat)
+        self.noise = self.canvas.addPlot(row=1, col=0)
+        self.noise.setLabel("left", "noise scale B_simple")
+        self.noise.setLabel("bottom", "step")
+        self.noise.setXLink(self.heat)
+        self.noise_curve = self.noise.plot([], [], pen=pg.mkPen("#1f77b4", width=2), name="B_simple")
+        self.batch_line = pg.InfiniteLine(angle=0, movable=False, pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.DashLine))
+        self.batch_label = pg.TextItem("", color="#d62728", anchor=(0, 1))
+        self.noise.addItem(self.batch_line, ignoreBounds=True)
+        self.noise.addItem(self.batch_label, ignoreBounds=True)
+        self.canvas.ci.layout.setRowStretchFactor(0, 3)
+        self.canvas.ci.layout.setRowStretchFactor(1, 2)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addLayout(bar)
+        lay.addWidget(self.noise_line)
+        lay.addWidget(self.canvas, 1)
+        self._names: list[str] = []
+        self._steps: list[int] = []
+        self._values = np.zeros((0, 0))
+        self.canvas.scene().sigMouseMoved.connect(self._on_mouse)
+
+    def set_data(self, data: RunData) -> None:
+        self.data = data
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        d = self.data
+        key = self.quantity.currentData()
+        state = (id(d), key, len(d.health), d.noise.rows)
+        if state == self._state and not force:
+            return
+        self._state = state
+        self._draw_heatmap(key)
+        self._draw_noise()
+
+    def _draw_heatmap(self, key: str) -> None:
+        label, _, log = QUANTITIES[key]
+        names, steps, values = matrix(self.data.health, key)
+        self._names, self._steps, self._values = names, steps, values
+        if not names:
+            self.image.clear()
+            self.heat.setTitle("no health sampled yet (health.every)", size="9pt")
+            return
+        shown = values.copy()
+        if log:
+            shown[~(shown > 0)] = np.nan
+            shown = np.log10(shown)
+        finite = shown[np.isfinite(shown)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        if hi <= lo:
+            hi = lo + 1e-9
+        self.image.setImage(shown.T, autoLevels=False, levels=(lo, hi))  # x: step, y: row
+        self.bar.setLevels((lo, hi))
+        width = float(np.median(np.diff(steps))) if len(steps) > 1 else 1.0
+        self.image.setRect(QRectF(steps[0] - width / 2, -0.5, width * len(steps), len(names)))
+        self.heat.getAxis("left").setTicks([[(i, n) for i, n in enumerate(names)]])
+        self.heat.invertY(True)
+        self.heat.setTitle(f"{label}{' (log10 colour)' if log else ''}: layers × sampled steps", size="9pt")
+
+    def _draw_noise(self) -> None:
+        d = self.data
+        steps, b = d.noise.get("step"), d.noise.get("b_simple")
+        keep = np.isfinite(b)
+        self.noise_curve.setData(steps[keep], b[keep])
+        batch = d.noise.get("batch")
+        if d.noise.rows and np.isfinite(batch[-1]):
+            last = float(b[keep][-1]) if keep.any() else None
+            self.batch_line.setPos(float(batch[-1]))
+            self.batch_line.setVisible(True)
+            self.batch_label.setText(f"batch {batch[-1]:,.0f}")
+            self.batch_label.setPos(float(steps[0]), float(batch[-1]))
+            self.noise_line.setText(verdict(float(batch[-1]), last))
+        else:
+            self.batch_line.setVisible(False)
+            self.batch_label.setText("")
+            self.noise_line.setText(f"noise scale: {ONE_DEVICE}" if d.health and len(d.devices) < 2 else "")
+
+    def _on_mouse(self, pos) -> None:
+        if not self._names or not self.heat.sceneBoundingRect().contains(pos):
+            self.hover.setText("")
+            return
+        p = self.heat.vb.mapSceneToView(pos)
+        self.hover.setText(self.value_at(p.x(), p.y()))
+
+    def value_at(self, x: float, y: float) -> str:
+        """What the heatmap holds at step ``x``, row ``y``: "layer · step · value" (empty outside)."""
+        if not self._names:
+            return ""
+        i = round(y)
+        if not 0 <= i < len(self._names):
+            return ""
+        j = int(np.argmin([abs(s - x) for s in self._steps]))
+        width = (self._steps[-1] - self._steps[0]) / max(1, len(self._steps) - 1) if len(self._steps) > 1 else 1
+        if abs(self._steps[j] - x) > width / 2 + 1e-9:
+            return ""
+        v = self._values[i, j]
+        label = QUANTITIES[self.quantity.currentData()][0]
+        value = "no value" if not math.isfinite(v) else f"{v:.4g}"
+        return f"{self._names[i]} · step {self._steps[j]} · {label} {value}"

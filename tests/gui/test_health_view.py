@@ -1,0 +1,145 @@
+"""Issue 32 item 5: the Health view draws what the run recorded — read back from the pyqtgraph items.
+
+The heatmap's pixels are the records' values (log10 for norms and ratios, a missing value transparent,
+not zero); hovering names the layer, the step and the value; the noise-scale curve is the records'
+``B_simple`` with the batch as a line; the NaN origin is a line at its step on the loss plot; export
+writes health.csv in long form.
+"""
+
+import csv
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("PySide6")
+
+from multilane.gui.health.view import HealthView
+from multilane.gui.plots.panel import PlotPanel
+from multilane.gui.runs.run_data import RunData
+
+ROWS = ["features.0", "features.2", "head.1"]
+
+
+def make_run() -> RunData:
+    d = RunData("health")
+    t = 1000.0
+    for k in range(1, 7):
+        s = 10 * k
+        t += 1
+        loss = 1.0 / k if k < 6 else None
+        d.add({"kind": "train", "step": s, "wall_time": t, "loss": loss, "device_loss": {"cpu:0": 1.0, "cpu:1": 1.0}})
+        ratios = [10.0 ** -(k + i) for i in range(3)]
+        ratios[1] = None if k == 3 else ratios[1]  # a gap stays a gap
+        d.add(
+            {
+                "kind": "health",
+                "step": s,
+                "wall_time": t,
+                "rows": ROWS,
+                "grad_norm": [float(k), 2.0 * k, 3.0 * k],
+                "update_ratio": ratios,
+                "act_rows": ["features.1 (ReLU)"],
+                "act_zero": [0.1 * k],
+            }
+        )
+    return d
+
+
+def with_noise(d: RunData) -> RunData:
+    for k in range(1, 7):
+        d.add(
+            {
+                "kind": "train",
+                "step": 10 * k + 5,
+                "wall_time": 2000.0 + k,
+                "loss": 0.5,
+                "device_loss": {"cpu:0": 0.5},
+                "noise": {"g2": 1.0, "trace": 100.0 * k, "b_simple": 100.0 * k, "batch": 64, "unit": "samples"},
+            }
+        )
+    return d
+
+
+def test_the_heatmap_is_the_records_values_in_log_colour_with_gaps(qtbot):
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(make_run())
+    view.quantity.setCurrentIndex(view.quantity.findData("update_ratio"))
+    img = view.image.image  # (steps, rows) as drawn
+    assert img.shape == (6, 3)
+    for j, k in enumerate(range(1, 7)):
+        for i in range(3):
+            if i == 1 and k == 3:
+                assert math.isnan(img[j, i])  # no value: transparent, not a colour
+            else:
+                assert img[j, i] == pytest.approx(-(k + i))
+    assert view.image.levels.tolist() == pytest.approx([-8.0, -1.0])
+    # placed at its steps: column j spans step 10(j+1) ± 5, row i at y = i
+    r = view.image.mapRectToParent(view.image.boundingRect())
+    assert (r.left(), r.right(), r.top(), r.bottom()) == pytest.approx((5.0, 65.0, -0.5, 2.5))
+    assert view.value_at(40.0, 2.0) == "head.1 · step 40 · update / weight (‖Δw‖/‖w‖) 1e-06"
+    assert view.value_at(30.0, 1.0).endswith("no value")
+    assert view.value_at(100.0, 1.0) == "" and view.value_at(30.0, 5.0) == ""
+
+
+def test_a_linear_quantity_and_the_activation_rows(qtbot):
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(make_run())
+    view.quantity.setCurrentIndex(view.quantity.findData("act_zero"))
+    assert view.image.image[:, 0].tolist() == pytest.approx([0.1 * k for k in range(1, 7)])
+    assert view.value_at(60.0, 0.0).startswith("features.1 (ReLU) · step 60")
+
+
+def test_the_noise_curve_and_the_batch_line(qtbot):
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(with_noise(make_run()))
+    x, y = view.noise_curve.getData()
+    assert x.tolist() == [15, 25, 35, 45, 55, 65] and y.tolist() == [100, 200, 300, 400, 500, 600]
+    assert view.batch_line.isVisible() and view.batch_line.value() == 64
+    assert view.noise_line.text().startswith("batch 64 · noise scale ≈ 600")
+
+
+def test_one_device_says_why_there_is_no_noise_scale(qtbot):
+    d = RunData("one")
+    d.add({"kind": "train", "step": 10, "wall_time": 1.0, "loss": 1.0, "device_loss": {"cpu:0": 1.0}})
+    d.add({"kind": "health", "step": 10, "wall_time": 1.0, "rows": ["a"], "grad_norm": [1.0]})
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    assert "two or more devices" in view.noise_line.text()
+
+
+def test_the_nan_origin_is_a_line_at_its_step_on_the_loss_plot(qtbot):
+    d = make_run()
+    msg = "loss became nan at step 42: first non-finite output in head.1 on cpu:1, from samples 7"
+    d.add(
+        {
+            "kind": "event",
+            "event": "nonfinite_origin",
+            "step": 60,
+            "wall_time": 1010.0,
+            "message": msg,
+            "origin_step": 42,
+        }
+    )
+    panel = PlotPanel()
+    qtbot.addWidget(panel)
+    panel.reset(d)
+    panel.refresh()
+    lines = [item for p, item in panel._pause_items if p is panel.plots[0] and item.toolTip() == msg]
+    assert len(lines) == 1 and lines[0].value() == 42
+
+
+def test_export_writes_health_in_long_form(tmp_path):
+    d = with_noise(make_run())
+    n = d.write_health_csv(tmp_path / "health.csv")
+    rows = list(csv.DictReader((tmp_path / "health.csv").read_text().splitlines()))
+    assert len(rows) == n == 6 * (3 + 3 + 1) + 6 * 4
+    got = {(r["step"], r["quantity"], r["layer"]): r["value"] for r in rows}
+    assert float(got[("40", "update_ratio", "head.1")]) == pytest.approx(1e-6)
+    assert got[("30", "update_ratio", "features.2")] == ""
+    assert float(got[("65", "noise_b_simple", "")]) == 600
+    assert np.isfinite(float(got[("10", "grad_norm", "features.0")]))
