@@ -87,7 +87,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep = Sweep.open(args.resume)
         target = args.trials or sweep.spec.trials
         if args.pruner:  # how unfinished trials are judged may change; what was searched may not
-            from multilane.engine.sweep.study import make_pruner
+            from multilane.engine.sweep.sampling import make_pruner
 
             sweep.spec.pruner = args.pruner
             sweep.study.pruner = make_pruner(sweep.spec)

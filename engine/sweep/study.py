@@ -17,13 +17,11 @@ from typing import Any
 import psutil
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_storage
+from multilane.engine.sweep.sampling import enqueue_grid, make_pruner, make_sampler
 from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
 
 JOURNAL = "study.journal"
 SWEEP_JSON = "sweep.json"
-# The median pruner waits for this many finished trials before it compares (Optuna's default is 5:
-# a sweep of a handful of trials would never prune).
-PRUNE_STARTUP = 2
 
 
 class Sweep:
@@ -109,6 +107,15 @@ class Sweep:
         path.mkdir(parents=True, exist_ok=True)
         return cls(path, spec, study, storage_url)
 
+    # -- asking ---------------------------------------------------------------------------------------
+    def ask(self, worker: str | None = None) -> tuple[Any, dict[str, Any]]:
+        """A new trial for this process to run: asked of the study, who runs it recorded, its parameters
+        suggested (by a sampler seeded from the study's seed and the trial's number)."""
+        trial = self.study.ask()
+        for k, v in worker_identity(worker).items():
+            trial.set_user_attr(k, v)
+        return trial, {p.key: p.suggest(trial) for p in self.spec.params}
+
     # -- counting and recovery ------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Trials by how far they got: ``done`` (complete, pruned, failed on their own), ``running``, ``lost``."""
@@ -174,35 +181,3 @@ def _storage(folder: Path, storage_url: str | None) -> Any:
     if storage_url:
         return rdb_storage(storage_url)
     return journal_storage(str(folder / JOURNAL))
-
-
-def make_sampler(spec: SweepSpec) -> Any:
-    mod = optuna()
-    if spec.sampler == "random":
-        return mod.samplers.RandomSampler(seed=spec.seed)
-    if spec.sampler == "grid":
-        # Optuna's GridSampler calls study.stop() when the grid is done, which only works inside
-        # study.optimize; slots ask and tell. So the grid is enqueued whole (enqueue_grid) when the
-        # sweep is made, and an enqueued trial takes its params from the queue, whatever the sampler.
-        return mod.samplers.RandomSampler(seed=spec.seed)
-    return mod.samplers.TPESampler(seed=spec.seed)
-
-
-def enqueue_grid(study: Any, spec: SweepSpec) -> None:
-    """Every combination of the grid, in an order shuffled by the seed (as Optuna's GridSampler picks), queued."""
-    import itertools
-    import random
-
-    combos = list(itertools.product(*(p.grid() for p in spec.params)))
-    random.Random(spec.seed).shuffle(combos)
-    for values in combos:
-        study.enqueue_trial({p.key: v for p, v in zip(spec.params, values, strict=True)})
-
-
-def make_pruner(spec: SweepSpec) -> Any:
-    mod = optuna()
-    if spec.pruner == "none":
-        return mod.pruners.NopPruner()
-    if spec.pruner == "halving":
-        return mod.pruners.SuccessiveHalvingPruner()
-    return mod.pruners.MedianPruner(n_startup_trials=PRUNE_STARTUP, n_warmup_steps=0)
