@@ -29,6 +29,8 @@ def journal_storage(path: str) -> object:
 
 def rdb_storage(url: str) -> object:
     """An Optuna RDB storage (PostgreSQL, MySQL, SQLite) at ``url``, or one line saying why not."""
+    from multilane.engine.sweep.storage_guard import redact
+
     mod = optuna()
     try:
         return mod.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
@@ -36,5 +38,7 @@ def rdb_storage(url: str) -> object:
         raise UserError(
             f"--storage {url.split('://')[0]}: its database driver is not installed ({e.name or e})"
         ) from None
+    except RuntimeError as e:  # Optuna's schema check: the tables of another Optuna version
+        raise UserError(f"--storage {redact(url)}: {redact(str(e).split('. ')[0])}; nothing was changed") from None
     except Exception as e:  # sqlalchemy's errors: a bad URL, a server that does not answer
-        raise UserError(f"--storage: cannot open the database ({str(e).splitlines()[0][:200]})") from None
+        raise UserError(f"--storage: cannot open the database ({redact(str(e).splitlines()[0][:200])})") from None

@@ -19,6 +19,7 @@ from multilane.engine.errors import UserError
 from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_storage
 from multilane.engine.sweep.sampling import enqueue_grid, make_pruner, make_sampler
 from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
+from multilane.engine.sweep.storage_guard import check_journal, check_sqlite, sqlite_path
 
 JOURNAL = "study.journal"
 SWEEP_JSON = "sweep.json"
@@ -38,7 +39,7 @@ class Sweep:
     def create(cls, spec: SweepSpec, sweeps_dir: str | Path, storage_url: str | None = None) -> Sweep:
         """A new sweep folder ``<sweeps_dir>/<timestamp>-<name>`` and its study (in the folder's journal, or at ``storage_url``)."""
         root = Path(sweeps_dir).expanduser()
-        rdb = rdb_storage(storage_url) if storage_url else None  # a bad URL is one line before any folder exists
+        rdb = _storage(root, storage_url, must_exist=False) if storage_url else None  # a bad URL: one line, no folder
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -53,7 +54,7 @@ class Sweep:
                 continue
         else:
             raise UserError(f"--sweeps-dir {root}: too many sweeps named {spec.name!r} this second")
-        storage = rdb if rdb is not None else _storage(folder, None)
+        storage = rdb if rdb is not None else journal_storage(str(folder / JOURNAL))
         mod = optuna()
         try:
             study = mod.create_study(
@@ -94,7 +95,7 @@ class Sweep:
     def join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
         """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in ``folder``."""
         path = Path(folder).expanduser()
-        storage = _storage(path, storage_url)
+        storage = _storage(path, storage_url, must_exist=True)
         mod = optuna()
         try:
             probe = mod.load_study(study_name=study_name, storage=storage)
@@ -177,7 +178,13 @@ def _alive(pid: Any, started: Any) -> bool:
         return False
 
 
-def _storage(folder: Path, storage_url: str | None) -> Any:
+def _storage(folder: Path, storage_url: str | None, must_exist: bool) -> Any:
+    """The study's storage, checked first (storage_guard): a torn journal tail cut back, a file that is
+    no Optuna storage refused in one line."""
     if storage_url:
+        db = sqlite_path(storage_url)
+        if db is not None:
+            check_sqlite(db, must_exist)
         return rdb_storage(storage_url)
+    check_journal(folder / JOURNAL)
     return journal_storage(str(folder / JOURNAL))
