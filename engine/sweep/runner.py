@@ -148,6 +148,8 @@ class SweepRunner:
                 self.sweep.study.tell(trial, state=ts.PRUNED)
             elif outcome.state == "interrupted":
                 self.sweep.fail_and_requeue(trial, outcome.message or "interrupted")
+            elif outcome.state == "lost":  # killed (kill -9, out of memory): re-queued, not counted
+                self.sweep.fail_and_requeue(trial, outcome.message or "lost", killed=True)
             else:
                 trial.set_user_attr("error", outcome.message or "failed")
                 self.sweep.study.tell(trial, state=ts.FAIL)

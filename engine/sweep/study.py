@@ -8,15 +8,13 @@ records it FAIL (``lost``) and enqueues its parameters again, so the sweep re-ru
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_storage
+from multilane.engine.sweep.recovery import asking, fail_and_requeue, recover_lost, worker_identity
 from multilane.engine.sweep.sampling import enqueue_grid, make_pruner, make_sampler
 from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
 from multilane.engine.sweep.storage_guard import check_journal, check_sqlite, sqlite_path
@@ -112,9 +110,10 @@ class Sweep:
     def ask(self, worker: str | None = None) -> tuple[Any, dict[str, Any]]:
         """A new trial for this process to run: asked of the study, who runs it recorded, its parameters
         suggested (by a sampler seeded from the study's seed and the trial's number)."""
-        trial = self.study.ask()
-        for k, v in worker_identity(worker).items():
-            trial.set_user_attr(k, v)
+        with asking():  # recover_lost never sees the trial between the ask and who runs it
+            trial = self.study.ask()
+            for k, v in worker_identity(worker).items():
+                trial.set_user_attr(k, v)
         return trial, {p.key: p.suggest(trial) for p in self.spec.params}
 
     # -- counting and recovery ------------------------------------------------------------------------
@@ -134,48 +133,12 @@ class Sweep:
         return c
 
     def recover_lost(self) -> list[int]:
-        """Trials RUNNING in the storage whose worker on this machine is gone: recorded failed (``lost``)
-        and their parameters enqueued again. Returns their numbers."""
-        ts = optuna().trial.TrialState
-        lost = []
-        host = socket.gethostname()
-        for t in self.study.get_trials(deepcopy=False, states=(ts.RUNNING,)):
-            a = t.user_attrs
-            if a.get("host", host) != host or _alive(a.get("worker_pid"), a.get("worker_started")):
-                continue  # another machine's trial, or a live worker's: not ours to judge
-            self.fail_and_requeue(t, "its worker process is gone (killed?)")
-            lost.append(t.number)
-        return lost
+        """``recovery.recover_lost`` on this sweep: its lost trials re-queued. Returns their numbers."""
+        return recover_lost(self)
 
-    def fail_and_requeue(self, trial: Any, why: str) -> None:
-        """Record a trial that did not end on its own as failed (``lost``), and enqueue its parameters again."""
-        storage = self.study._storage
-        storage.set_trial_user_attr(trial._trial_id, "lost", why)
-        storage.set_trial_state_values(trial._trial_id, optuna().trial.TrialState.FAIL)
-        if trial.params:
-            self.study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
-
-
-def worker_identity(name: str | None = None) -> dict[str, Any]:
-    """Who runs a trial: this host and process (its start time, so a reused pid is not taken for it), and
-    the worker's name as the user knows the machine (``--worker-name``: the app passes the SSH host's name)."""
-    host = socket.gethostname()
-    return {
-        "host": host,
-        "worker": name or host,
-        "worker_pid": os.getpid(),
-        "worker_started": psutil.Process().create_time(),
-    }
-
-
-def _alive(pid: Any, started: Any) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        p = psutil.Process(pid)
-        return started is None or abs(p.create_time() - float(started)) < 1.0
-    except (psutil.Error, ValueError, TypeError):
-        return False
+    def fail_and_requeue(self, trial: Any, why: str, killed: bool = False) -> None:
+        """``recovery.fail_and_requeue``: a trial that did not end on its own, re-queued."""
+        fail_and_requeue(self, trial, why, killed)
 
 
 def _storage(folder: Path, storage_url: str | None, must_exist: bool) -> Any:

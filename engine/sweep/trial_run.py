@@ -23,7 +23,7 @@ from typing import Any
 from multilane.engine.config import build_config, merge
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.rundir.control_file import write_control
-from multilane.engine.rundir.follow import MetricsTail
+from multilane.engine.rundir.follow import TERMINAL_STATES, MetricsTail
 from multilane.engine.rundir.runlog import CONFIG, STATUS
 
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
@@ -54,7 +54,7 @@ def requested(run_dir: Path) -> str | None:
 
 @dataclass
 class TrialOutcome:
-    state: str  # "complete", "pruned", "failed", "interrupted"
+    state: str  # "complete", "pruned", "failed", "interrupted", "lost"
     value: float | None = None
     message: str | None = None
 
@@ -175,13 +175,23 @@ def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) 
     if stopping:
         return TrialOutcome("interrupted", last, "the sweep was stopped")
     state = proc.status().get("state")
-    if state != "finished" or proc.proc.returncode != 0:
+    rc = proc.proc.returncode
+    if rc is not None and rc < 0 and state not in TERMINAL_STATES:  # killed with no end: lost, not failed
+        return TrialOutcome("lost", last, f"its process was killed ({_signal_name(-rc)}) before it recorded an end")
+    if state != "finished" or rc != 0:
         return TrialOutcome("failed", last, proc.error_line())
     if last is None:
         return TrialOutcome("failed", None, f"the run logged no {objective!r}")
     if not math.isfinite(last):
         return TrialOutcome("failed", last, f"{objective} is {last}")
     return TrialOutcome("complete", last)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _die_with_parent() -> None:
