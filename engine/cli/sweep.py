@@ -119,7 +119,8 @@ def cmd_sweep_worker(args: argparse.Namespace) -> int:
     if not args.study:
         raise UserError("sweep-worker: give --study NAME (the sweep's --name)")
     folder = Path(args.sweeps_dir or "sweeps") / args.study
-    sweep = Sweep.join(storage, args.study, folder)
+    say = lambda line: print(f"sweep-worker: {line}", flush=True)  # noqa: E731
+    sweep = Sweep.join(storage, args.study, folder, wait_s=args.wait, say=say)
     slots = split_slots(args.devices or "auto", args.per_trial or sweep.spec.per_trial)
     print(f"sweep-worker {args.study} · trial folders in {folder} · {len(slots)} slot(s): {' | '.join(slots)}")
     return _run(sweep, slots, sweep.spec.trials, args.no_table, args.worker_name)

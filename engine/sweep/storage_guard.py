@@ -35,7 +35,7 @@ def check_journal(path: Path) -> None:
     from optuna.storages.journal._file import get_lock_file
 
     if not path.exists():
-        raise NotThereYet(f"{path}: the study's journal is missing")
+        raise NotThereYet(f"the study's journal {path}")
     if not path.is_file():
         raise UserError(f"{path}: not a journal file (a folder or a device)")
     with get_lock_file(JournalFileSymlinkLock(str(path))):
@@ -123,7 +123,7 @@ def check_sqlite(path: Path, must_exist: bool) -> None:
     """Refuse an SQLite file that is empty, not SQLite, another program's, or of another Optuna's schema."""
     if not path.exists():
         if must_exist:
-            raise NotThereYet(f"{path}: the study's SQLite database does not exist")
+            raise NotThereYet(f"the study's SQLite database {path}")
         return
     if not path.is_file():
         raise UserError(f"{path}: not an SQLite database file (a folder or a device); nothing was changed")
@@ -133,7 +133,7 @@ def check_sqlite(path: Path, must_exist: bool) -> None:
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
     if not head:
-        raise NotThereYet(f"{path} is empty: not an Optuna database; nothing was changed")
+        raise NotThereYet(f"the study's SQLite database {path} (it is empty: not an Optuna database yet)")
     if head != SQLITE_MAGIC:
         raise UserError(f"{path}: not an SQLite database; nothing was changed")
     tables, version = _sqlite_tables(path)

@@ -17,10 +17,19 @@ from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_stora
 from multilane.engine.sweep.recovery import asking, fail_and_requeue, recover_lost, worker_identity
 from multilane.engine.sweep.sampling import enqueue_grid, make_pruner, make_sampler
 from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
-from multilane.engine.sweep.storage_guard import check_journal, check_sqlite, sqlite_path
+from multilane.engine.sweep.storage_guard import (
+    NotThereYet,
+    check_journal,
+    check_sqlite,
+    has_secret,
+    redact,
+    sqlite_path,
+    write_private,
+)
 
 JOURNAL = "study.journal"
 SWEEP_JSON = "sweep.json"
+STORAGE_URL = ".storage-url"  # the storage URL when it holds a password: mode 0600 (sweep.json shows it as ***)
 
 
 class Sweep:
@@ -65,14 +74,15 @@ class Sweep:
         except mod.exceptions.DuplicatedStudyError:
             folder.rmdir()
             raise UserError(f"--storage already holds a study named {spec.name!r}; pick another --name") from None
-        study.set_user_attr(SPEC_ATTR, spec.to_dict())
         if spec.sampler == "grid":
             enqueue_grid(study, spec)
+        study.set_user_attr(SPEC_ATTR, spec.to_dict())  # last: a worker waits for it, so it finds the grid queued
+        if has_secret(storage_url):  # the URL's password: a file of its owner's eyes only, from its first byte
+            write_private(folder / STORAGE_URL, (str(storage_url) + "\n").encode())
+        shown = redact(storage_url) if storage_url else None
         (folder / SWEEP_JSON).write_text(
-            json.dumps({"study": spec.name, "storage": storage_url, **spec.to_dict()}, indent=2) + "\n"
+            json.dumps({"study": spec.name, "storage": shown, **spec.to_dict()}, indent=2) + "\n"
         )
-        if storage_url and "@" in storage_url:  # the URL may hold the database's password: its owner's eyes only
-            (folder / SWEEP_JSON).chmod(0o600)
         return cls(folder, spec, study, storage_url)
 
     @classmethod
@@ -87,19 +97,46 @@ class Sweep:
             raise UserError(f"--resume {path}: {SWEEP_JSON} cannot be read ({e})") from None
         if not isinstance(saved, dict):
             raise UserError(f"--resume {path}: {SWEEP_JSON} is not a sweep's description")
-        return cls.join(saved.get("storage"), str(saved.get("study")), path)
+        url = saved.get("storage")
+        if (path / STORAGE_URL).is_file():  # the URL with its password, which sweep.json shows as ***
+            try:
+                url = (path / STORAGE_URL).read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise UserError(f"--resume {path}: {STORAGE_URL} cannot be read ({e.strerror or e})") from None
+        return cls.join(url, str(saved.get("study")), path)
 
     @classmethod
-    def join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
-        """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in ``folder``."""
+    def join(
+        cls, storage_url: str | None, study_name: str, folder: str | Path, wait_s: float = 0.0, say: Any = None
+    ) -> Sweep:
+        """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in
+        ``folder``. A study (or storage) not there yet is waited for up to ``wait_s`` seconds, with one line
+        to ``say`` saying what for: a worker started with, or before, its sweep."""
+        end = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                return cls._join(storage_url, study_name, folder)
+            except NotThereYet as e:
+                if time.monotonic() >= end:
+                    raise UserError(f"{e}{f' (waited {wait_s:.0f} s)' if wait_s else ''}") from None
+                if say is not None and not said:
+                    say(f"waiting for {e} (the sweep may be making it); giving up after {wait_s:.0f} s")
+                    said = True
+                time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+
+    @classmethod
+    def _join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
         path = Path(folder).expanduser()
         storage = _storage(path, storage_url, must_exist=True)
         mod = optuna()
         try:
             probe = mod.load_study(study_name=study_name, storage=storage)
         except KeyError:
-            raise UserError(f"no study named {study_name!r} in the storage") from None
-        spec = SweepSpec.from_dict(probe.user_attrs.get(SPEC_ATTR) or {})
+            raise NotThereYet(f"a study named {study_name!r} in the storage") from None
+        if SPEC_ATTR not in probe.user_attrs:  # made a moment ago: its spec comes next (or it is no sweep's)
+            raise NotThereYet(f"the sweep's settings in study {study_name!r} (a Multilane sweep's study)")
+        spec = SweepSpec.from_dict(probe.user_attrs[SPEC_ATTR] or {})
         study = mod.load_study(
             study_name=study_name, storage=storage, sampler=make_sampler(spec), pruner=make_pruner(spec)
         )
