@@ -315,6 +315,8 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any config value every trial shares"
     )
     s.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")
+    s.add_argument("--trial-timeout", type=_positive_int, metavar="S",
+                   help="stop a trial after S seconds and record it failed (default: no limit)")  # fmt: skip
 
     w = sub.add_parser(
         "sweep-worker",

@@ -65,6 +65,7 @@ def build_spec(args: argparse.Namespace) -> Any:
         pruner=args.pruner or "median",
         seed=args.seed,
         name=name,
+        trial_timeout=args.trial_timeout,
     )
     if spec.sampler == "grid":
         size = math.prod(len(p.grid()) for p in spec.params)
@@ -91,6 +92,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
             sweep.spec.pruner = args.pruner
             sweep.study.pruner = make_pruner(sweep.spec)
+        if args.trial_timeout:  # how long a trial may run may change too
+            sweep.spec.trial_timeout = args.trial_timeout
     else:
         spec = build_spec(args)
         split_slots(args.devices or "auto", spec.per_trial)  # bad devices: one line before the folder exists
@@ -229,7 +232,8 @@ def _fmt(v: Any) -> str:
 
 def _stop_on_signals(runner: Any, console: Any) -> None:
     """Ctrl+C or SIGTERM: the first stops the sweep (running trials stop with a checkpoint and are
-    re-queued for --resume); the second exits at once (the trials die with the sweep)."""
+    re-queued for --resume); the second exits at once (the trials get SIGTERM, and SIGKILL from their
+    guards after the grace)."""
     count = 0
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -238,9 +242,10 @@ def _stop_on_signals(runner: Any, console: Any) -> None:
         if count == 1:
             console.print("[yellow]stopping the sweep: running trials stop and are re-queued (Ctrl+C again to quit)[/]")
             runner.stop()
-        else:
+        else:  # trials get SIGTERM now; each one's guard SIGKILLs what is left after the grace
             import os
 
+            runner.kill_trials()
             os._exit(130)
 
     signal.signal(signal.SIGINT, on_signal)

@@ -68,6 +68,12 @@ class SweepRunner:
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
+    def kill_trials(self) -> None:
+        """SIGTERM to every running trial's group, at once (the sweep is exiting: each trial's guard
+        SIGKILLs what is left after the grace)."""
+        for live in list(self.live.values()):
+            live.process.kill()
+
     def stop_trial(self, number: int, prune: bool = False) -> bool:
         """Stop (or prune) one trial this process runs; False if it is not running here."""
         from multilane.engine.sweep.trial_run import request_trial
@@ -123,6 +129,8 @@ class SweepRunner:
 
     def _run(self, trial: Any, proc: TrialProcess, devices: str) -> None:
         self.live[trial.number] = Live(proc, devices)
+        with self._lock:
+            trial.set_user_attr("trial_pid", proc.proc.pid)  # its process group's too (its own session)
         ts = optuna().trial.TrialState
         lock = self._lock
 
@@ -139,7 +147,8 @@ class SweepRunner:
                 with lock:
                     trial.set_user_attr(key, value)
 
-        outcome = run_trial(Locked(), proc, self.sweep.spec.objective, self._stop.is_set)
+        timeout = self.sweep.spec.trial_timeout
+        outcome = run_trial(Locked(), proc, self.sweep.spec.objective, self._stop.is_set, timeout)
         with self._lock:
             trial.set_user_attr("last_step", proc.step)
             if outcome.state == "complete":
