@@ -133,7 +133,9 @@ def check_sqlite(path: Path, must_exist: bool) -> None:
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
     if not head:
-        raise NotThereYet(f"the study's SQLite database {path} (it is empty: not an Optuna database yet)")
+        if must_exist:  # a sweep making it this moment: worth a wait
+            raise NotThereYet(f"the study's SQLite database {path} (it is empty: not an Optuna database yet)")
+        raise UserError(f"{path} is empty: not an Optuna database; nothing was changed")
     if head != SQLITE_MAGIC:
         raise UserError(f"{path}: not an SQLite database; nothing was changed")
     tables, version = _sqlite_tables(path)

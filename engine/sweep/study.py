@@ -119,7 +119,7 @@ class Sweep:
                 return cls._join(storage_url, study_name, folder)
             except NotThereYet as e:
                 if time.monotonic() >= end:
-                    raise UserError(f"{e}{f' (waited {wait_s:.0f} s)' if wait_s else ''}") from None
+                    raise UserError(f"not found: {e}{f' (waited {wait_s:.0f} s)' if wait_s else ''}") from None
                 if say is not None and not said:
                     say(f"waiting for {e} (the sweep may be making it); giving up after {wait_s:.0f} s")
                     said = True
@@ -135,7 +135,7 @@ class Sweep:
         except KeyError:
             raise NotThereYet(f"a study named {study_name!r} in the storage") from None
         if SPEC_ATTR not in probe.user_attrs:  # made a moment ago: its spec comes next (or it is no sweep's)
-            raise NotThereYet(f"the sweep's settings in study {study_name!r} (a Multilane sweep's study)")
+            raise NotThereYet(f"the sweep's settings in study {study_name!r} (is it a Multilane sweep's?)")
         spec = SweepSpec.from_dict(probe.user_attrs[SPEC_ATTR] or {})
         study = mod.load_study(
             study_name=study_name, storage=storage, sampler=make_sampler(spec), pruner=make_pruner(spec)
