@@ -101,7 +101,12 @@ class TrialProcess:
                 preexec_fn=die_with_parent,
                 start_new_session=True,  # its own group: the sweep (and its guard) stop all of it
             )
-        self.guard = TrialGuard(self.proc.pid)
+        try:
+            self.guard = TrialGuard(self.proc.pid)
+        except BaseException:  # no guard, no trial: it is never left running unguarded
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
         self.tail = MetricsTail(run_dir / "metrics.jsonl")
         self.step = 0
         self.started = time.time()
