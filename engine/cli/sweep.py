@@ -232,8 +232,8 @@ def _fmt(v: Any) -> str:
 
 def _stop_on_signals(runner: Any, console: Any) -> None:
     """Ctrl+C or SIGTERM: the first stops the sweep (running trials stop with a checkpoint and are
-    re-queued for --resume); the second exits at once (the trials get SIGTERM, and SIGKILL from their
-    guards after the grace)."""
+    re-queued for --resume); the second exits at once (the trials get SIGTERM from the kernel, and
+    SIGKILL from their guards after the grace)."""
     count = 0
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -242,10 +242,9 @@ def _stop_on_signals(runner: Any, console: Any) -> None:
         if count == 1:
             console.print("[yellow]stopping the sweep: running trials stop and are re-queued (Ctrl+C again to quit)[/]")
             runner.stop()
-        else:  # trials get SIGTERM now; each one's guard SIGKILLs what is left after the grace
+        else:  # each trial gets its parent-death SIGTERM; its guard SIGKILLs what is left after the grace
             import os
 
-            runner.kill_trials()
             os._exit(130)
 
     signal.signal(signal.SIGINT, on_signal)

@@ -68,12 +68,6 @@ class SweepRunner:
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
-    def kill_trials(self) -> None:
-        """SIGTERM to every running trial's group, at once (the sweep is exiting: each trial's guard
-        SIGKILLs what is left after the grace)."""
-        for live in list(self.live.values()):
-            live.process.kill()
-
     def stop_trial(self, number: int, prune: bool = False) -> bool:
         """Stop (or prune) one trial this process runs; False if it is not running here."""
         from multilane.engine.sweep.trial_run import request_trial

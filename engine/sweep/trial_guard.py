@@ -2,11 +2,12 @@
 anything it starts: DataLoader workers, ddp ranks), and beside it runs a guard, a small stdlib-only
 process that waits on a pipe whose other end only the sweep process holds. When the sweep ends by any
 path (finished, stopped, exited after a second Ctrl+C, kill -9), the kernel closes that end; the guard
-then sends the trial's group SIGTERM (a checkpoint, when the step returns) and, if any of it is still
-there after the grace, SIGKILL, which also ends a step hung in C code that no signal handler reaches.
+then gives the trial's group the grace to end and SIGKILLs whatever of it is left, which also ends a step
+hung in C code that no signal handler reaches.
 
-The trial also gets SIGTERM from the kernel when the sweep dies (``PR_SET_PDEATHSIG``), which alone
-could not end a hung step: its handler only sets a flag the step never reaches."""
+The trial itself gets SIGTERM from the kernel when the sweep dies (``PR_SET_PDEATHSIG``): a stop with a
+checkpoint once its step returns (the guard sends no second SIGTERM: that would abort it). Alone, that
+signal could not end a hung step: its handler only sets a flag the step never reaches."""
 
 from __future__ import annotations
 
@@ -40,11 +41,7 @@ def alive():
         return False
     except PermissionError:
         return True
-if alive():
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except OSError:
-        pass
+if alive():  # the leader has its parent-death SIGTERM (a second one would abort it): wait, then kill
     end = time.monotonic() + grace
     while alive() and time.monotonic() < end:
         time.sleep(0.1)

@@ -181,7 +181,7 @@ def run_trial(
 
 def _follow(trial: Any, proc: TrialProcess, objective: str, should_stop: Any, timeout_s: float | None) -> TrialOutcome:
     last: float | None = None
-    pruned = stopping = timed_out = False
+    pruned = stopping = timed_out = by_hand = False
     grace = grace_s()
     while True:
         done = proc.proc.poll() is not None
@@ -199,6 +199,9 @@ def _follow(trial: Any, proc: TrialProcess, objective: str, should_stop: Any, ti
             break
         if not stopping and should_stop():
             stopping = True
+            proc.stop()
+        if not by_hand and (proc.run_dir / REQUEST).exists():  # stopped or pruned from the app: escalate too
+            by_hand = True
             proc.stop()
         if timeout_s and not timed_out and time.time() - proc.started > timeout_s:
             timed_out = True
