@@ -316,6 +316,8 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any config value every trial shares"
     )
     s.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")
+    s.add_argument("--trial-timeout", type=_positive_int, metavar="S",
+                   help="stop a trial after S seconds and record it failed (default: no limit)")  # fmt: skip
 
     w = sub.add_parser(
         "sweep-worker",
@@ -328,6 +330,13 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
     w.add_argument("--per-trial", type=_positive_int, metavar="K", help="devices per trial (default: the sweep's)")
     w.add_argument("--sweeps-dir", metavar="DIR", help="where this worker's trial run folders go (default: ./sweeps)")
     w.add_argument("--no-table", action="store_true", help="no live table: one line per finished trial")
+    w.add_argument(
+        "--wait",
+        type=_nonnegative_int,
+        default=300,
+        metavar="S",
+        help="wait up to S seconds for the study to appear (a worker started with its sweep; default 300)",
+    )
     w.add_argument("--worker-name", metavar="NAME", help="the name its trials record as their host (default: hostname)")
     _remote_options(w, "start the worker on this host over SSH, in its own session there (see docs/sweeps.md)")
     w.add_argument("--detach", action="store_true", help="with --host: start it, print its pid and log, return")

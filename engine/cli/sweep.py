@@ -66,6 +66,7 @@ def build_spec(args: argparse.Namespace) -> Any:
         pruner=args.pruner or "median",
         seed=args.seed,
         name=name,
+        trial_timeout=args.trial_timeout,
     )
     if spec.sampler == "grid":
         size = math.prod(len(p.grid()) for p in spec.params)
@@ -88,10 +89,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep = Sweep.open(args.resume)
         target = args.trials or sweep.spec.trials
         if args.pruner:  # how unfinished trials are judged may change; what was searched may not
-            from multilane.engine.sweep.study import make_pruner
+            from multilane.engine.sweep.sampling import make_pruner
 
             sweep.spec.pruner = args.pruner
             sweep.study.pruner = make_pruner(sweep.spec)
+        if args.trial_timeout:  # how long a trial may run may change too
+            sweep.spec.trial_timeout = args.trial_timeout
     else:
         spec = build_spec(args)
         split_slots(args.devices or "auto", spec.per_trial)  # bad devices: one line before the folder exists
@@ -120,7 +123,8 @@ def cmd_sweep_worker(args: argparse.Namespace) -> int:
     if not args.study:
         raise UserError("sweep-worker: give --study NAME (the sweep's --name)")
     folder = Path(args.sweeps_dir or "sweeps") / args.study
-    sweep = Sweep.join(storage, args.study, folder)
+    say = lambda line: print(f"sweep-worker: {line}", flush=True)  # noqa: E731
+    sweep = Sweep.join(storage, args.study, folder, wait_s=args.wait, say=say)
     slots = split_slots(args.devices or "auto", args.per_trial or sweep.spec.per_trial)
     print(f"sweep-worker {args.study} · trial folders in {folder} · {len(slots)} slot(s): {' | '.join(slots)}")
     return _run(sweep, slots, sweep.spec.trials, args.no_table, args.worker_name)
@@ -230,7 +234,8 @@ def _fmt(v: Any) -> str:
 
 def _stop_on_signals(runner: Any, console: Any) -> None:
     """Ctrl+C or SIGTERM: the first stops the sweep (running trials stop with a checkpoint and are
-    re-queued for --resume); the second exits at once (the trials die with the sweep)."""
+    re-queued for --resume); the second exits at once (the trials get SIGTERM from the kernel, and
+    SIGKILL from their guards after the grace)."""
     count = 0
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -239,7 +244,7 @@ def _stop_on_signals(runner: Any, console: Any) -> None:
         if count == 1:
             console.print("[yellow]stopping the sweep: running trials stop and are re-queued (Ctrl+C again to quit)[/]")
             runner.stop()
-        else:
+        else:  # each trial gets its parent-death SIGTERM; its guard SIGKILLs what is left after the grace
             import os
 
             os._exit(130)

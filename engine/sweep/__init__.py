@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps on Optuna: the search space, the study and its storage, device slots, the trial runner and the sweep loop."""
+"""Hyperparameter sweeps on Optuna: the search space, the study and its storage (checked), proposals, lost-trial recovery, device slots, trial processes and their guards, and the sweep loop."""
 
 from multilane.engine.exports import lazy_exports
 
@@ -9,6 +9,7 @@ __getattr__, __all__ = lazy_exports(
         "parse_param": "space",
         "SweepSpec": "spec",
         "Sweep": "study",
+        "recover_lost": "recovery",
         "split_slots": "slots",
         "SweepRunner": "runner",
         "trial_rows": "rows",

@@ -12,7 +12,7 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.optuna_lib import optuna
-from multilane.engine.sweep.study import Sweep, worker_identity
+from multilane.engine.sweep.study import Sweep
 from multilane.engine.sweep.trial_run import TrialProcess, run_trial, trial_config
 
 
@@ -86,9 +86,9 @@ class SweepRunner:
                     c = self.sweep.counts()
                     if c["done"] + c["running"] >= self.target:
                         return
-                    trial = self.sweep.study.ask()
+                    trial, params = self.sweep.ask(self.worker)
                     try:
-                        proc = self._begin(trial, devices)
+                        proc = self._begin(trial, params, devices)
                     except Exception as e:  # the trial never ran: not left "running", its params re-queued
                         self.sweep.fail_and_requeue(trial, f"could not start it: {str(e).splitlines()[0][:200]}")
                         raise
@@ -103,11 +103,8 @@ class SweepRunner:
                 self._stop.set()
                 return
 
-    def _begin(self, trial: Any, devices: str) -> TrialProcess | None:
-        """The asked trial's params, who runs it, and its process; None when its config is refused."""
-        params = {p.key: p.suggest(trial) for p in self.sweep.spec.params}
-        for k, v in worker_identity(self.worker).items():
-            trial.set_user_attr(k, v)
+    def _begin(self, trial: Any, params: dict[str, Any], devices: str) -> TrialProcess | None:
+        """The asked trial's run folder and process; None when its config is refused."""
         folder = self.sweep.folder / f"trial-{trial.number:04d}"
         for i in range(2, 1000):  # a worker's folder may hold an earlier study's trials of the same name
             if not folder.exists():
@@ -126,6 +123,8 @@ class SweepRunner:
 
     def _run(self, trial: Any, proc: TrialProcess, devices: str) -> None:
         self.live[trial.number] = Live(proc, devices)
+        with self._lock:
+            trial.set_user_attr("trial_pid", proc.proc.pid)  # its process group's too (its own session)
         ts = optuna().trial.TrialState
         lock = self._lock
 
@@ -142,7 +141,8 @@ class SweepRunner:
                 with lock:
                     trial.set_user_attr(key, value)
 
-        outcome = run_trial(Locked(), proc, self.sweep.spec.objective, self._stop.is_set)
+        timeout = self.sweep.spec.trial_timeout
+        outcome = run_trial(Locked(), proc, self.sweep.spec.objective, self._stop.is_set, timeout)
         with self._lock:
             trial.set_user_attr("last_step", proc.step)
             if outcome.state == "complete":
@@ -151,6 +151,8 @@ class SweepRunner:
                 self.sweep.study.tell(trial, state=ts.PRUNED)
             elif outcome.state == "interrupted":
                 self.sweep.fail_and_requeue(trial, outcome.message or "interrupted")
+            elif outcome.state == "lost":  # killed (kill -9, out of memory): re-queued, not counted
+                self.sweep.fail_and_requeue(trial, outcome.message or "lost", killed=True)
             else:
                 trial.set_user_attr("error", outcome.message or "failed")
                 self.sweep.study.tell(trial, state=ts.FAIL)

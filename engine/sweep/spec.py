@@ -28,6 +28,7 @@ class SweepSpec:
     pruner: str = "median"
     seed: int | None = None
     name: str = "sweep"
+    trial_timeout: float | None = None  # seconds a trial may run before it is stopped and recorded failed
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -8,22 +8,28 @@ records it FAIL (``lost``) and enqueues its parameters again, so the sweep re-ru
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.optuna_lib import journal_storage, optuna, rdb_storage
+from multilane.engine.sweep.recovery import asking, fail_and_requeue, recover_lost, worker_identity
+from multilane.engine.sweep.sampling import enqueue_grid, make_pruner, make_sampler
 from multilane.engine.sweep.spec import SPEC_ATTR, SweepSpec
+from multilane.engine.sweep.storage_guard import (
+    NotThereYet,
+    check_journal,
+    check_sqlite,
+    has_secret,
+    redact,
+    sqlite_path,
+    write_private,
+)
 
 JOURNAL = "study.journal"
 SWEEP_JSON = "sweep.json"
-# The median pruner waits for this many finished trials before it compares (Optuna's default is 5:
-# a sweep of a handful of trials would never prune).
-PRUNE_STARTUP = 2
+STORAGE_URL = ".storage-url"  # the storage URL when it holds a password: mode 0600 (sweep.json shows it as ***)
 
 
 class Sweep:
@@ -40,7 +46,7 @@ class Sweep:
     def create(cls, spec: SweepSpec, sweeps_dir: str | Path, storage_url: str | None = None) -> Sweep:
         """A new sweep folder ``<sweeps_dir>/<timestamp>-<name>`` and its study (in the folder's journal, or at ``storage_url``)."""
         root = Path(sweeps_dir).expanduser()
-        rdb = rdb_storage(storage_url) if storage_url else None  # a bad URL is one line before any folder exists
+        rdb = _storage(root, storage_url, must_exist=False) if storage_url else None  # a bad URL: one line, no folder
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -55,7 +61,7 @@ class Sweep:
                 continue
         else:
             raise UserError(f"--sweeps-dir {root}: too many sweeps named {spec.name!r} this second")
-        storage = rdb if rdb is not None else _storage(folder, None)
+        storage = rdb if rdb is not None else journal_storage(str(folder / JOURNAL))
         mod = optuna()
         try:
             study = mod.create_study(
@@ -68,14 +74,15 @@ class Sweep:
         except mod.exceptions.DuplicatedStudyError:
             folder.rmdir()
             raise UserError(f"--storage already holds a study named {spec.name!r}; pick another --name") from None
-        study.set_user_attr(SPEC_ATTR, spec.to_dict())
         if spec.sampler == "grid":
             enqueue_grid(study, spec)
+        study.set_user_attr(SPEC_ATTR, spec.to_dict())  # last: a worker waits for it, so it finds the grid queued
+        if has_secret(storage_url):  # the URL's password: a file of its owner's eyes only, from its first byte
+            write_private(folder / STORAGE_URL, (str(storage_url) + "\n").encode())
+        shown = redact(storage_url) if storage_url else None
         (folder / SWEEP_JSON).write_text(
-            json.dumps({"study": spec.name, "storage": storage_url, **spec.to_dict()}, indent=2) + "\n"
+            json.dumps({"study": spec.name, "storage": shown, **spec.to_dict()}, indent=2) + "\n"
         )
-        if storage_url and "@" in storage_url:  # the URL may hold the database's password: its owner's eyes only
-            (folder / SWEEP_JSON).chmod(0o600)
         return cls(folder, spec, study, storage_url)
 
     @classmethod
@@ -90,24 +97,61 @@ class Sweep:
             raise UserError(f"--resume {path}: {SWEEP_JSON} cannot be read ({e})") from None
         if not isinstance(saved, dict):
             raise UserError(f"--resume {path}: {SWEEP_JSON} is not a sweep's description")
-        return cls.join(saved.get("storage"), str(saved.get("study")), path)
+        url = saved.get("storage")
+        if (path / STORAGE_URL).is_file():  # the URL with its password, which sweep.json shows as ***
+            try:
+                url = (path / STORAGE_URL).read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise UserError(f"--resume {path}: {STORAGE_URL} cannot be read ({e.strerror or e})") from None
+        return cls.join(url, str(saved.get("study")), path)
 
     @classmethod
-    def join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
-        """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in ``folder``."""
+    def join(
+        cls, storage_url: str | None, study_name: str, folder: str | Path, wait_s: float = 0.0, say: Any = None
+    ) -> Sweep:
+        """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in
+        ``folder``. A study (or storage) not there yet is waited for up to ``wait_s`` seconds, with one line
+        to ``say`` saying what for: a worker started with, or before, its sweep."""
+        end = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                return cls._join(storage_url, study_name, folder)
+            except NotThereYet as e:
+                if time.monotonic() >= end:
+                    raise UserError(f"not found: {e}{f' (waited {wait_s:.0f} s)' if wait_s else ''}") from None
+                if say is not None and not said:
+                    say(f"waiting for {e} (the sweep may be making it); giving up after {wait_s:.0f} s")
+                    said = True
+                time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+
+    @classmethod
+    def _join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
         path = Path(folder).expanduser()
-        storage = _storage(path, storage_url)
+        storage = _storage(path, storage_url, must_exist=True)
         mod = optuna()
         try:
             probe = mod.load_study(study_name=study_name, storage=storage)
         except KeyError:
-            raise UserError(f"no study named {study_name!r} in the storage") from None
-        spec = SweepSpec.from_dict(probe.user_attrs.get(SPEC_ATTR) or {})
+            raise NotThereYet(f"a study named {study_name!r} in the storage") from None
+        if SPEC_ATTR not in probe.user_attrs:  # made a moment ago: its spec comes next (or it is no sweep's)
+            raise NotThereYet(f"the sweep's settings in study {study_name!r} (is it a Multilane sweep's?)")
+        spec = SweepSpec.from_dict(probe.user_attrs[SPEC_ATTR] or {})
         study = mod.load_study(
             study_name=study_name, storage=storage, sampler=make_sampler(spec), pruner=make_pruner(spec)
         )
         path.mkdir(parents=True, exist_ok=True)
         return cls(path, spec, study, storage_url)
+
+    # -- asking ---------------------------------------------------------------------------------------
+    def ask(self, worker: str | None = None) -> tuple[Any, dict[str, Any]]:
+        """A new trial for this process to run: asked of the study, who runs it recorded, its parameters
+        suggested (by a sampler seeded from the study's seed and the trial's number)."""
+        with asking():  # recover_lost never sees the trial between the ask and who runs it
+            trial = self.study.ask()
+            for k, v in worker_identity(worker).items():
+                trial.set_user_attr(k, v)
+        return trial, {p.key: p.suggest(trial) for p in self.spec.params}
 
     # -- counting and recovery ------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -126,83 +170,21 @@ class Sweep:
         return c
 
     def recover_lost(self) -> list[int]:
-        """Trials RUNNING in the storage whose worker on this machine is gone: recorded failed (``lost``)
-        and their parameters enqueued again. Returns their numbers."""
-        ts = optuna().trial.TrialState
-        lost = []
-        host = socket.gethostname()
-        for t in self.study.get_trials(deepcopy=False, states=(ts.RUNNING,)):
-            a = t.user_attrs
-            if a.get("host", host) != host or _alive(a.get("worker_pid"), a.get("worker_started")):
-                continue  # another machine's trial, or a live worker's: not ours to judge
-            self.fail_and_requeue(t, "its worker process is gone (killed?)")
-            lost.append(t.number)
-        return lost
+        """``recovery.recover_lost`` on this sweep: its lost trials re-queued. Returns their numbers."""
+        return recover_lost(self)
 
-    def fail_and_requeue(self, trial: Any, why: str) -> None:
-        """Record a trial that did not end on its own as failed (``lost``), and enqueue its parameters again."""
-        storage = self.study._storage
-        storage.set_trial_user_attr(trial._trial_id, "lost", why)
-        storage.set_trial_state_values(trial._trial_id, optuna().trial.TrialState.FAIL)
-        if trial.params:
-            self.study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
+    def fail_and_requeue(self, trial: Any, why: str, killed: bool = False) -> None:
+        """``recovery.fail_and_requeue``: a trial that did not end on its own, re-queued."""
+        fail_and_requeue(self, trial, why, killed)
 
 
-def worker_identity(name: str | None = None) -> dict[str, Any]:
-    """Who runs a trial: this host and process (its start time, so a reused pid is not taken for it), and
-    the worker's name as the user knows the machine (``--worker-name``: the app passes the SSH host's name)."""
-    host = socket.gethostname()
-    return {
-        "host": host,
-        "worker": name or host,
-        "worker_pid": os.getpid(),
-        "worker_started": psutil.Process().create_time(),
-    }
-
-
-def _alive(pid: Any, started: Any) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        p = psutil.Process(pid)
-        return started is None or abs(p.create_time() - float(started)) < 1.0
-    except (psutil.Error, ValueError, TypeError):
-        return False
-
-
-def _storage(folder: Path, storage_url: str | None) -> Any:
+def _storage(folder: Path, storage_url: str | None, must_exist: bool) -> Any:
+    """The study's storage, checked first (storage_guard): a torn journal tail cut back, a file that is
+    no Optuna storage refused in one line."""
     if storage_url:
+        db = sqlite_path(storage_url)
+        if db is not None:
+            check_sqlite(db, must_exist)
         return rdb_storage(storage_url)
+    check_journal(folder / JOURNAL)
     return journal_storage(str(folder / JOURNAL))
-
-
-def make_sampler(spec: SweepSpec) -> Any:
-    mod = optuna()
-    if spec.sampler == "random":
-        return mod.samplers.RandomSampler(seed=spec.seed)
-    if spec.sampler == "grid":
-        # Optuna's GridSampler calls study.stop() when the grid is done, which only works inside
-        # study.optimize; slots ask and tell. So the grid is enqueued whole (enqueue_grid) when the
-        # sweep is made, and an enqueued trial takes its params from the queue, whatever the sampler.
-        return mod.samplers.RandomSampler(seed=spec.seed)
-    return mod.samplers.TPESampler(seed=spec.seed)
-
-
-def enqueue_grid(study: Any, spec: SweepSpec) -> None:
-    """Every combination of the grid, in an order shuffled by the seed (as Optuna's GridSampler picks), queued."""
-    import itertools
-    import random
-
-    combos = list(itertools.product(*(p.grid() for p in spec.params)))
-    random.Random(spec.seed).shuffle(combos)
-    for values in combos:
-        study.enqueue_trial({p.key: v for p, v in zip(spec.params, values, strict=True)})
-
-
-def make_pruner(spec: SweepSpec) -> Any:
-    mod = optuna()
-    if spec.pruner == "none":
-        return mod.pruners.NopPruner()
-    if spec.pruner == "halving":
-        return mod.pruners.SuccessiveHalvingPruner()
-    return mod.pruners.MedianPruner(n_startup_trials=PRUNE_STARTUP, n_warmup_steps=0)

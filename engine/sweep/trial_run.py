@@ -8,7 +8,6 @@ One place speaks to the storage, so a trial process needs no database driver and
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -23,8 +22,9 @@ from typing import Any
 from multilane.engine.config import build_config, merge
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.rundir.control_file import write_control
-from multilane.engine.rundir.follow import MetricsTail
+from multilane.engine.rundir.follow import TERMINAL_STATES, MetricsTail
 from multilane.engine.rundir.runlog import CONFIG, STATUS
+from multilane.engine.sweep.trial_guard import TrialGuard, die_with_parent, grace_s, signal_group
 
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 CONSOLE = "console.log"
@@ -54,7 +54,7 @@ def requested(run_dir: Path) -> str | None:
 
 @dataclass
 class TrialOutcome:
-    state: str  # "complete", "pruned", "failed", "interrupted"
+    state: str  # "complete", "pruned", "failed", "interrupted", "lost"
     value: float | None = None
     message: str | None = None
 
@@ -98,11 +98,20 @@ class TrialProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
+                start_new_session=True,  # its own group: the sweep (and its guard) stop all of it
             )
+        try:
+            self.guard = TrialGuard(self.proc.pid)
+        except BaseException:  # no guard, no trial: it is never left running unguarded
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
         self.tail = MetricsTail(run_dir / "metrics.jsonl")
         self.step = 0
         self.started = time.time()
+        self._stop_at: float | None = None  # when this side asked it to stop
+        self._terminated = False
 
     def new_values(self, objective: str) -> list[tuple[int, float]]:
         """(step, value) of the objective in the records written since the last call."""
@@ -117,13 +126,28 @@ class TrialProcess:
         return out
 
     def stop(self) -> None:
-        """Ask the trial to stop after its step (a checkpoint is written, as for any stopped run)."""
+        """Ask the trial to stop after its step (a checkpoint is written, as for any stopped run); if it
+        has not ended after the grace, its group gets SIGTERM, and after twice the grace SIGKILL
+        (``escalate``): a step hung in C code ends too."""
         if self.proc.poll() is None:
             write_control(self.run_dir, "stop")
+            if self._stop_at is None:
+                self._stop_at = time.monotonic()
+
+    def escalate(self, grace: float) -> None:
+        if self._stop_at is None or self.proc.poll() is not None:
+            return
+        waited = time.monotonic() - self._stop_at
+        if waited > 2 * grace:
+            signal_group(self.proc.pid, signal.SIGKILL)
+        elif waited > grace and not self._terminated:
+            self._terminated = True
+            signal_group(self.proc.pid, signal.SIGTERM)
 
     def kill(self) -> None:
+        """SIGTERM to the trial's whole group (the sweep exits at once: its guard finishes the job)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            signal_group(self.proc.pid, signal.SIGTERM)
 
     def status(self) -> dict[str, Any]:
         try:
@@ -144,11 +168,21 @@ class TrialProcess:
         return f"{s.get('state', 'exited')} (exit {self.proc.returncode}){': ' + msg if msg else ''}"[:300]
 
 
-def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) -> TrialOutcome:
+def run_trial(
+    trial: Any, proc: TrialProcess, objective: str, should_stop: Any, timeout_s: float | None = None
+) -> TrialOutcome:
     """Follow ``proc`` to its end: report each evaluation to ``trial``, prune when the pruner says so,
-    stop when ``should_stop()`` turns true (the sweep is stopping)."""
+    stop when ``should_stop()`` turns true (the sweep is stopping) or after ``timeout_s`` seconds."""
+    try:
+        return _follow(trial, proc, objective, should_stop, timeout_s)
+    finally:
+        proc.guard.release()
+
+
+def _follow(trial: Any, proc: TrialProcess, objective: str, should_stop: Any, timeout_s: float | None) -> TrialOutcome:
     last: float | None = None
-    pruned = stopping = False
+    pruned = stopping = timed_out = by_hand = False
+    grace = grace_s()
     while True:
         done = proc.proc.poll() is not None
         for step, v in proc.new_values(objective):
@@ -166,16 +200,28 @@ def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) 
         if not stopping and should_stop():
             stopping = True
             proc.stop()
+        if not by_hand and (proc.run_dir / REQUEST).exists():  # stopped or pruned from the app: escalate too
+            by_hand = True
+            proc.stop()
+        if timeout_s and not timed_out and time.time() - proc.started > timeout_s:
+            timed_out = True
+            proc.stop()
+        proc.escalate(grace)
         time.sleep(POLL_S)
     asked = requested(proc.run_dir)
     if pruned or asked == "prune":
         return TrialOutcome("pruned", last)
     if asked == "stop":
         return TrialOutcome("failed", last, "stopped by hand")
+    if timed_out:
+        return TrialOutcome("failed", last, f"timed out after {timeout_s:g} s (--trial-timeout)")
     if stopping:
         return TrialOutcome("interrupted", last, "the sweep was stopped")
     state = proc.status().get("state")
-    if state != "finished" or proc.proc.returncode != 0:
+    rc = proc.proc.returncode
+    if rc is not None and rc < 0 and state not in TERMINAL_STATES:  # killed with no end: lost, not failed
+        return TrialOutcome("lost", last, f"its process was killed ({_signal_name(-rc)}) before it recorded an end")
+    if state != "finished" or rc != 0:
         return TrialOutcome("failed", last, proc.error_line())
     if last is None:
         return TrialOutcome("failed", None, f"the run logged no {objective!r}")
@@ -184,11 +230,8 @@ def run_trial(trial: Any, proc: TrialProcess, objective: str, should_stop: Any) 
     return TrialOutcome("complete", last)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the sweep process dies (even by kill -9), so no trial
-    outlives its sweep and holds its slot's devices (Linux; elsewhere the trial runs to its end)."""
+def _signal_name(number: int) -> str:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

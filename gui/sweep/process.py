@@ -19,7 +19,6 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 
-FRESH_TRIAL_S = 60.0  # a running trial without its worker's identity this young is being started, not lost
 SWEEP = [sys.executable, "-m", "multilane.engine.cli", "sweep", "--no-table"]
 
 
@@ -121,19 +120,14 @@ def check_params(params: list[str], task: str) -> str | None:
 
 
 def recover_lost_trials(sweep: Any) -> list[int]:
-    """The app's one call of the CLI's recovery (``--resume`` does the same): trials still "running" in the
-    study whose worker process on this machine is gone are recorded lost and their parameters re-queued.
-    A trial just asked (under a minute ago) whose worker has not written its identity yet is no one's to
-    judge: then nothing is done this time (the tab asks again later)."""
-    from multilane.engine.sweep.optuna_lib import optuna
+    """The app's one call of the CLI's recovery (``--resume`` and every worker do the same,
+    ``multilane.engine.sweep.recovery.recover_lost``): trials still "running" in the study whose worker
+    process on this machine is gone are recorded lost, their run folders marked, their parameters
+    re-queued. The ask and the worker's identity are written under one machine lock that the recovery
+    takes too, so a trial being asked on this machine is never judged lost."""
+    from multilane.engine.sweep.recovery import recover_lost
 
-    running = sweep.study.get_trials(deepcopy=False, states=(optuna().trial.TrialState.RUNNING,))
-    now = time.time()
-    for t in running:
-        young = t.datetime_start is None or now - t.datetime_start.timestamp() < FRESH_TRIAL_S
-        if "worker_pid" not in t.user_attrs and young:
-            return []
-    return sweep.recover_lost()
+    return recover_lost(sweep)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ def test_two_workers_in_separate_processes_share_one_study_in_postgresql(tmp_pat
     with postgres_server() as url:
         first = subprocess.Popen(
             [*CLI, "sweep", *TINY, "--devices", "cpu:0", "--trials", "3", "--storage", url, "--name", "pg",
-             "--param", "optim.lr=log:1e-3:1e-2", "--pruner", "none", "--sweeps-dir", str(tmp_path / "a")],
+             "--param", "optim.lr=log:1e-3:1e-2", "--pruner", "none", "--seed", "3", "--sweeps-dir", str(tmp_path / "a")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         end = time.monotonic() + 600
@@ -43,6 +43,7 @@ def test_two_workers_in_separate_processes_share_one_study_in_postgresql(tmp_pat
         assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
         pids = {t.user_attrs["worker_pid"] for t in trials}
         assert len(pids) == 2  # both workers ran trials
+        assert len({t.params["optim.lr"] for t in trials}) == 3  # with --seed, each worker its own proposals
         assert {t.user_attrs["devices"] for t in trials} == {"cpu:0", "cpu:1"}
         for t in trials:  # each worker's trials are run folders on its own side
             run = t.user_attrs["run_dir"]
