@@ -101,6 +101,13 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
 
 
+def _host_text(text: str) -> str:
+    """A ``--host`` value: an empty one is refused (it would otherwise mean this computer, silently)."""
+    if not text.strip() or text.split("=", 1)[0].strip() == "":
+        raise argparse.ArgumentTypeError("an empty host; name an ssh config alias or [user@]host[:port]")
+    return text
+
+
 def _remote_options(p: argparse.ArgumentParser, host_help: str | None, many: bool = False) -> None:
     """The options of a command that can act on a host over SSH (``many``: ``--host`` may repeat)."""
     if host_help:
@@ -108,6 +115,7 @@ def _remote_options(p: argparse.ArgumentParser, host_help: str | None, many: boo
             "--host",
             metavar="HOST[=DEVICES]" if many else "HOST",
             action="append" if many else "store",
+            type=_host_text,
             help=f"an ssh config alias or [user@]host[:port]: {host_help}",
         )
     p.add_argument("--remote-command", metavar="PATH", help="multilane's command on the host (default: multilane)")

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 
 
@@ -37,25 +38,17 @@ def open_connection(args: argparse.Namespace, host: str | None = None) -> Any:
 
 def cmd_remote_devices(args: argparse.Namespace) -> int:
     from multilane.engine.cli.monitor import devices_table
+    from multilane.engine.remote.devices_answer import read_devices
 
     with open_connection(args) as conn:
-        conn.check_multilane()
-        code, out, err = conn.multilane("devices --json")
-    try:
-        rows = json.loads(out) if code == 0 else None
-    except ValueError:
-        rows = None
-    if not isinstance(rows, list):
-        raise UserError(
-            f"{conn.name}: 'multilane devices --json' failed there ({(err.strip().splitlines() or [code])[-1]})"
-        )
+        rows = read_devices(conn)  # checked: a wrong answer is one line naming the host
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         from rich.console import Console
 
         table = devices_table(rows)
-        table.title = conn.name
+        table.title = printable(conn.name)
         Console().print(table)
     return 0
 

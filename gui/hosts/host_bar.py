@@ -169,12 +169,10 @@ class HostBar(QWidget):
                     attempt_done(ask, False)
                     raise
                 attempt_done(ask, True)
+                from multilane.engine.remote.devices_answer import read_devices
+
                 with conn:
-                    conn.check_multilane()
-                    code, out, err = conn.multilane("devices --json")
-                rows = json.loads(out) if code == 0 else None
-                if not isinstance(rows, list):
-                    raise UserError(f"{host}: 'multilane devices --json' failed there ({err.strip()[-200:] or code})")
+                    rows = read_devices(conn)  # checked: a wrong answer is one line naming the host
                 self.devicesRead.emit(host, rows, None)
             except UnknownHostKey as e:
                 self.untrusted.emit(host, e.fingerprint, str(e))
