@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import RunFollower
@@ -139,11 +140,18 @@ def watch(
                 state.add(rec)
             if update.status is not None:
                 state.set_status(update.status)
+            for warning in getattr(follower, "new_warnings", list)():  # a link or FIFO in a file's place there
+                if tty:
+                    out.write("\r\x1b[2K")
+                    out.flush()
+                    last = ""
+                print(f"multilane: warning: {printable(warning)}", file=sys.stderr, flush=True)
             reconnecting = getattr(follower, "reconnecting", None)
-            line = reconnecting or state.line()
+            catching_up = getattr(follower, "catching_up", None)
+            line = printable(reconnecting or state.line() + (f" · {catching_up}" if catching_up else ""))
             # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
             # not each time only the telemetry's readings change: that printed one line a second.
-            key = line if tty or reconnecting else state.line(telemetry=False)
+            key = line if tty or reconnecting or catching_up else state.line(telemetry=False)
             if key != last:
                 out.write(("\r\x1b[2K" + line) if tty else line + "\n")
                 out.flush()
@@ -162,7 +170,7 @@ def watch(
     if follower.problem:
         raise UserError(f"watch: {folder}: {follower.problem}")
     if follower.lost:
-        out.write(f"{folder.name}: {follower.lost}\n")
+        out.write(printable(f"{folder.name}: {follower.lost}") + "\n")
         return 1
     if follower.metrics.skipped:
         n = follower.metrics.skipped

@@ -260,7 +260,7 @@ class RemoteRunsMixin:
         self.status_label.setText(f"Connecting to {worker.host}…")
 
     def _on_connection(self, text: str | None) -> None:
-        self.status_label.setText(text or "Connected again; following")
+        self.status_label.setText(text or "Following")  # back after "reconnecting…" or a catch-up
 
     def offer_remote_runs(self) -> list[Path]:
         """Remote runs still training when last seen: offer to follow the newest (a non-modal question)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run, resume_run
@@ -51,6 +52,7 @@ class RemoteFollowWorker(FollowWorker):
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None
+        self._warning: str | None = None
         self.control_error: str | None = None
 
     def _loop(self) -> dict[str, Any]:
@@ -118,9 +120,14 @@ class RemoteFollowWorker(FollowWorker):
     def _poll(self) -> None:
         super()._poll()
         note = getattr(self.follower, "reconnecting", None)
+        note = note.split(" (")[0] if note else None
+        for warning in getattr(self.follower, "new_warnings", list)():  # a link or FIFO in a file's place
+            self._warning = f"warning: {printable(warning)}"
+        # a long copy shows its progress ("catching up metrics.jsonl: 96 / 500 MB"), then the last warning
+        note = note or getattr(self.follower, "catching_up", None) or self._warning
         if note != self._shown:
             self._shown = note
-            self.connection.emit(note.split(" (")[0] if note else None)
+            self.connection.emit(note)
 
     def _write(self, command: str) -> None:
         follower = self.follower
