@@ -276,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--runs-dir", metavar="DIR", help="for HOST:RUN_DIR: where the local mirror goes (default: ./runs)")
 
     c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
-    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run folder here, a mirror of a run on a host, or HOST:RUN_DIR over SSH"
+    )
     c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
+    _remote_options(c, None)
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")

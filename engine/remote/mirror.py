@@ -76,7 +76,7 @@ class RemoteMirror:
             body = {"host": conn.name, "path": remote_dir, "remote_command": conn.remote_command, "pid": self.pid}
             if run is not None and run.nodes:  # a run across hosts: every node's launcher (multi_host.py)
                 body["nodes"] = run.nodes
-            _atomic_write(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
+            write_atomic(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
         self._stamps: dict[str, tuple[int, int]] = {}
         self._stamp_seen: dict[str, float] = {}  # when each stamp was first seen (time.monotonic)
         self._copied: dict[str, bytes] = {}  # what was copied of each replaced file
@@ -129,7 +129,7 @@ class RemoteMirror:
             self._copied.pop(STATUS, None)
         for name, data in replaced.items():
             if data is not None:
-                _atomic_write(self.local / name, data)
+                write_atomic(self.local / name, data)
         return any(grew) or any(d is not None for d in replaced.values())
 
     def _changed(self, sftp: Any, name: str) -> bytes | None:
@@ -290,7 +290,7 @@ class RemoteFollower:
         write_remote_control(self.mirror.conn, self.mirror.remote_dir, command)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.mirror.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
