@@ -15,6 +15,7 @@ from typing import Any
 
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.train import cmd_train
 from multilane.engine.errors import UserError
 
@@ -187,5 +188,5 @@ def _main(argv: list[str] | None) -> int:
             return cmd_export(args)
         return cmd_app()
     except UserError as e:
-        print(f"multilane: error: {one_line(str(e))}", file=sys.stderr)
+        print(f"multilane: error: {printable(one_line(str(e)))}", file=sys.stderr)  # a host's text is data
         return 2

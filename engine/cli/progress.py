@@ -6,10 +6,12 @@ import time
 from typing import Any
 
 import psutil
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.watch import format_telemetry
 from multilane.engine.numbers import format_number
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -53,7 +55,7 @@ class ProgressDisplay(TrainerCallback):
         self._t_train_start = time.time()
         self._total = trainer.total_steps
         lanes = ",".join(trainer.lane_names)
-        description = f"{trainer.task.name} on {lanes}"
+        description = escape(printable(f"{trainer.task.name} on {lanes}"))  # a task file's name is data
         if not self.live:
             self._plain(f"{description}: {trainer.total_steps} steps from step {trainer.step}")
             return
@@ -96,7 +98,7 @@ class ProgressDisplay(TrainerCallback):
 
     def on_event(self, record: dict[str, Any]) -> None:
         if record["event"] == "warning":
-            self.console.print(f"[yellow]warning:[/] {record['message']}")
+            self.console.print(f"[yellow]warning:[/] {escape(printable(str(record['message'])))}")
         if record["event"] in ("paused", "resumed"):
             if self._task_id is not None:
                 self.progress.update(self._task_id, info=record["event"])

@@ -124,7 +124,7 @@ def _follow(conn: Any, remote_dir: str, local_runs: str, interval: float, run: A
 def _watch_remote(conn: Any, remote_dir: str, follower: Any, interval: float) -> int:
     from multilane.engine.cli.watch import watch
 
-    print(f"mirror: {follower.run_dir}", file=sys.stderr)
+    print(printable(f"mirror: {follower.run_dir}"), file=sys.stderr)
 
     def stop() -> str:
         follower.control("stop")

@@ -40,7 +40,8 @@ PID_CHECK_S = 10.0  # how often a running run's process on the host is checked
 
 def mirror_folder(local_runs: str | Path, host_label: str, remote_path: str) -> Path:
     """Where the mirror of the host's run folder goes, under the local runs folder."""
-    return Path(local_runs).expanduser() / f"{posixpath.basename(remote_path.rstrip('/'))}@{host_label}"
+    name = printable(posixpath.basename(remote_path.rstrip("/")))  # no control character in a local name
+    return Path(local_runs).expanduser() / f"{name}@{host_label}"
 
 
 def read_remote_json(folder: str | Path) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.gui.hosts.secrets import HostSecrets, attempt_done
 from multilane.gui.runs.remote_follow import RemoteFollowWorker, unfinished_mirrors
@@ -204,7 +205,7 @@ class RemoteRunsMixin:
         if host != self.hosts.host:
             return  # another host was picked meanwhile
         if error is not None:
-            self.hosts.message.setText(error)
+            self.hosts.message.setText(printable(error))
             self.hosts.message.setStyleSheet("color: #d62728;")
             self.devices.show_host(host, [])
             self.devices.set_checked([])  # nothing from a host that did not answer: Start stays off
@@ -260,7 +261,7 @@ class RemoteRunsMixin:
         self.status_label.setText(f"Connecting to {worker.host}…")
 
     def _on_connection(self, text: str | None) -> None:
-        self.status_label.setText(text or "Following")  # back after "reconnecting…" or a catch-up
+        self.status_label.setText(printable(text) if text else "Following")  # back after "reconnecting…" or a catch-up
 
     def offer_remote_runs(self) -> list[Path]:
         """Remote runs still training when last seen: offer to follow the newest (a non-modal question)."""

@@ -98,3 +98,25 @@ def test_control_of_what_is_not_a_live_run_there_is_one_line(sshd, tmp_path):
     (mirror / "remote.json").write_text(json.dumps({"host": "nosuchalias.invalid", "path": "/runs/x"}))
     line = one_error_line(cli(env, "control", str(mirror), "pause"))
     assert line.startswith(f"multilane: error: control: {mirror} mirrors nosuchalias.invalid:/runs/x: ")
+
+
+@pytest.mark.slow
+def test_text_from_a_host_is_escaped_on_the_terminal(sshd, tmp_path):
+    from multilane.engine.cli.terminal_text import printable
+
+    hostile = "\x1b]0;pwned\x07\x1b[2J\x9b31m\u202eevil\r"
+    folder = sshd.runs / f"escapes{hostile}"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"run": {"name": "x"}}\n')
+    (folder / "metrics.jsonl").write_text('{"kind": "train", "step": 3, "loss": 0.5}\n')
+    status = {"state": "failed", "step": 3, "total_steps": 10, "message": f"boom {hostile}"}
+    (folder / "status.json").write_text(json.dumps(status))
+    p = cli(sshd.env(), "watch", f"testhost:{folder}", "--runs-dir", str(tmp_path / "local"), "--interval", "0.05")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert f"failed: step 3/10 · loss 0.5000 (boom {printable(hostile)})" in p.stdout
+    assert not any(c in out for c in "\x1b\x07\x9b\u202e\r"), repr(out)
+    (mirror,) = (tmp_path / "local").iterdir()  # the mirror's own name carries no control character either
+    assert mirror.name == f"escapes{printable(hostile)}@testhost"
+    assert printable(hostile) == "\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\u202eevil\\r"
+    assert printable("naïve 日本 🙂 tab-free") == "naïve 日本 🙂 tab-free"
