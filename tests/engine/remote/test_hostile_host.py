@@ -133,3 +133,44 @@ def test_devices_on_a_hostile_host_is_one_line_within_its_deadline_and_leaves_no
         assert "dropped" not in lines[0] and "\x1b" not in p.stderr + p.stdout, (mode, lines)
         assert took < 30, (mode, took)  # 2 s, plus Python's start-up on a loaded machine
         assert gone(pids), f"{mode}: left running on the host"
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        ("garbage\x1b[2J", "something that is not JSON (Expecting value at 0; it began 'garbage\\\\x1b[2J')"),
+        ('{"name": "cpu"}', "an object, not a list of devices"),
+        ("[1]", "a wrong device list (device 0: should be an object, got 1)"),
+        ('[{"kind": "tpu", "name": "x"}]', "a wrong device list (device 0: kind: input should be 'cuda' or 'cpu'"),
+        ('[{"kind": "cpu", "name": "x", "util_pct": "hi"}]', "(device 0: util_pct: input should be a valid number"),
+        ('[{"kind": "cpu", "name": "x", "cores": true}]', "(device 0: cores: input should be a valid integer"),
+        ('[{"kind": "cpu"}]', "(device 0: name: field required"),
+    ],
+)
+def test_a_devices_answer_of_the_wrong_shape_names_the_host_and_what_was_wrong(answer, words):
+    from multilane.engine.remote.connection import RemoteError
+    from multilane.engine.remote.devices_answer import check_devices
+
+    with pytest.raises(RemoteError) as e:
+        check_devices("gpu-box", answer)
+    assert str(e.value).startswith("gpu-box: 'multilane devices --json' answered ") and words in str(e.value), e.value
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+
+
+def test_a_devices_answer_keeps_its_rows_with_their_text_escaped():
+    from multilane.engine.remote.devices_answer import check_devices
+
+    rows = check_devices("h", '[{"kind": "cuda", "name": "cuda:0", "model": "H100\\u001b]0;x\\u0007", "util_pct": 5}]')
+    assert rows == [{"kind": "cuda", "name": "cuda:0", "model": "H100\\x1b]0;x\\x07", "util_pct": 5.0}]
+
+
+@pytest.mark.parametrize("argv", [["devices", "--host", ""], ["train", "--host", " ", "--task", "linear"],
+                                  ["train", "--host", "=cpu:0"], ["sweep-worker", "--host", ""]])  # fmt: skip
+def test_an_empty_host_is_refused_everywhere(argv, capsys):
+    from multilane.engine.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2  # never this computer, silently
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --host: an empty host; name an ssh config alias" in err[0], err
