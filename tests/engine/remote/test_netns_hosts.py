@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,7 @@ def test_two_hosts_with_their_own_addresses_train_one_ddp_run_equal_to_one_hosts
             assert s1 == s2 and abs(x - y) <= 1e-12 * abs(y), (kind, s1, x, y)
     # nothing of the run is left in either namespace: only its sshd (and no session) remains
     for k in (0, 1):
-        left = [pid for pid in h.pids(k) if pid != h.procs[k].pid and _name(pid) != "sshd"]
-        assert left == [], (k, [_cmdline(pid) for pid in left])
+        assert _run_pids(h, k) == [], (k, [_cmdline(pid) for pid in _run_pids(h, k)])
 
 
 def _name(pid: int) -> str:
@@ -76,3 +76,67 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+LONG = ["--task", "linear", "--steps", "1000000", "--set", "train.log_every=5", "--set", "train.eval_every=0"]
+
+
+@pytest.mark.slow
+def test_a_link_cut_mid_run_stops_every_node_within_the_collective_timeout_and_names_the_lost_host(
+    sshd,
+    netns_hosts,  # noqa: F811
+    tmp_path,
+):
+    h = netns_hosts
+    local = tmp_path / "local"
+    args = [
+        *CLI, "train", "--host", f"{h.aliases[0]}=cpu:0", "--host", f"{h.aliases[1]}=cpu:0",
+        "--remote-command", h.commands[0], "--remote-runs-dir", str(h.runs[0]), "--remote-runs-dir", str(h.runs[1]),
+        "--rdzv-endpoint", f"{ADDRESSES[0]}:29401", "--runs-dir", str(local), *LONG,
+        "--set", "devices.collective_timeout_s=10", "--set", "train.checkpoint_every=10",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, env=sshd.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _step(h.runs[0]) < 30 or not list(h.runs[0].glob("*/checkpoints/last.pt")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not reach step 30"
+            time.sleep(0.3)
+        h.link(1, False)  # host 1 is cut off from host 0 (this computer still reaches both)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=200)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        h.link(1, True)
+    assert proc.returncode == 1, (out, err)
+    assert took < 10 + 30, took  # the collective timeout, then the launchers' teardown and the last poll
+    (run,) = [f for f in h.runs[0].iterdir() if not f.name.startswith(".")]
+    lost = f"; lost node 1 ({h.aliases[1]}, {ADDRESSES[1]}): the link to it or the host itself went down"
+    # host 0's launcher records the outcome once its ranks are gone, after waiting a moment for another
+    # node's note (engine/distributed/failures.py): the run folder names the host it lost
+    deadline = time.monotonic() + 60
+    while not (status := json.loads((run / "status.json").read_text()))["message"].endswith(lost):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.3)
+    assert status["state"] == "failed", status
+    for k in (0, 1):  # every node stopped: nothing of the run is left on either host
+        deadline = time.monotonic() + 30
+        while (left := _run_pids(h, k)) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert left == [], (k, [_cmdline(pid) for pid in left])
+
+
+def _step(runs: Path) -> int:
+    for f in runs.glob("*/status.json"):
+        try:
+            return json.loads(f.read_text()).get("step") or 0
+        except ValueError:
+            return 0
+    return 0
+
+
+def _run_pids(h, k: int) -> list[int]:
+    return [pid for pid in h.pids(k) if pid != h.procs[k].pid and _name(pid) != "sshd"]
