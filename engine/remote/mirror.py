@@ -65,8 +65,8 @@ class RemoteMirror:
     metrics.jsonl) shows its progress (``catching_up``) and the records so far."""
 
     max_whole = 16 << 20
-    chunk = 4 << 20
-    budget = 32 << 20
+    chunk = 2 << 20
+    budget = 8 << 20  # a poll's records are parsed at once by the follower: ~80 MB of them for 8 MB
 
     def __init__(self, conn: Connection, remote_dir: str, local_dir: str | Path, run: RemoteRun | None = None) -> None:
         self.conn, self.remote_dir, self.local = conn, remote_dir, Path(local_dir)
