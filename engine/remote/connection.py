@@ -246,7 +246,8 @@ class Connection:
             from multilane.engine.cli.terminal_text import printable
 
             name = what or printable(_short(command))
-            raise RemoteError(f"{self.name}: {name} {e.reason}; stopped there") from None
+            stopped = "stopped there" if e.pgid is not None else "it named no process group, so it may still run there"
+            raise RemoteError(f"{self.name}: {name} {e.reason}; {stopped}") from None
         except (OSError, EOFError, pm.SSHException) as e:
             self.close()
             raise Disconnected(f"{self.name}: the connection dropped ({_first_line(e) or type(e).__name__})") from None

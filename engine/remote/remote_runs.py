@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.runlog import STATUS
 
@@ -130,7 +131,11 @@ def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
         try:
             entries = sftp.listdir_attr(runs)
         except OSError as e:
-            raise RemoteError(f"{conn.name}: cannot list the runs folder {runs} there ({e})") from None
+            raise RemoteError(f"{conn.name}: cannot list the runs folder {printable(runs)} there ({e})") from None
+        except UnicodeDecodeError:  # paramiko reads names as UTF-8, strictly
+            raise RemoteError(
+                f"{conn.name}: the runs folder {printable(runs)} there holds a name that is not UTF-8; rename it"
+            ) from None
         for entry in entries:
             if entry.filename.startswith(".") or not stat.S_ISDIR(entry.st_mode or 0):
                 continue

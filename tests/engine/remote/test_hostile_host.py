@@ -174,3 +174,17 @@ def test_an_empty_host_is_refused_everywhere(argv, capsys):
     assert e.value.code == 2  # never this computer, silently
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "argument --host: an empty host; name an ssh config alias" in err[0], err
+
+
+def test_a_runs_folder_holding_a_name_that_is_not_utf8_is_one_line(sshd, ssh_home):
+    import os
+
+    from multilane.engine.remote.connection import Connection, RemoteError
+    from multilane.engine.remote.remote_runs import list_runs
+
+    runs = sshd.runs / "not-utf8"
+    runs.mkdir()
+    os.mkdir(os.fsencode(runs) + b"/run-\xff")
+    with Connection("testhost") as conn, pytest.raises(RemoteError) as e:
+        list_runs(conn, str(runs))
+    assert str(e.value) == f"testhost: the runs folder {runs} there holds a name that is not UTF-8; rename it"
