@@ -283,5 +283,5 @@ def _main(argv: list[str] | None) -> int:
             return cmd_export(args)
         return cmd_app()
     except UserError as e:
-        _say(f"multilane: error: {one_line(str(e))}")
+        _say(f"multilane: error: {printable(one_line(str(e)))}")  # a host's or a file's text is data
         return 2

@@ -17,8 +17,36 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    from multilane.engine.rundir.control_file import write_control
+    """Pause, resume or stop a run: here, on a host (``HOST:RUN_DIR``), or the run a local mirror mirrors
+    (its ``remote.json`` names the host and folder): never a control file that nothing reads."""
+    from pathlib import Path
 
+    from multilane.engine.errors import UserError
+    from multilane.engine.remote.hosts import split_remote_path
+    from multilane.engine.remote.mirror import read_remote_json
+    from multilane.engine.rundir.control_file import write_control
+    from multilane.engine.rundir.readfile import user_path
+
+    try:  # a path no system call could take (~nosuchuser, a name over 255 bytes) is one line naming it
+        folder: Path = user_path(args.run_dir, "control")
+    except UserError:
+        if split_remote_path(args.run_dir) is None:
+            raise
+        folder = Path(args.run_dir)
+    try:
+        here = folder.exists()
+    except (OSError, ValueError):
+        here = False
+    where = None if here else split_remote_path(args.run_dir)
+    if where is None and here and folder.is_dir():
+        info = read_remote_json(folder)
+        if info is not None:
+            where = (info["host"], str(info.get("path") or ""))
+            args.remote_command = args.remote_command or info.get("remote_command")
+    if where is not None:
+        from multilane.engine.cli.remote import cmd_remote_control
+
+        return cmd_remote_control(args, *where, mirror=folder if here else None)
     path = write_control(args.run_dir, args.action)
     print(printable(f"{args.action} requested: {path}"))
     return 0

@@ -101,6 +101,13 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{short_text(text)} is not a number") from None
 
 
+def _host_text(text: str) -> str:
+    """A ``--host`` value: an empty one is refused (it would otherwise mean this computer, silently)."""
+    if not text.strip() or text.split("=", 1)[0].strip() == "":
+        raise argparse.ArgumentTypeError("an empty host; name an ssh config alias or [user@]host[:port]")
+    return text
+
+
 def _remote_options(p: argparse.ArgumentParser, host_help: str | None, many: bool = False) -> None:
     """The options of a command that can act on a host over SSH (``many``: ``--host`` may repeat)."""
     if host_help:
@@ -108,6 +115,7 @@ def _remote_options(p: argparse.ArgumentParser, host_help: str | None, many: boo
             "--host",
             metavar="HOST[=DEVICES]" if many else "HOST",
             action="append" if many else "store",
+            type=_host_text,
             help=f"an ssh config alias or [user@]host[:port]: {host_help}",
         )
     p.add_argument("--remote-command", metavar="PATH", help="multilane's command on the host (default: multilane)")
@@ -269,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--runs-dir", metavar="DIR", help="for HOST:RUN_DIR: where the local mirror goes (default: ./runs)")
 
     c = sub.add_parser("control", help="pause, resume or stop a run (also on another machine) via its run folder")
-    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run folder here, a mirror of a run on a host, or HOST:RUN_DIR over SSH"
+    )
     c.add_argument("action", choices=["pause", "resume", "stop"], metavar="pause|resume|stop")
+    _remote_options(c, None)
 
     d = sub.add_parser("devices", help="list the devices this machine offers, with live utilization and memory")
     d.add_argument("--json", action="store_true", help="print JSON")

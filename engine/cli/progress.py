@@ -55,7 +55,7 @@ class ProgressDisplay(TrainerCallback):
         self._t_train_start = time.time()
         self._total = trainer.total_steps
         lanes = ",".join(trainer.lane_names)
-        description = f"{trainer.task.name} on {lanes}"
+        description = f"{trainer.task.name} on {lanes}"  # a task file's name is data: escaped below
         if not self.live:
             self._plain(printable(f"{description}: {trainer.total_steps} steps from step {trainer.step}"))
             return

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 
 
@@ -37,25 +38,17 @@ def open_connection(args: argparse.Namespace, host: str | None = None) -> Any:
 
 def cmd_remote_devices(args: argparse.Namespace) -> int:
     from multilane.engine.cli.monitor import devices_table
+    from multilane.engine.remote.devices_answer import read_devices
 
     with open_connection(args) as conn:
-        conn.check_multilane()
-        code, out, err = conn.multilane("devices --json")
-    try:
-        rows = json.loads(out) if code == 0 else None
-    except ValueError:
-        rows = None
-    if not isinstance(rows, list):
-        raise UserError(
-            f"{conn.name}: 'multilane devices --json' failed there ({(err.strip().splitlines() or [code])[-1]})"
-        )
+        rows = read_devices(conn)  # checked: a wrong answer is one line naming the host
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         from rich.console import Console
 
         table = devices_table(rows)
-        table.title = conn.name
+        table.title = printable(conn.name)
         Console().print(table)
     return 0
 
@@ -69,20 +62,37 @@ def cmd_remote_train(args: argparse.Namespace) -> int:
     conn = open_connection(args)
     try:
         if args.resume:
-            run = resume_run(conn, args.resume, {k: v for k, v in overrides.items() if k != "task.params"})
-            local_runs = args.runs_dir or "runs"
-        else:
-            config = _run_config(argparse.Namespace(**{**vars(args), "resume": None}), overrides)
-            run = launch_run(conn, config.to_dict(), args.remote_runs_dir)
-            local_runs = args.runs_dir or config.run.runs_dir
-        where = f"{conn.name}:{run.path}"
+            return _resume(conn, args, {k: v for k, v in overrides.items() if k != "task.params"}, resume_run)
+        config = _run_config(argparse.Namespace(**{**vars(args), "resume": None}), overrides)
+        run = launch_run(conn, config.to_dict(), args.remote_runs_dir)
+        where = printable(f"{conn.name}:{run.path}")
         if args.detach:
             print(where)
             return 0
         print(f"training on {where} (pid {run.pid}); Ctrl+C stops it", file=sys.stderr)
-        return _follow(conn, run.path, local_runs, args.interval if hasattr(args, "interval") else 0.5, run)
+        return _follow(conn, run.path, args.runs_dir or config.run.runs_dir, getattr(args, "interval", 0.5), run)
     finally:
         conn.close()
+
+
+def _resume(conn: Any, args: argparse.Namespace, overrides: dict[str, Any], resume_run: Any) -> int:
+    """``train --host H --resume RUN``: followed to its end like a started run (the curves so far, then the
+    new steps; the old final status set aside), or with ``--detach`` started and named."""
+    from multilane.engine.remote.launch import absolute_there
+    from multilane.engine.remote.mirror import mirror_folder
+    from multilane.engine.remote.remote_runs import resume_followed
+
+    folder = absolute_there(conn, args.resume)
+    if folder is None:
+        raise UserError(f"--resume: {printable(conn.name)}:{printable(args.resume)} is not a folder there")
+    if args.detach:
+        run = resume_run(conn, folder, overrides)
+        print(printable(f"{conn.name}:{run.path}"))
+        return 0
+    local = mirror_folder(args.runs_dir or "runs", conn.spec.label, folder)
+    run, follower = resume_followed(conn, folder, local, overrides)
+    print(printable(f"resuming {conn.name}:{run.path} (pid {run.pid}); Ctrl+C stops it"), file=sys.stderr)
+    return _watch_remote(conn, folder, follower, getattr(args, "interval", 0.5))
 
 
 def cmd_remote_watch(args: argparse.Namespace, host: str, path: str) -> int:
@@ -94,27 +104,71 @@ def cmd_remote_watch(args: argparse.Namespace, host: str, path: str) -> int:
 
 
 def _follow(conn: Any, remote_dir: str, local_runs: str, interval: float, run: Any = None) -> int:
-    from multilane.engine.cli.watch import watch
+    from multilane.engine.remote.launch import absolute_there
     from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder
 
-    if not remote_dir.startswith("/"):
-        code, out, _ = conn.run(f"cd -- {__import__('shlex').quote(remote_dir)} && pwd -P", login=False)
-        if code != 0:
-            raise UserError(f"watch: {conn.name}:{remote_dir} is not a run folder there")
-        remote_dir = out.strip().splitlines()[-1]
+    where = absolute_there(conn, remote_dir)
+    if where is None:
+        raise UserError(f"watch: {printable(conn.name)}:{printable(remote_dir)} is not a run folder there")
+    remote_dir = where
     try:
         conn.sftp().stat(remote_dir + "/config.json")
     except FileNotFoundError:
-        raise UserError(f"watch: {conn.name}:{remote_dir} is not a run folder (no config.json)") from None
+        raise UserError(
+            f"watch: {printable(conn.name)}:{printable(remote_dir)} is not a run folder (no config.json)"
+        ) from None
     local = mirror_folder(local_runs, conn.spec.label, remote_dir)
-    follower = RemoteFollower(RemoteMirror(conn, remote_dir, local, run))
-    print(f"mirror: {local}", file=sys.stderr)
+    return _watch_remote(conn, remote_dir, RemoteFollower(RemoteMirror(conn, remote_dir, local, run)), interval)
+
+
+def _watch_remote(conn: Any, remote_dir: str, follower: Any, interval: float) -> int:
+    from multilane.engine.cli.watch import watch
+
+    print(printable(f"mirror: {follower.run_dir}"), file=sys.stderr)
 
     def stop() -> str:
         follower.control("stop")
-        return f"stop requested on {conn.name} (Ctrl+C again leaves it training)"
+        return printable(f"stop requested on {conn.name} (Ctrl+C again leaves it training)")
 
-    code = watch(local, interval, follower=follower, on_interrupt=stop)
+    code = watch(follower.run_dir, interval, follower=follower, on_interrupt=stop)
     if not follower.done:
-        print(f"left {conn.name}:{remote_dir} training; follow it with: multilane watch {conn.name}:{remote_dir}")
+        where = printable(f"{conn.name}:{remote_dir}")
+        print(f"left {where} training; follow it with: multilane watch {where}")
     return code
+
+
+def cmd_remote_control(args: argparse.Namespace, host: str, path: str, mirror: Any = None) -> int:
+    """``control HOST:RUN_DIR ACTION`` (or a mirror's run there): the control file written in the run
+    folder on the host, which its run reads. A run that has ended there, a folder that is not a run, a
+    host out of reach: one line, exit 2."""
+    from multilane.engine.remote.launch import absolute_there, write_remote_control
+    from multilane.engine.remote.remote_runs import FINAL, live_pid, remote_status
+
+    what = f"{host}:{path}"
+    prefix = f"control: {printable(str(mirror))} mirrors {printable(what)}: " if mirror else "control: "
+    if not path:
+        raise UserError(f"{prefix}no run folder named there")
+    args.host = host
+    try:
+        with open_connection(args) as conn:
+            folder = absolute_there(conn, path)
+            status = remote_status(conn, folder) if folder else None
+            if folder is None or status is None:
+                raise UserError(f"{prefix}{printable(what)} is not a run folder there (no status.json)")
+            if status.get("state") in FINAL:
+                raise UserError(
+                    f"{prefix}the run there has ended ({printable(str(status['state']))}); nothing to {args.action}"
+                )
+            if live_pid(conn, folder) is None:
+                raise UserError(
+                    f"{prefix}no process trains {printable(what)} now (its status says "
+                    f"{printable(str(status.get('state')))}); resume it with: multilane train --host "
+                    f"{printable(host)} --resume {printable(folder)}"
+                )
+            write_remote_control(conn, folder, args.action)
+    except UserError as e:
+        if mirror is not None and not str(e).startswith("control: "):
+            raise UserError(f"{prefix}{e}") from None
+        raise
+    print(printable(f"{args.action} requested on {host}:{folder}"))
+    return 0

@@ -165,11 +165,18 @@ def watch(
                 state.add(rec)
             if update.status is not None:
                 state.set_status(update.status)
+            for warning in getattr(follower, "new_warnings", list)():  # a link or FIFO in a file's place there
+                if tty:
+                    out.write("\r\x1b[2K")
+                    out.flush()
+                    last = ""
+                print(f"multilane: warning: {printable(warning)}", file=sys.stderr, flush=True)
             reconnecting = getattr(follower, "reconnecting", None)
-            line = printable(reconnecting or state.line())  # a run folder's text is shown, never obeyed
+            catching_up = getattr(follower, "catching_up", None)
+            line = printable(reconnecting or state.line() + (f" · {catching_up}" if catching_up else ""))
             # Not on a terminal (a log, a pipe) a line is printed when the run moves (state, step, loss),
             # not each time only the telemetry's readings change: that printed one line a second.
-            key = line if tty or reconnecting else state.line(telemetry=False)
+            key = line if tty or reconnecting or catching_up else state.line(telemetry=False)
             if key != last:
                 out.write(("\r\x1b[2K" + line) if tty else line + "\n")
                 out.flush()

@@ -82,6 +82,35 @@ def notes_from_child_failure(run_dir: Path, e: Any) -> None:
         write_note(run_dir, rank, message, tb, lost, float(f.timestamp or time.time()))
 
 
+NODES = "nodes.json"  # a run across hosts: each node's host (engine/remote/multi_host.py writes it)
+
+
+def unheard_nodes(run_dir: Path, cause: dict[str, Any]) -> str:
+    """When the failure is a lost peer in a run across hosts: "; lost node 1 (HOST, ADDRESS): the link to
+    it or the host itself went down". The nodes named are those none of whose ranks left a note here
+    (without a shared filesystem, what host 0 cannot hear from); where every node left one (a shared
+    filesystem: every rank timed out alike), every node but host 0's, whose run folder this is."""
+    if not cause.get("lost_peers"):
+        return ""
+    try:
+        nodes = json.loads((run_dir / NODES).read_text(encoding="utf-8"))["nodes"]
+        spans, first = [], 0
+        for n in nodes:
+            count = len([d for d in str(n["devices"]).split(",") if d.strip()])
+            spans.append((n, range(first, first + count)))
+            first += count
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    notes = read_notes(run_dir)
+    if any(not n["lost_peers"] for n in notes):
+        return ""  # a rank's own error is the cause: no node was lost
+    noted = {n["rank"] for n in notes}
+    silent = [n for n, ranks in spans if not noted.intersection(ranks)]
+    lost = silent or [n for n, _ in spans[1:]]
+    names = ", ".join(f"node {n['node']} ({n['host']}, {n['address']})" for n in lost)
+    return f"; lost {names}: the link to it or the host itself went down" if lost else ""
+
+
 def consolidate(run_dir: Path, wait_for_cause_s: float = 0.0) -> dict[str, Any] | None:
     """Write the primary failure among the notes as the run's outcome; return it.
 
@@ -108,7 +137,7 @@ def consolidate(run_dir: Path, wait_for_cause_s: float = 0.0) -> dict[str, Any] 
             )
             if cause["traceback"] or not (Path(run_dir) / ERROR).exists():
                 rd.write_error(cause["traceback"] or cause["message"] + "\n")
-            rank, message = cause["rank"], cause["message"]
+            rank, message = cause["rank"], cause["message"] + unheard_nodes(Path(run_dir), cause)
             rd.set_status("failed", message, step=step, total_steps=old.get("total_steps"), rank=rank)
             event = {"kind": "event", "event": "failed", "step": step, "wall_time": time.time()}
             rd.append_metric({**event, "message": message, "rank": rank})

@@ -25,7 +25,6 @@ from multilane.engine.remote.hosts import HostSpec, ssh_config_path
 from multilane.engine.remote.ssh import paramiko
 
 CONNECT_TIMEOUT_S = 10.0
-COMMAND_TIMEOUT_S = 60.0
 INSTALL_HINT = "install it there (pip install multilane=={version}) or name it with --remote-command PATH"
 
 
@@ -202,33 +201,85 @@ class Connection:
 
     # -- commands ------------------------------------------------------------------------------------
     def run(
-        self, command: str, timeout_s: float = COMMAND_TIMEOUT_S, login: bool = True, stdin: str | None = None
+        self,
+        command: str,
+        timeout_s: float | None = None,
+        login: bool = True,
+        stdin: str | None = None,
+        max_bytes: int | None = None,
+        what: str | None = None,
     ) -> tuple[int, str, str]:
         """Run ``command`` (one shell line, every user value already quoted) on the host: (exit code,
         stdout, stderr). ``login``: through ``sh -l``, so the login PATH applies (pip --user installs).
         ``stdin``: written to the command's standard input, then closed (a secret that must appear on no
-        command line)."""
-        line = f"sh -lc {shlex.quote(command)}" if login else command
+        command line). Past ``timeout_s`` (overall, not per read) or ``max_bytes`` of output the command's
+        process group is killed there and the line says which (``command.py``); ``what`` names the
+        command in that line."""
+        from multilane.engine.remote.command import (
+            Overrun,
+            default_max_bytes,
+            default_timeout_s,
+            read_bounded,
+            wrapped,
+        )
+
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         pm = paramiko()
         with self._lock:
             client = self.connect()._client
+        chan = None
         try:
-            into, out, err = client.exec_command(line, timeout=timeout_s)
+            transport = client.get_transport()
+            if transport is None or not transport.is_active():
+                raise EOFError("not connected")
+            chan = transport.open_session(timeout=self.timeout_s)
+            chan.exec_command(wrapped(command, login))
             if stdin is not None:
-                into.write(stdin)
-                into.flush()
-                into.channel.shutdown_write()
-            stdout = out.read().decode("utf-8", "replace")
-            stderr = err.read().decode("utf-8", "replace")
-            code = out.channel.recv_exit_status()
+                chan.sendall(stdin.encode())
+            chan.shutdown_write()
+            answer = read_bounded(chan, timeout_s, max_bytes)
+        except Overrun as e:
+            self._kill_group(e.pgid)
+            if chan is not None:
+                chan.close()
+            from multilane.engine.cli.terminal_text import printable
+
+            name = what or printable(_short(command))
+            stopped = "stopped there" if e.pgid is not None else "it named no process group, so it may still run there"
+            raise RemoteError(f"{self.name}: {name} {e.reason}; {stopped}") from None
         except (OSError, EOFError, pm.SSHException) as e:
             self.close()
             raise Disconnected(f"{self.name}: the connection dropped ({_first_line(e) or type(e).__name__})") from None
-        return code, stdout, stderr
+        finally:
+            if chan is not None:
+                chan.close()
+        return answer.code, answer.stdout.decode("utf-8", "replace"), answer.stderr.decode("utf-8", "replace")
 
-    def multilane(self, args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int, str, str]:
+    def _kill_group(self, pgid: int | None) -> None:
+        """End a command's whole process group there (best effort: the link may be what failed)."""
+        from multilane.engine.remote.command import kill_group_line
+
+        if pgid is None:
+            return
+        with contextlib.suppress(Exception):
+            transport = self._client.get_transport() if self._client is not None else None
+            if transport is None or not transport.is_active():
+                return
+            chan = transport.open_session(timeout=self.timeout_s)
+            try:
+                chan.settimeout(self.timeout_s)
+                chan.exec_command(kill_group_line(pgid))
+                chan.recv_exit_status()
+            finally:
+                chan.close()
+
+    def multilane(self, args: str, timeout_s: float | None = None) -> tuple[int, str, str]:
         """Run ``multilane ARGS`` there (``args`` already quoted)."""
-        return self.run(f"{shlex.quote(self.remote_command)} {args}", timeout_s)
+        from multilane.engine.cli.terminal_text import printable
+
+        what = printable(repr(f"{self.remote_command} {args}"))
+        return self.run(f"{shlex.quote(self.remote_command)} {args}", timeout_s, what=what)
 
     def check_multilane(self) -> str:
         """The remote ``multilane``'s version; one line when it is missing or another version."""
@@ -294,6 +345,10 @@ class _AskPolicy:
         with open(path, "a", encoding="utf-8") as f:  # appended: the user's own lines stay as they are
             f.write(f"{name} {key.get_name()} {key.get_base64()}\n")
         client.get_host_keys().add(name, key.get_name(), key)
+
+
+def _short(command: str, limit: int = 80) -> str:
+    return repr(command if len(command) <= limit else command[: limit - 1] + "…")
 
 
 def _first_line(e: BaseException) -> str:

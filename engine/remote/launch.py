@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.runlog import CONFIG
@@ -34,18 +35,46 @@ class RemoteRun:
     nodes: list[dict[str, Any]] = field(default_factory=list)  # a run across hosts: each node's launcher
 
 
+def absolute_there(conn: Connection, path: str) -> str | None:
+    """``path`` on the host (``~/...`` and relative paths from the login's home) as an absolute path with
+    its links resolved, or None when no folder is there. Read over SFTP (``realpath``), a length-prefixed
+    string: byte for byte, a newline in a folder's name included (no shell output parsed by lines)."""
+    import stat
+
+    from multilane.engine.remote.connection import Disconnected
+    from multilane.engine.remote.ssh import paramiko
+
+    if path == "~":
+        path = "."
+    elif path.startswith("~/"):  # the home is where SFTP starts; quoting would keep "~" literal
+        path = path[2:] or "."
+    pm = paramiko()
+    try:
+        with conn.lock:
+            sftp = conn.sftp()
+            try:
+                if not stat.S_ISDIR(int(sftp.stat(path).st_mode or 0)):
+                    return None
+                real = sftp.normalize(path)
+            except OSError:
+                return None
+    except (EOFError, pm.SSHException) as e:
+        conn.close()
+        raise Disconnected(f"{conn.name}: the connection dropped ({e or type(e).__name__})") from None
+    return real if real.startswith("/") else None
+
+
 def remote_runs_folder(conn: Connection, runs_dir: str | None) -> str:
     """The host's runs folder as an absolute path, made when missing."""
     runs = runs_dir or DEFAULT_REMOTE_RUNS
-    if runs == "~":
-        runs = "."
-    elif runs.startswith("~/"):  # the home is where ssh starts; quoting would keep "~" literal
-        runs = runs[2:] or "."
-    q = shlex.quote(runs)
-    code, out, err = conn.run(f"mkdir -p -- {q} && cd -- {q} && pwd -P", login=False)
-    if code != 0 or not out.strip().startswith("/"):
-        raise RemoteError(f"{conn.name}: cannot use the runs folder {runs_dir!r} there ({_line(err) or code})")
-    return out.strip().splitlines()[-1]
+    there = (runs[2:] or ".") if runs.startswith("~/") else "." if runs == "~" else runs
+    code, _, err = conn.run(f"mkdir -p -- {shlex.quote(there)}", login=False)
+    path = absolute_there(conn, runs) if code == 0 else None
+    if path is None:
+        raise RemoteError(
+            f"{conn.name}: cannot use the runs folder {printable(repr(runs_dir))} there ({printable(_line(err)) or code})"
+        )
+    return path
 
 
 def make_run_folder(conn: Connection, runs: str, name: str) -> str:

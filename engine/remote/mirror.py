@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.remote.connection import Connection, Disconnected, RemoteError
 from multilane.engine.remote.launch import CONSOLE, RemoteRun, write_remote_control
+from multilane.engine.remote.mirror_copy import NotAFile, lstat_regular, open_checked, read_range, still_regular
 from multilane.engine.remote.ssh import paramiko
 from multilane.engine.rundir.follow import FollowUpdate, RunFollower
 from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, ERROR, METRICS, SAMPLES, STATUS, TASK_FILE
@@ -32,12 +34,14 @@ REMOTE = "remote.json"  # in a mirror: the host and the run folder there
 APPENDED = (METRICS, CONSOLE)
 REPLACED = (STATUS, CONFIG, ENVIRONMENT, ERROR, TASK_FILE, SAMPLES)
 RETRY_S = 2.0  # between two reconnection attempts
+MB = 1 << 20
 PID_CHECK_S = 10.0  # how often a running run's process on the host is checked
 
 
 def mirror_folder(local_runs: str | Path, host_label: str, remote_path: str) -> Path:
     """Where the mirror of the host's run folder goes, under the local runs folder."""
-    return Path(local_runs).expanduser() / f"{posixpath.basename(remote_path.rstrip('/'))}@{host_label}"
+    name = printable(posixpath.basename(remote_path.rstrip("/")))  # no control character in a local name
+    return Path(local_runs).expanduser() / f"{name}@{host_label}"
 
 
 def read_remote_json(folder: str | Path) -> dict[str, Any] | None:
@@ -53,7 +57,16 @@ SAME_SECOND_S = 1.5  # a stamp seen this long ago cannot change within its secon
 
 
 class RemoteMirror:
-    """Copies one run folder on a host into a local folder; ``sync()`` raises ``Disconnected``."""
+    """Copies one run folder on a host into a local folder; ``sync()`` raises ``Disconnected``.
+
+    Regular files only (``mirror_copy.py``): anything else in a file's place is one warning (``warnings``)
+    and skipped. A replaced file larger than ``max_whole`` is skipped with a warning; a growing file is
+    copied ``chunk`` bytes at a time, at most ``budget`` bytes a sync, so a long catch-up (a 500 MB
+    metrics.jsonl) shows its progress (``catching_up``) and the records so far."""
+
+    max_whole = 16 << 20
+    chunk = 2 << 20
+    budget = 8 << 20  # a poll's records are parsed at once by the follower: ~80 MB of them for 8 MB
 
     def __init__(self, conn: Connection, remote_dir: str, local_dir: str | Path, run: RemoteRun | None = None) -> None:
         self.conn, self.remote_dir, self.local = conn, remote_dir, Path(local_dir)
@@ -64,10 +77,38 @@ class RemoteMirror:
             body = {"host": conn.name, "path": remote_dir, "remote_command": conn.remote_command, "pid": self.pid}
             if run is not None and run.nodes:  # a run across hosts: every node's launcher (multi_host.py)
                 body["nodes"] = run.nodes
-            _atomic_write(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
+            write_atomic(self.local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
         self._stamps: dict[str, tuple[int, int]] = {}
         self._stamp_seen: dict[str, float] = {}  # when each stamp was first seen (time.monotonic)
         self._copied: dict[str, bytes] = {}  # what was copied of each replaced file
+        self._warned: dict[str, str] = {}  # the warning given for each file, once
+        self.warnings: list[str] = []  # every warning so far, in order (a follower passes on the new ones)
+        self.behind: dict[str, tuple[int, int]] = {}  # a growing file not yet caught up: (copied, size)
+
+    @property
+    def catching_up(self) -> str | None:
+        """ "catching up metrics.jsonl: 96 / 500 MB" while a growing file is behind, else None."""
+        if not self.behind:
+            return None
+        name, (have, size) = next(iter(self.behind.items()))
+        return f"catching up {name}: {have / MB:,.1f} / {size / MB:,.1f} MB"
+
+    def _warn(self, name: str, what: str) -> None:
+        if self._warned.get(name) != what:
+            self._warned[name] = what
+            self.warnings.append(
+                f"{printable(self.conn.name)}:{printable(posixpath.join(self.remote_dir, name))}: {what}"
+            )
+
+    def _regular(self, sftp: Any, name: str) -> Any | None:
+        try:
+            st = lstat_regular(sftp, posixpath.join(self.remote_dir, name))
+        except NotAFile as e:
+            self._warn(name, f"{e} is in a file's place; skipped, never followed")
+            return None
+        if st is not None:
+            self._warned.pop(name, None)
+        return st
 
     def sync(self) -> bool:
         """Copy what changed since the last sync; True when anything did."""
@@ -83,18 +124,24 @@ class RemoteMirror:
                 raise
             self.conn.close()
             raise Disconnected(f"{self.conn.name}: the connection dropped ({e or type(e).__name__})") from None
+        if self.behind and replaced.get(STATUS) is not None:  # records still to come: that status waits
+            replaced[STATUS] = None
+            self._stamps.pop(STATUS, None)
+            self._copied.pop(STATUS, None)
         for name, data in replaced.items():
             if data is not None:
-                _atomic_write(self.local / name, data)
+                write_atomic(self.local / name, data)
         return any(grew) or any(d is not None for d in replaced.values())
 
     def _changed(self, sftp: Any, name: str) -> bytes | None:
         path = posixpath.join(self.remote_dir, name)
-        try:
-            st = sftp.stat(path)
-        except FileNotFoundError:
+        st = self._regular(sftp, name)
+        if st is None:
             return None
         stamp = (int(st.st_mtime or 0), int(st.st_size or 0))
+        if stamp[1] > self.max_whole:
+            self._warn(name, f"{stamp[1]:,} bytes, more than the {self.max_whole:,} copied whole; skipped")
+            return None
         now = time.monotonic()
         if self._stamps.get(name) != stamp:
             self._stamp_seen[name] = now
@@ -104,9 +151,16 @@ class RemoteMirror:
         # going from "running" to "finished") keeps its stamp. Until its second has surely passed (the
         # host's clock read that second when we first saw it), the file is read again and compared.
         try:
-            with sftp.open(path, "rb") as f:
-                data = f.read()
+            with open_checked(sftp, path, st) as f:
+                data = f.read(self.max_whole + 1)  # to its end (small: sequential reads), at most the cap
+            still_regular(sftp, path, st)
         except FileNotFoundError:  # replaced between stat and open: the next sync reads it
+            return None
+        except NotAFile as e:
+            self._warn(name, f"{e}; skipped")
+            return None
+        if len(data) > self.max_whole:
+            self._warn(name, f"more than the {self.max_whole:,} bytes copied whole; skipped")
             return None
         if self._stamps.get(name) == stamp and self._copied.get(name) == data and (self.local / name).exists():
             return None
@@ -116,22 +170,41 @@ class RemoteMirror:
 
     def _append(self, sftp: Any, name: str) -> bool:
         path, local = posixpath.join(self.remote_dir, name), self.local / name
-        try:
-            size = int(sftp.stat(path).st_size or 0)
-        except FileNotFoundError:
+        st = self._regular(sftp, name)
+        if st is None:
+            self.behind.pop(name, None)
             return False
+        size = int(st.st_size or 0)
         have = local.stat().st_size if local.exists() else 0
         if size == have:
+            self.behind.pop(name, None)
             return False
         if size < have:  # the file was replaced there (not something a run does): copy it afresh
             have = 0
             local.write_bytes(b"")
-        with sftp.open(path, "rb") as f:
-            f.seek(have)
-            data = f.read(size - have)
-        with open(local, "ab") as out:  # only what the host holds past the mirror's end: no gap, no duplicate
-            out.write(data)
-        return bool(data)
+        end, start = min(size, have + self.budget), have
+        try:
+            with open_checked(sftp, path, st) as f, open(local, "ab") as out:
+                # only what the host holds past the mirror's end: no gap, no duplicate
+                while have < end:
+                    data = read_range(f, have, min(self.chunk, end - have))
+                    if not data:
+                        break
+                    out.write(data)
+                    have += len(data)
+            still_regular(sftp, path, st)
+        except FileNotFoundError:
+            return False
+        except NotAFile as e:  # what was appended may come from another file: taken back
+            with open(local, "r+b") as out:
+                out.truncate(start)
+            self._warn(name, f"{e}; skipped")
+            return False
+        if have < size:
+            self.behind[name] = (have, size)
+        else:
+            self.behind.pop(name, None)
+        return True
 
     def process_alive(self) -> bool | None:
         """Whether the run's process still exists on the host (None: unknown)."""
@@ -150,6 +223,7 @@ class RemoteFollower:
         self.local = RunFollower(mirror.local, check_writer=False)
         self.reconnecting: str | None = None
         self.lost: str | None = None
+        self._told = 0  # how many of the mirror's warnings were passed on
         self._retry_at = 0.0
         self._pid_at = time.monotonic() + PID_CHECK_S
 
@@ -172,6 +246,17 @@ class RemoteFollower:
 
     def skip_existing(self) -> None:
         self.local.skip_existing()
+
+    @property
+    def catching_up(self) -> str | None:
+        """The progress of a long copy ("catching up metrics.jsonl: 96 / 500 MB"), or None."""
+        return self.mirror.catching_up
+
+    def new_warnings(self) -> list[str]:
+        """The mirror's warnings not yet passed on (a link or FIFO in a file's place, a file over the cap)."""
+        new = self.mirror.warnings[self._told :]
+        self._told = len(self.mirror.warnings)
+        return new
 
     def poll(self) -> FollowUpdate:
         now = time.monotonic()
@@ -206,7 +291,7 @@ class RemoteFollower:
         write_remote_control(self.mirror.conn, self.mirror.remote_dir, command)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.mirror.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -40,6 +40,7 @@ from multilane.engine.rundir.runlog import CONFIG
 NODES_FOLDER = ".multilane-nodes"  # in a host's runs folder: the other nodes' config and console
 DEFAULT_RDZV_TIMEOUT_S = 60.0
 # The python that runs the remote multilane (its script's #! line), else python3: a port free there.
+NODES_FILE = "nodes.json"  # in host 0's run folder: every node's host (failures.py reads it)
 _FREE_PORT = (
     'for py in "$(sed -n \'1s/^#![[:space:]]*//p\' "$(command -v {cmd})" 2>/dev/null)" python3 python; do '
     '[ -n "$py" ] && $py -c \'import socket;s=socket.socket();s.bind(("",0));print(s.getsockname()[1])\' '
@@ -135,6 +136,7 @@ def launch_multi_host(
         for k, (n, r) in enumerate(zip(nodes, runs, strict=True)):
             if k == 0:
                 n.folder = make_run_folder(n.conn, r, name)
+                _write_nodes(n.conn, n.folder, nodes)
             else:
                 n.folder = posixpath.join(r, NODES_FOLDER, f"{rdzv_id}-node{k}")
                 code, _, err = n.conn.run(f"mkdir -p -- {shlex.quote(n.folder)}", login=False)
@@ -168,6 +170,16 @@ def launch_multi_host(
     run.nodes = [{"host": n.conn.name, "path": n.folder, "pid": n.pid, "devices": n.devices} for n in nodes]
     launched = [RemoteRun(n.conn.name, n.folder, n.pid, n.conn.remote_command) for n in nodes]
     return MultiHostRun(run, launched, endpoint, rdzv_id)
+
+
+def _write_nodes(conn: Connection, folder: str, nodes: list[Node]) -> None:
+    """``nodes.json`` in host 0's run folder: each node's host, address and devices, so that the run's
+    own record can name a node it lost (``engine/distributed/failures.py``)."""
+    body = [
+        {"node": k, "host": n.conn.name, "address": n.conn.hostname, "devices": n.devices} for k, n in enumerate(nodes)
+    ]
+    with conn.lock, conn.sftp().open(posixpath.join(folder, NODES_FILE), "w") as f:
+        f.write(json.dumps({"nodes": body}, indent=2) + "\n")
 
 
 def stop_nodes(nodes: list[Node]) -> None:

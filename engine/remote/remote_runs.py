@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import posixpath
 import shlex
+import shutil
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.runlog import STATUS
 
@@ -42,10 +45,16 @@ class RemoteRunRow:
 
 
 def _read_small(sftp: Any, path: str) -> bytes | None:
+    """A small file's bytes: a regular file only (a FIFO there would block the read for ever)."""
+    from multilane.engine.remote.mirror_copy import NotAFile, lstat_regular, open_checked
+
     try:
-        with sftp.open(path, "rb") as f:
+        st = lstat_regular(sftp, path)
+        if st is None:
+            return None
+        with open_checked(sftp, path, st) as f:
             return f.read(MAX_JSON)
-    except OSError:
+    except (OSError, NotAFile):
         return None
 
 
@@ -56,6 +65,18 @@ def _status(sftp: Any, folder: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return status if isinstance(status, dict) else {}
+
+
+def remote_status(conn: Connection, folder: str) -> dict[str, Any] | None:
+    """The run's status.json in the host's ``folder`` (None: none there, or not a JSON object)."""
+    with conn.lock:
+        sftp = conn.sftp()
+        data = _read_small(sftp, posixpath.join(folder, STATUS))
+    try:
+        status = json.loads(data) if data else None
+    except ValueError:
+        return None
+    return status if isinstance(status, dict) else None
 
 
 def _lock_pid(sftp: Any, folder: str) -> int | None:
@@ -97,16 +118,9 @@ def refuse_live(conn: Connection, folder: str) -> None:
 def runs_folder_there(conn: Connection, runs_dir: str | None) -> str | None:
     """The host's runs folder as an absolute path, or None when it does not exist (a listing makes
     nothing there, unlike a launch)."""
-    from multilane.engine.remote.launch import DEFAULT_REMOTE_RUNS
+    from multilane.engine.remote.launch import DEFAULT_REMOTE_RUNS, absolute_there
 
-    runs = runs_dir or DEFAULT_REMOTE_RUNS
-    if runs == "~":
-        runs = "."
-    elif runs.startswith("~/"):  # the home is where ssh starts; quoting would keep "~" literal
-        runs = runs[2:] or "."
-    code, out, _ = conn.run(f"cd -- {shlex.quote(runs)} 2>/dev/null && pwd -P", login=False)
-    path = out.strip().splitlines()[-1] if code == 0 and out.strip() else ""
-    return path if path.startswith("/") else None
+    return absolute_there(conn, runs_dir or DEFAULT_REMOTE_RUNS)
 
 
 def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
@@ -117,7 +131,11 @@ def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
         try:
             entries = sftp.listdir_attr(runs)
         except OSError as e:
-            raise RemoteError(f"{conn.name}: cannot list the runs folder {runs} there ({e})") from None
+            raise RemoteError(f"{conn.name}: cannot list the runs folder {printable(runs)} there ({e})") from None
+        except UnicodeDecodeError:  # paramiko reads names as UTF-8, strictly
+            raise RemoteError(
+                f"{conn.name}: the runs folder {printable(runs)} there holds a name that is not UTF-8; rename it"
+            ) from None
         for entry in entries:
             if entry.filename.startswith(".") or not stat.S_ISDIR(entry.st_mode or 0):
                 continue
@@ -152,3 +170,34 @@ def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
             r.live_pid = None
     rows.sort(key=lambda r: (r.mtime, r.name), reverse=True)
     return rows
+
+
+def resume_followed(
+    conn: Connection, folder: str, local: Path, overrides: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """Resume the host's run ``folder`` there and follow it through its mirror ``local``: (the
+    ``RemoteRun``, a ``RemoteFollower``). The mirror is brought up to date first (every record: the
+    curves so far) and its old final status set aside, so the follow ends with the new process's final
+    status, as a started run's does. The window and ``train --host H --resume`` both come here."""
+    from multilane.engine.errors import UserError
+    from multilane.engine.remote.launch import resume_run
+    from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, write_atomic
+
+    refuse_live(conn, folder)  # before a mirror is made here for it
+    made = not local.exists()
+    mirror = RemoteMirror(conn, folder, local)
+    try:
+        mirror.sync()
+        while mirror.behind:  # a long metrics.jsonl: every record in before the old status is set aside
+            mirror.sync()
+        follower = RemoteFollower(mirror)
+        follower.local.skip_status()
+        run = resume_run(conn, folder, overrides)
+    except UserError:
+        if made:
+            shutil.rmtree(local, ignore_errors=True)
+        raise
+    mirror.pid = run.pid  # the new process: the follower checks it is alive
+    body = {"host": conn.name, "path": run.path, "remote_command": conn.remote_command, "pid": run.pid}
+    write_atomic(local / REMOTE, (json.dumps(body, indent=2) + "\n").encode())
+    return run, follower

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.gui.hosts.secrets import HostSecrets, attempt_done
 from multilane.gui.runs.remote_follow import RemoteFollowWorker, unfinished_mirrors
@@ -169,12 +170,10 @@ class HostBar(QWidget):
                     attempt_done(ask, False)
                     raise
                 attempt_done(ask, True)
+                from multilane.engine.remote.devices_answer import read_devices
+
                 with conn:
-                    conn.check_multilane()
-                    code, out, err = conn.multilane("devices --json")
-                rows = json.loads(out) if code == 0 else None
-                if not isinstance(rows, list):
-                    raise UserError(f"{host}: 'multilane devices --json' failed there ({err.strip()[-200:] or code})")
+                    rows = read_devices(conn)  # checked: a wrong answer is one line naming the host
                 self.devicesRead.emit(host, rows, None)
             except UnknownHostKey as e:
                 self.untrusted.emit(host, e.fingerprint, str(e))
@@ -206,7 +205,7 @@ class RemoteRunsMixin:
         if host != self.hosts.host:
             return  # another host was picked meanwhile
         if error is not None:
-            self.hosts.message.setText(error)
+            self.hosts.message.setText(printable(error))
             self.hosts.message.setStyleSheet("color: #d62728;")
             self.devices.show_host(host, [])
             self.devices.set_checked([])  # nothing from a host that did not answer: Start stays off
@@ -262,7 +261,7 @@ class RemoteRunsMixin:
         self.status_label.setText(f"Connecting to {worker.host}…")
 
     def _on_connection(self, text: str | None) -> None:
-        self.status_label.setText(text or "Connected again; following")
+        self.status_label.setText(printable(text) if text else "Following")  # back after "reconnecting…" or a catch-up
 
     def offer_remote_runs(self) -> list[Path]:
         """Remote runs still training when last seen: offer to follow the newest (a non-modal question)."""

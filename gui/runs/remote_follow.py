@@ -10,18 +10,17 @@ the run's control file there, also from a thread of their own. No Qt here beyond
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection
-from multilane.engine.remote.launch import launch_run, resume_run
-from multilane.engine.remote.mirror import REMOTE, RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
-from multilane.engine.remote.remote_runs import refuse_live
+from multilane.engine.remote.launch import launch_run
+from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
+from multilane.engine.remote.remote_runs import resume_followed
 from multilane.gui.hosts.secrets import NotGiven
 from multilane.gui.runs.follow import FollowWorker
 from PySide6.QtCore import Signal
@@ -51,6 +50,7 @@ class RemoteFollowWorker(FollowWorker):
         self.local_runs = Path(local_runs)
         self.mirror_dir = Path(mirror) if mirror else None
         self._shown: str | None = None
+        self._warning: str | None = None
         self.control_error: str | None = None
 
     def _loop(self) -> dict[str, Any]:
@@ -91,36 +91,23 @@ class RemoteFollowWorker(FollowWorker):
         self.follower = RemoteFollower(mirror)
 
     def _resume(self, conn: Connection) -> None:
-        """Resume the host's run folder there. Its mirror is brought up to date first, and its old final
-        status set aside: the follower reads every record (the window shows the curves so far, as a
-        local resume does; the "started" record cuts those the checkpoint superseded) and ends with the
-        new process's final status, not the old one."""
-        refuse_live(conn, self.resume_dir)  # before a mirror is made here for it
+        """Resume the host's run folder there (``resume_followed``: the mirror brought up to date, its old
+        final status set aside; the window shows the curves so far, then the new steps)."""
         local = self.mirror_dir or mirror_folder(self.local_runs, conn.spec.label, self.resume_dir)
-        made = not local.exists()
-        mirror = RemoteMirror(conn, self.resume_dir, local)
-        try:
-            mirror.sync()
-            follower = RemoteFollower(mirror)
-            follower.local.skip_status()
-            run = resume_run(conn, self.resume_dir)
-        except UserError:
-            if made:
-                shutil.rmtree(local, ignore_errors=True)
-            raise
-        mirror.pid = run.pid  # the new process: the follower checks it is alive
-        body = {"host": conn.name, "path": run.path, "remote_command": conn.remote_command, "pid": run.pid}
-        tmp = local / f".{REMOTE}.tmp"
-        tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, local / REMOTE)
+        _, follower = resume_followed(conn, self.resume_dir, local)
         self.run_dir, self.follower = local, follower
 
     def _poll(self) -> None:
         super()._poll()
         note = getattr(self.follower, "reconnecting", None)
+        note = note.split(" (")[0] if note else None
+        for warning in getattr(self.follower, "new_warnings", list)():  # a link or FIFO in a file's place
+            self._warning = f"warning: {printable(warning)}"
+        # a long copy shows its progress ("catching up metrics.jsonl: 96 / 500 MB"), then the last warning
+        note = note or getattr(self.follower, "catching_up", None) or self._warning
         if note != self._shown:
             self._shown = note
-            self.connection.emit(note.split(" (")[0] if note else None)
+            self.connection.emit(note)
 
     def _write(self, command: str) -> None:
         follower = self.follower
@@ -144,7 +131,6 @@ class _Pending:
 
 def unfinished_mirrors(local_runs: str | Path) -> list[Path]:
     """Mirror folders under ``local_runs`` whose run, on its host, had not ended when last seen."""
-    import json
 
     out = []
     root = Path(local_runs).expanduser()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.progress import data_wait
+from multilane.engine.cli.terminal_text import printable
 from multilane.engine.config import PROCESS_STRATEGIES, RunConfig, build_config
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.runlog import CONFIG, RunDir, iter_metrics
@@ -208,7 +209,7 @@ class RunControlMixin:
         elif kind == "telemetry":
             self.devices.update_from_telemetry(rec)
         elif kind == "event" and rec.get("event") == "warning":
-            self.note(f"⚠ {rec['message']}", 30_000)
+            self.note(f"⚠ {printable(str(rec['message']))}", 30_000)
         elif kind == "eval" and rec.get("sample"):
             # A task's text sample (charlm): one line at the status bar's right; all of it is in samples.txt.
             text = " ⏎ ".join(line for line in rec["sample"].splitlines() if line.strip())
@@ -223,6 +224,8 @@ class RunControlMixin:
         if self.tabs.currentWidget() is self.runs_table:
             self.refresh_runs()
         status = result["status"]
+        if isinstance(result.get("message"), str):  # a run folder's or a host's text: data, escaped (terminal_text)
+            result = {**result, "message": printable(result["message"])}
         if status == "rejected" and result.get("task_file_changed") and self._resume_from:
             self._ask_to_run_changed_task_file(self._resume_from, result)
         elif status == "rejected":
