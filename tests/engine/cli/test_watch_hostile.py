@@ -253,7 +253,14 @@ def test_ctrl_c_while_the_cli_starts_is_one_line(run, delay):
     _running(run, "")
     lock = lock_run_folder(run)  # a live writer: watch follows until Ctrl+C
     try:
-        proc = subprocess.Popen([*CLI, "watch", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The delay counts from the end of the interpreter's own start (its ``site`` import, reported by
+        # -X importtime), not from the fork: on a loaded machine Python itself may take over a second to
+        # start, and a Ctrl+C inside CPython's start-up is CPython's traceback, before any of our code.
+        cmd = [CLI[0], "-X", "importtime", *CLI[1:], "watch", str(run)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:
+            if line.rstrip().endswith("| site"):
+                break
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         try:
