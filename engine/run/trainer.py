@@ -21,6 +21,9 @@ from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
+from multilane.engine.plan.fit import check_fit
+from multilane.engine.plan.meter import NO_METER as _NO_METER
+from multilane.engine.plan.meter import PeakMeter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.balance import balance_warnings
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
@@ -100,6 +103,10 @@ class Trainer:
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
+        forecast = getattr(self, "forecast", None)
+        self.memory = PeakMeter(self.devices, forecast) if forecast is not None else None
+        if self.memory is not None:
+            self.memory.before_model()
         self.model = self.task.build_model().to(dev)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
@@ -149,6 +156,7 @@ class Trainer:
             except MissingExtra as e:
                 raise UserError(str(e)) from None
         try:
+            self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
             self._setup()
         except (UserError, KeyboardInterrupt):
             raise
@@ -221,6 +229,8 @@ class Trainer:
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
+        memory = getattr(self, "memory", None) or _NO_METER
+        memory.start(self.total_steps, self.step)
         while self.step < self.total_steps:
             self._sync_control()
             self.control.wait_while_held()
@@ -230,7 +240,8 @@ class Trainer:
                 self._stop()
                 return "stopped", f"stopped at step {self.step}"
             self._at_step = self.step + 1
-            self._train_step(accum)
+            with memory.step(self.step + 1, self.backend):
+                self._train_step(accum)
             self.step += 1
             self._at_step = self.step
             epoch = self.loader.epoch_at(self.step * accum)
