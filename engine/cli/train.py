@@ -101,7 +101,12 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.distributed.launcher import launch
         from multilane.engine.tasks import make_task
 
-        make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        task = make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
+            from multilane.engine.plan.fit import check_fit
+            from multilane.engine.telemetry.devices import parse_devices
+
+            check_fit(config, task, parse_devices(config.devices.use))
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )

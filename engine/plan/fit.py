@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 
-import psutil
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.errors import UserError
 from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at
+from multilane.engine.plan.measure import free_bytes
 from multilane.engine.plan.probe import MemoryLine, probe
 from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
@@ -24,16 +24,6 @@ def fit_check_on(config: RunConfig) -> bool:
     from multilane.engine.distributed import in_worker
 
     return config.train.fit_check and os.environ.get(FIT_CHECK_ENV, "1") != "0" and not in_worker()
-
-
-def free_bytes(name: str) -> int | None:
-    """Free bytes of a memory now: a GPU's (``torch.cuda.mem_get_info``), or the RAM available (psutil)."""
-    if name == "cpu":
-        return int(psutil.virtual_memory().available)
-    try:
-        return int(torch.cuda.mem_get_info(torch.device(name))[0])
-    except (RuntimeError, AssertionError, ValueError):
-        return None
 
 
 def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
@@ -52,7 +42,7 @@ def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
 
 def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecast:
     weights = config.devices.weights or None
-    batch = config.data.batch_size
+    batch = min([config.data.batch_size, *[x.data_batch for x in lines if x.data_batch]])
     free = [free_bytes(line.name) for line in lines]
     needs = [Need(line.name, b, f) for line, b, f in zip(lines, needs_at(lines, batch, n, weights), free, strict=True)]
 

@@ -62,9 +62,9 @@ class Forecast:
             return None
         n = bad[0]
         where = "the CPU lanes need" if n.name == "cpu" else f"{n.name} needs"
-        room = "of RAM available" if n.name == "cpu" else "free"
+        room = "of RAM is available" if n.name == "cpu" else "is free"
         head = (
-            f"will not fit: {where} {gib(n.need)} at batch {self.batch:,} and {gib(n.free or 0)} is {room} "
+            f"will not fit: {where} {gib(n.need)} at batch {self.batch:,} and {gib(n.free or 0)} {room} "
             f"(a run may use {USABLE:.0%} of it)"
         )
         if self.largest_batch is None:

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -167,3 +168,13 @@ def cuda_peaks(devices: Sequence[torch.device]) -> list[int]:
         torch.cuda.synchronize(d)
         out.append(int(torch.cuda.max_memory_allocated(d)))
     return out
+
+
+def free_bytes(name: str) -> int | None:
+    """Free bytes of a memory now: a GPU's (``torch.cuda.mem_get_info``), or the RAM available (psutil)."""
+    if name == "cpu":
+        return int(psutil.virtual_memory().available)
+    try:
+        return int(torch.cuda.mem_get_info(torch.device(name))[0])
+    except (RuntimeError, AssertionError, ValueError):
+        return None

@@ -45,6 +45,8 @@ class MemoryLine:
     """Each phase's (samples, peak bytes) points, by samples."""
     ranks: int = 1
     """ddp on CPU lanes: the processes (one per lane) whose needs add up in this memory."""
+    data_batch: int | None = None
+    """The batch a step really takes where the training data holds fewer samples than the run's batch."""
 
     @property
     def per_sample(self) -> float:
@@ -99,7 +101,8 @@ def _kept_random_state(devices: list[Device]) -> Any:
 
 
 def probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool = True) -> list[MemoryLine]:
-    """Measure the run's memory lines (one per memory the run uses); see the module docstring."""
+    """Measure the run's memory lines (one per memory the run uses); see the module docstring. Where the
+    training data holds fewer samples than the batch, the lines' ``data_batch`` says so."""
     with _kept_random_state(devices):
         return _probe(config, task, devices, ddp_group)
 
@@ -123,6 +126,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
         inputs, target, size = loader.next()  # the largest batch the probe may take (the data may hold fewer)
     finally:
         loader.close()
+    data_batch = size if size < batches[-1] and not ddp else None  # every step takes all the data there is
     batches = sorted({min(b, size) for b in batches})
 
     def shares(b: int) -> list[int]:
@@ -134,12 +138,15 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
     backend = make_backend(lanes_run, 0 if ddp else config.devices.output)
     counting = measure.CpuCounting(count, backend) if not cuda else contextlib.nullcontext()
     group = _one_rank_group() if ddp and ddp_group else contextlib.nullcontext()
+    free = [measure.free_bytes(name) for name, _ in pools]
     points: list[tuple[int, list[list[int]]]] = []  # (global batch, each phase's peak on each pool)
     try:
         with counting, group:
             step = _Stepper(config, task, backend, ddp, count, pools)
             step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
             for b in batches:
+                if len(points) >= 2 and _beyond(points, b, pools, shares, free):
+                    break  # the next batch would not fit (or nearly): the line so far says so, without trying
                 try:
                     points.append((b, step.run(inputs, target, b, shares(b))))
                 except torch.OutOfMemoryError:
@@ -165,6 +172,8 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
                 lines.append(MemoryLine("cpu", list(range(len(devices))), phases, ranks=len(devices)))
         else:
             lines.append(MemoryLine(name, lanes, phases))
+    for line in lines:
+        line.data_batch = data_batch
     return lines
 
 
@@ -174,6 +183,20 @@ PHASES = ("forward", "backward", "optimizer")
 def _phase(points: list, phase: int, pool: int, lanes: list[int], shares: Any) -> list[tuple[int, int]]:
     """One phase's (samples in the pool, peak) points on one pool."""
     return [(sum(shares(b)[i] for i in lanes), peaks[phase][pool]) for b, peaks in points]
+
+
+def _beyond(points: list, b: int, pools: list, shares: Any, free: list[int | None]) -> bool:
+    """Whether batch ``b`` would take a pool past half its free memory, by the lines through ``points``."""
+    for k, (_, lanes) in enumerate(pools):
+        samples = sum(shares(b)[i] for i in lanes)
+        need = max(_along(_phase(points, p, k, lanes, shares), samples) for p in range(len(PHASES)))
+        if free[k] is not None and need > PROBE_SHARE * free[k]:
+            return True
+    return False
+
+
+PROBE_SHARE = 0.5
+"""The probe takes no batch its points say would need more than this share of a memory's free bytes."""
 
 
 def _settled(pts: list[tuple[int, int]]) -> bool:
