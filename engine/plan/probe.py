@@ -154,7 +154,8 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
                         raise
                     break  # the points so far are the line (the run's batch is beyond this memory)
                 if all(
-                    _settled(_phase(points, p, k, lanes, shares)) for p in (0, 1) for k, (_, lanes) in enumerate(pools)
+                    _settled(_phase(points, 0, k, ls, shares), _phase(points, 1, k, ls, shares))
+                    for k, (_, ls) in enumerate(pools)
                 ):
                     break
             del step
@@ -199,12 +200,18 @@ PROBE_SHARE = 0.5
 """The probe takes no batch its points say would need more than this share of a memory's free bytes."""
 
 
-def _settled(pts: list[tuple[int, int]]) -> bool:
-    """Whether the last two segments rise alike: the peak's slope no longer changes with the batch."""
-    if len(pts) < 3:
+def _settled(forward: list[tuple[int, int]], backward: list[tuple[int, int]]) -> bool:
+    """Whether the lines through the points so far will hold at larger batches: each phase's last two
+    slopes agree, and the backward's rises at least as fast as the forward's. (At small batches the
+    backward's peak can sit where gradients and replica copies meet, flat in the batch; at large ones it
+    is its first moments, the forward's activations and their first gradients, rising faster than the
+    forward: until that shows, its line would be too low.)"""
+    if len(forward) < 3:
         return False
-    a, b = _slope(pts[-3], pts[-2]), _slope(pts[-2], pts[-1])
-    return abs(b - a) <= SETTLED * max(a, b, 1e-9)
+    f0, f1 = _slope(forward[-3], forward[-2]), _slope(forward[-2], forward[-1])
+    b0, b1 = _slope(backward[-3], backward[-2]), _slope(backward[-2], backward[-1])
+    alike = abs(f1 - f0) <= SETTLED * max(f0, f1, 1e-9) and abs(b1 - b0) <= SETTLED * max(b0, b1, 1e-9)
+    return alike and b1 >= (1 - SETTLED) * f1
 
 
 def _pools(devices: list[Device]) -> list[tuple[str, list[int]]]:

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-COLS = ["device", "model", "memory", "util", "needs", "share"]
+COLS = ["device", "model", "memory", "util", "needs · of free", "share"]
 NEEDS, SHARE = 4, 5  # the forecast's column (fit_forecast.py), the share's
 
 
@@ -216,7 +216,7 @@ class DevicePicker(QWidget):
                 free = "?" if n["free"] is None else fmt_bytes(n["free"])
                 where = "RAM available" if n["name"] == "cpu" else "free"
                 bad = n["free"] is not None and n["need"] > USABLE * n["free"]
-                text = f"{fmt_bytes(n['need'])} of {free}"
+                text = f"{fmt_bytes(n['need'])} · {share_of(n['need'], n['free'])}"
                 tip = f"forecast peak at batch {forecast['batch']:,}: {fmt_bytes(n['need'])}; {free} {where}" + (
                     " — will not fit" if bad else ""
                 )
@@ -224,3 +224,11 @@ class DevicePicker(QWidget):
             item.setText(NEEDS, text)
             item.setToolTip(NEEDS, tip or 'Press "Will it fit?" to measure what the run needs on each device')
             item.setForeground(NEEDS, QBrush(QColor("#b00020" if bad else "#000000")))
+
+
+def share_of(need: int, free: int | None) -> str:
+    """The need as a share of the free memory: "42%", "<1%", "?" when the free memory is unknown."""
+    if not free:
+        return "?"
+    pct = 100 * need / free
+    return "<1%" if pct < 1 else f"{pct:,.0f}%"

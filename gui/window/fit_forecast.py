@@ -101,7 +101,8 @@ class FitForecast(QWidget):
         self.forecast = answer["forecast"]
         self.picker.show_needs(self.forecast)
         if answer["message"]:
-            self.verdict.setText(f"⚠ {answer['message']}")
+            # The CLI's hint (": --batch-size N") is the form's batch size field here.
+            self.verdict.setText(f"⚠ {answer['message'].split(': --batch-size ')[0]}")
             self.verdict.setStyleSheet("color: #b00020;")
         elif self.forecast is not None:
             self.verdict.setText(f"fits at batch {self.forecast['batch']:,}")

@@ -9,7 +9,7 @@ from multilane.engine.plan.fit import plan_run
 from multilane.engine.plan.forecast import gib
 from multilane.engine.tasks import make_task
 from multilane.engine.telemetry.devices import parse_devices
-from multilane.gui.window.device_picker import NEEDS
+from multilane.gui.window.device_picker import NEEDS, share_of
 
 
 @pytest.mark.slow
@@ -30,7 +30,8 @@ def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, 
     here = plan_run(build_config({"task": {"name": "mlp"}, "data": {"batch_size": 96}, "devices": {"use": "cpu:0,cpu:1"}}),
                     make_task("mlp", {}), parse_devices("cpu:0,cpu:1"))  # fmt: skip
     assert here.needs[0].need == need["need"]
-    assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} of {gib(need['free'])}"
+    assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} · {share_of(need['need'], need['free'])}"
+    assert f"{gib(need['free'])} RAM available" in rows["cpu:0"].toolTip(NEEDS)
     assert rows["cpu:1"].text(NEEDS) == "shared"
     assert "RAM available" in rows["cpu:0"].toolTip(NEEDS)
     # A changed setting makes the forecast stale: the column empties.
