@@ -37,3 +37,13 @@ def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, 
     # A changed setting makes the forecast stale: the column empties.
     w.devices.set_checked(["cpu:0"])
     assert rows["cpu:0"].text(NEEDS) == "" and w.fit.forecast is None
+
+
+def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
+    from multilane.gui.runs.run_summary import summarize_records
+    from multilane.gui.window.summary_view import summary_html
+
+    peaks = {"cpu": {"forecast": 5_734_892, "measured": 5_792_136}, "junk": "x", "bad": {"measured": True}}
+    s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": peaks}])
+    assert s.memory == ["memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
+    assert "<br>memory peak cpu: 5.5 MiB measured" in summary_html(s, "run")
