@@ -61,11 +61,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", default="cpu:0,cpu:1")
     ap.add_argument("--strategies", default="replicate,persistent")
+    ap.add_argument("--tasks", default="mlp,digits,charlm", help="which of the three models")
     args = ap.parse_args()
     head = ["task", "batch", "strategy", "memory", "forecast", "measured", "error", "probe samples", "run wall"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-forecast-") as runs:
-        for task, batch in CASES:
+        for task, batch in [c for c in CASES if c[0] in args.tasks.split(",")]:
             for strategy in args.strategies.split(","):
                 rows += one(task, batch, args.devices, strategy, runs)
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
