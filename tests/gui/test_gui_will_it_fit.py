@@ -16,7 +16,7 @@ from multilane.gui.window.device_picker import NEEDS, share_of
 def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, tmp_path, monkeypatch):
     monkeypatch.setenv("MULTILANE_FIT_CHECK", "1")
     w = make_window(("cpu:0", "cpu:1"))
-    w.set_config(build_config({"task": {"name": "mlp"}, "data": {"batch_size": 96}}), keep_runs_dir=True)
+    w.set_config(build_config({"task": {"name": "linear"}, "data": {"batch_size": 96}}), keep_runs_dir=True)
     w.devices.set_checked(["cpu:0", "cpu:1"])
     rows = {d.name: item for item, _, d in w.devices.items}
     assert rows["cpu:0"].text(NEEDS) == ""
@@ -27,8 +27,8 @@ def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, 
     assert need["name"] == "cpu" and w.fit.verdict.text() == "fits at batch 96"
     # What the picker shows is the forecast the same probe makes in this process (the CPU measure counts
     # tensor bytes exactly: the same model and batch give the same bytes), against the RAM available then.
-    here = plan_run(build_config({"task": {"name": "mlp"}, "data": {"batch_size": 96}, "devices": {"use": "cpu:0,cpu:1"}}),
-                    make_task("mlp", {}), parse_devices("cpu:0,cpu:1"))  # fmt: skip
+    here = plan_run(build_config({"task": {"name": "linear"}, "data": {"batch_size": 96}, "devices": {"use": "cpu:0,cpu:1"}}),
+                    make_task("linear", {}), parse_devices("cpu:0,cpu:1"))  # fmt: skip
     assert here.needs[0].need == need["need"]
     assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} · {share_of(need['need'], need['free'])}"
     assert f"{gib(need['free'])} RAM available" in rows["cpu:0"].toolTip(NEEDS)
