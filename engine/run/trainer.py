@@ -240,7 +240,7 @@ class Trainer:
                 self._stop()
                 return "stopped", f"stopped at step {self.step}"
             self._at_step = self.step + 1
-            with memory.step(self.step + 1, self.backend):
+            with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
                 self._train_step(accum)
             self.step += 1
             self._at_step = self.step
