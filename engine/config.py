@@ -162,6 +162,11 @@ class TrainSection(Section):
         "crash loses at most that much work; 0 turns it off",
     )
     on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
+    fit_check: bool = Field(
+        True,
+        description="Before training, measure the memory the run will need (a probe step at two small batches) "
+        "and refuse a run that will not fit, naming the largest batch that would",
+    )
     tensorboard: bool = Field(
         False,
         description="Also write TensorBoard event files into the run folder (losses per device, validation, lr, "

@@ -3,6 +3,9 @@ import os
 
 # Before any Qt import: the app's tests run on Qt's offscreen platform, with no display.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The fit check (engine/plan/) probes every run before it starts (a second or more): off for the suite,
+# on in the tests of the check itself (tests/engine/plan/), which set it back to 1.
+os.environ.setdefault("MULTILANE_FIT_CHECK", "0")
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The ``multilane`` command: ``train``, ``watch``, ``control``, ``devices``, ``export``, ``sweep``; with no arguments,
+"""The ``multilane`` command: ``train``, ``plan``, ``watch``, ``control``, ``devices``, ``export``, ``sweep``; with no arguments,
 the desktop app. This module dispatches; each command lives in its own module (train, monitor),
 except ``export`` and the app, the two that reach into ``multilane.gui`` (lazily, inside the function)."""
 
@@ -267,6 +267,10 @@ def _main(argv: list[str] | None) -> int:
             remote = _remote(args)
             if remote is not None:
                 return remote
+        if args.command == "plan" or (args.command == "train" and args.dry_run):
+            from multilane.engine.cli.plan import cmd_plan
+
+            return cmd_plan(args)
         if args.command == "train":
             return cmd_train(args, argv[argv.index("train") + 1 :])
         if args.command == "watch":

@@ -166,43 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train headless, with a progress bar", description="Train headless.")
-    t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
-    t.add_argument(
-        "--task",
-        metavar="NAME|FILE",
-        help=f"digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task (default: {d0.task.name})",
-    )
-    t.add_argument(
-        "--devices",
-        metavar="LIST",
-        help=f"cuda:0,cuda:1 | cpu:0,cpu:1 | auto: every GPU, else two CPU lanes (default: {d0.devices.use})",
-    )
-    t.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        metavar="N",
-        help=f"global batch, split across the devices (default: {d0.data.batch_size})",
-    )
-    t.add_argument("--lr", type=_number, metavar="X", help=f"learning rate (default: {d0.optim.lr:g})")
-    t.add_argument("--optimizer", metavar="NAME", help=f"sgd, adam or adamw (default: {d0.optim.name})")
-    budget = t.add_mutually_exclusive_group()
-    budget.add_argument(
-        "--epochs", type=_positive_int, metavar="N", help=f"passes over the training data (default: {d0.train.epochs})"
-    )
-    budget.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps, instead of --epochs")
-    t.add_argument(
-        "--seed", type=_seed, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
-    )
-    t.add_argument("--precision", metavar="P", help=f"fp32, bf16 or fp16 (default: {d0.train.precision})")
-    t.add_argument("--runs-dir", metavar="DIR", help=f"where run folders go (default: ./{d0.run.runs_dir})")
-    t.add_argument("--name", metavar="NAME", help=f"run name, part of the run folder's name (default: {d0.run.name})")
+    _run_options(t, d0)
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument(
-        "--strategy",
-        metavar="S",
-        help="replicate (default: one process, the model copied to every device each step, as nn.DataParallel), "
-        "persistent (one process, a replica kept per device), ddp (one process per device) or fsdp (one process "
-        "per device, the model sharded across them)",
+        "--dry-run",
+        action="store_true",
+        help="measure the memory the run will need on each device (multilane plan) and exit without training",
     )
     dd = t.add_argument_group("ddp launch (multi-node; or run under torchrun --no-python multilane train ...)")
     dd.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="machines taking part (default 1)")
@@ -243,13 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the host's runs folder (default: runs, in the login's home); once for every host, or once per --host",
     )
     t.add_argument("--detach", action="store_true", help="with --host: start the run and print its folder there")
-    t.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
+    pl = sub.add_parser(
+        "plan",
+        help="will it fit: the memory a run will need on each device, measured by a probe step, without training",
+        description="Probe the run's own step (model, batch, precision, strategy, optimizer) at a few small "
+        "batches on its devices, and forecast each device's peak memory at the run's batch against its free "
+        "memory (CPU lanes: the RAM available). Exit 2 when it will not fit, naming the largest batch that would.",
     )
+    _run_options(pl, d0)
+    pl.add_argument("--json", action="store_true", help="print the forecast as JSON")
+    pl.set_defaults(resume=None)
 
     e = sub.add_parser(
         "export",
@@ -288,6 +260,54 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--watch", action="store_true", help="refresh every second until Ctrl+C")
     _remote_options(d, "list the devices of this host over SSH")
     return p
+
+
+def _run_options(t: argparse.ArgumentParser, d0: Any) -> None:
+    """The options that say what a run trains (``train`` and ``plan``)."""
+    t.add_argument("--config", metavar="FILE", help="TOML or JSON config; flags below override it")
+    t.add_argument(
+        "--task",
+        metavar="NAME|FILE",
+        help=f"digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task (default: {d0.task.name})",
+    )
+    t.add_argument(
+        "--devices",
+        metavar="LIST",
+        help=f"cuda:0,cuda:1 | cpu:0,cpu:1 | auto: every GPU, else two CPU lanes (default: {d0.devices.use})",
+    )
+    t.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="N",
+        help=f"global batch, split across the devices (default: {d0.data.batch_size})",
+    )
+    t.add_argument("--lr", type=_number, metavar="X", help=f"learning rate (default: {d0.optim.lr:g})")
+    t.add_argument("--optimizer", metavar="NAME", help=f"sgd, adam or adamw (default: {d0.optim.name})")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--epochs", type=_positive_int, metavar="N", help=f"passes over the training data (default: {d0.train.epochs})"
+    )
+    budget.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps, instead of --epochs")
+    t.add_argument(
+        "--seed", type=_seed, metavar="N", help=f"seed of data order and initial weights (default: {d0.train.seed})"
+    )
+    t.add_argument("--precision", metavar="P", help=f"fp32, bf16 or fp16 (default: {d0.train.precision})")
+    t.add_argument("--runs-dir", metavar="DIR", help=f"where run folders go (default: ./{d0.run.runs_dir})")
+    t.add_argument("--name", metavar="NAME", help=f"run name, part of the run folder's name (default: {d0.run.name})")
+    t.add_argument(
+        "--strategy",
+        metavar="S",
+        help="replicate (default: one process, the model copied to every device each step, as nn.DataParallel), "
+        "persistent (one process, a replica kept per device), ddp (one process per device) or fsdp (one process "
+        "per device, the model sharded across them)",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config value, e.g. --set train.log_every=5 --set task.params.hidden=128",
+    )
 
 
 def _add_sweep_parsers(sub: Any, d0: Any) -> None:

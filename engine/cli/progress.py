@@ -9,6 +9,7 @@ import psutil
 from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.watch import format_telemetry
 from multilane.engine.numbers import format_number
+from multilane.engine.plan.meter import memory_lines
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
 from rich.console import Console
 from rich.markup import escape
@@ -178,5 +179,6 @@ def summary(result: RunResult, total_steps: int | None = None, timing: dict[str,
     if e:
         metrics = "".join(f", {k} {format_number(v)}" for k, v in e.get("metrics", {}).items())
         lines.append(f"  validation loss {format_number(e['val_loss'])}{metrics}")
+    lines += [f"  {line}" for line in memory_lines(result.memory)]
     lines.append(f"  run directory: {result.run_dir}")
     return "\n".join(printable(line) for line in lines)  # a task's message or metric names: shown, not obeyed

@@ -103,11 +103,17 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.distributed.launcher import launch
         from multilane.engine.tasks import make_task
 
-        make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        task = make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
         if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
             from multilane.engine.fsdp.units import mixed_precision
 
             mixed_precision(config.train.precision)
+        elif not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts; the
+            # forecast measures whole replicas, so it does not judge fsdp, whose point is not to hold one
+            from multilane.engine.plan.fit import check_fit
+            from multilane.engine.telemetry.devices import parse_devices
+
+            check_fit(config, task, parse_devices(config.devices.use))
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )

@@ -56,6 +56,8 @@ class RunResult:
     last_train: dict[str, Any] = field(default_factory=dict)
     last_eval: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    memory: dict[str, Any] | None = None
+    """Each memory's peak, ``{name: {"forecast", "measured"}}`` in bytes, where the run had a forecast."""
 
 
 HEALTH_LAYERS = "health_layers.jsonl"

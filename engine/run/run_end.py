@@ -32,6 +32,10 @@ def finish_run(trainer: Trainer, status: str, message: str | None, tb: str | Non
         rd.set_status(status, message, step=trainer.step, total_steps=getattr(trainer, "total_steps", None))
     except OSError as e:  # the run's outcome is still returned (and printed) as it was
         message = f"{message or status} (the run folder could not record it: {e.strerror or e})"
+    memory = trainer.memory.report() if getattr(trainer, "memory", None) is not None else None
+    if memory:  # the forecast beside the measured peak (engine/plan/meter.py)
+        with contextlib.suppress(Exception):
+            trainer._event("memory", peaks=memory)
     extra: dict[str, Any] = {"message": message} if message else {}
     if tb:
         extra["traceback"] = tb
@@ -53,6 +57,7 @@ def finish_run(trainer: Trainer, status: str, message: str | None, tb: str | Non
         last_train=trainer._last_train,
         last_eval=trainer._last_eval,
         elapsed_s=elapsed,
+        memory=memory,
     )
     for cb in trainer.callbacks:
         with contextlib.suppress(Exception):

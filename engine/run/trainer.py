@@ -22,6 +22,9 @@ from multilane.engine.errors import UserError
 from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
+from multilane.engine.plan.fit import check_fit
+from multilane.engine.plan.meter import NO_METER as _NO_METER
+from multilane.engine.plan.meter import PeakMeter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.balance import balance_warnings
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
@@ -102,6 +105,10 @@ class Trainer:
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
+        forecast = getattr(self, "forecast", None)
+        self.memory = PeakMeter(self.devices, forecast) if forecast is not None else None
+        if self.memory is not None:
+            self.memory.before_model()
         self.model = self.task.build_model().to(dev)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
@@ -158,6 +165,7 @@ class Trainer:
             except MissingExtra as e:
                 raise UserError(str(e)) from None
         try:
+            self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
             self._setup()
         except (UserError, KeyboardInterrupt):
             raise
@@ -232,6 +240,8 @@ class Trainer:
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
+        memory = getattr(self, "memory", None) or _NO_METER
+        memory.start(self.total_steps, self.step)
         while self.step < self.total_steps:
             self._sync_control()
             self.control.wait_while_held()
@@ -243,7 +253,8 @@ class Trainer:
             self._at_step = self.step + 1
             if self.window.steps == 0:
                 self.run_health.window_start(self)  # the state a replay of this window starts from
-            self._train_step(accum)
+            with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
+                self._train_step(accum)
             self.step += 1
             self._at_step = self.step
             epoch = self.loader.epoch_at(self.step * accum)

@@ -105,6 +105,8 @@ class RunSummary:
     training_s: float = 0.0
     samples_per_s: float = math.nan  # mean over the training steps (eval and pauses not counted)
     series: dict[str, Series] = field(default_factory=dict)
+    memory: list[str] = field(default_factory=list)
+    """The forecast beside the measured peak, one line per memory (a ``memory`` event; engine/plan/)."""
 
     def value(self, name: str) -> Series:
         s = self.series.get(name)
@@ -135,6 +137,8 @@ def summarize_records(records: Iterable[dict[str, Any]], status: dict[str, Any] 
         if kind == "event" and rec.get("event") == "started":
             prev_step = step if isinstance(step, int) else prev_step
             s.total_steps = rec.get("total_steps") or s.total_steps
+        if kind == "event" and rec.get("event") == "memory":
+            s.memory = memory_lines(rec.get("peaks"))
         if not isinstance(step, int):
             continue
         if kind == "train":
@@ -171,3 +175,19 @@ def fmt_duration(s: float) -> str:
         return f"{max(0.0, s):.1f} s"
     s = int(s)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def memory_lines(peaks: Any) -> list[str]:
+    """ "memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0 %)" for each memory of a ``memory``
+    event's ``peaks`` (read from disk: anything else is left out)."""
+    out = []
+    for name, r in peaks.items() if isinstance(peaks, dict) else ():
+        m, f = (r.get(k) if isinstance(r, dict) else None for k in ("measured", "forecast"))
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e18 for v in (m, f)):
+            continue
+        out.append(f"memory peak {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({(f - m) / m:+.1%})")
+    return out
+
+
+def _size(n: float) -> str:
+    return f"{n / (1 << 20):,.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):,.2f} GiB"

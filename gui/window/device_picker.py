@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import psutil
+from multilane.engine.plan.forecast import USABLE
+from multilane.engine.plan.forecast import gib as fmt_bytes
 from multilane.engine.run.balance import balance_warnings
 from multilane.engine.telemetry.devices import Device, cpu_lane_count, describe_devices
 from multilane.engine.telemetry.nvml import open_nvml
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -22,7 +25,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-COLS = ["device", "model", "memory", "util", "share"]
+COLS = ["device", "model", "memory", "util", "needs · of free", "share"]
+NEEDS, SHARE = 4, 5  # the forecast's column (fit_forecast.py), the share's
 
 
 class DevicePicker(QWidget):
@@ -60,7 +64,8 @@ class DevicePicker(QWidget):
         header.setStretchLastSection(False)
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
         header.setSectionResizeMode(1, QHeaderView.Stretch)  # the model name gives way first
-        self.tree.itemChanged.connect(self._changed)
+        # A tick is a change of the choice; a cell's text (util, memory, needs) is only news about a device.
+        self.tree.itemChanged.connect(lambda _item, column: self._changed() if column == 0 else None)
         self.output.currentIndexChanged.connect(lambda _: self.changed.emit())
         self._nvml = open_nvml([d.index for _, _, d in self.items if d.is_cuda])
         self._refresh_outputs()
@@ -96,7 +101,7 @@ class DevicePicker(QWidget):
         self.changed.emit()
 
     def _add(self, dev: Device, model: str, memory: str, checked: bool) -> None:
-        item = QTreeWidgetItem([dev.name, model, memory, "-", ""])
+        item = QTreeWidgetItem([dev.name, model, memory, "-", "", ""])
         item.setFlags(item.flags() | Qt.ItemIsUserCheckable)
         item.setCheckState(0, Qt.Checked if checked else Qt.Unchecked)
         self.tree.addTopLevelItem(item)
@@ -106,7 +111,7 @@ class DevicePicker(QWidget):
         share.setValue(1.0)
         share.setToolTip("This device's share of each batch, relative to the others (uneven split)")
         share.valueChanged.connect(self._changed)
-        self.tree.setItemWidget(item, 4, share)
+        self.tree.setItemWidget(item, SHARE, share)
         self.items.append((item, share, dev))
 
     def _changed(self, *_: Any) -> None:
@@ -197,3 +202,35 @@ class DevicePicker(QWidget):
                 item.setText(3, f"{rate['mean']:.0f}%")
             if "mem_used_mb" in r:
                 item.setText(2, f"{r['mem_used_mb'] / 1024:.1f}/{r.get('mem_total_mb', 0) / 1024:.0f} GiB")
+
+    # -- will it fit (gui/window/fit_forecast.py) ------------------------------------------------------
+    def show_needs(self, forecast: dict[str, Any] | None) -> None:
+        """Each chosen device's forecast peak against its free memory (``multilane plan --json``); CPU
+        lanes share one RAM: its need is on the first chosen lane, "shared" on the others. None clears."""
+        needs = {n["name"]: n for n in (forecast or {}).get("needs", [])}
+        first_cpu = True
+        for item, _, d in self.items:
+            n = needs.get(d.name if d.is_cuda else "cpu") if item.checkState(0) == Qt.Checked else None
+            text, tip, bad = "", "", False
+            if n is not None and not d.is_cuda and not first_cpu:
+                text, tip = "shared", "CPU lanes share one memory: the need of them all is on the first lane"
+            elif n is not None:
+                free = "?" if n["free"] is None else fmt_bytes(n["free"])
+                where = "RAM available" if n["name"] == "cpu" else "free"
+                bad = n["free"] is not None and n["need"] > USABLE * n["free"]
+                text = f"{fmt_bytes(n['need'])} · {share_of(n['need'], n['free'])}"
+                tip = f"forecast peak at batch {forecast['batch']:,}: {fmt_bytes(n['need'])}; {free} {where}" + (
+                    " — will not fit" if bad else ""
+                )
+                first_cpu = first_cpu and d.is_cuda
+            item.setText(NEEDS, text)
+            item.setToolTip(NEEDS, tip or 'Press "Will it fit?" to measure what the run needs on each device')
+            item.setForeground(NEEDS, QBrush(QColor("#b00020" if bad else "#000000")))
+
+
+def share_of(need: int, free: int | None) -> str:
+    """The need as a share of the free memory: "42%", "<1%", "?" when the free memory is unknown."""
+    if not free:
+        return "?"
+    pct = 100 * need / free
+    return "<1%" if pct < 1 else f"{pct:,.0f}%"

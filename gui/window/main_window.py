@@ -19,6 +19,7 @@ from multilane.gui.sweep.tab import SweepTab
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
+from multilane.gui.window.fit_forecast import FitForecast
 from multilane.gui.window.run_control import RunControlMixin
 from multilane.gui.window.runs_table import RunsTable
 from multilane.gui.window.summary_view import SummaryView
@@ -68,6 +69,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         lv.addWidget(self.devices_label)
         lv.addWidget(self.hosts)
         lv.addWidget(self.devices)
+        self.fit = FitForecast(self.devices, self.config_dict, lambda: self.hosts.host is not None)
+        lv.addWidget(self.fit)  # will it fit: the forecast in the picker's "needs" column
         self.host_picks = HostPicks(self.hosts, self.devices, self)  # picks on several hosts: one ddp run
         lv.addWidget(self.host_picks.widget)
         lv.addWidget(self.form)
@@ -190,6 +193,8 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         )
         self.form.changed.connect(self.validate)
         self.devices.changed.connect(self.validate)
+        self.form.changed.connect(self.fit.clear)
+        self.devices.changed.connect(self.fit.clear)
         self.hosts.hostChanged.connect(self._host_changed)
         self.hosts.hostChanged.connect(self._resume_action_text)  # a host picked: resume a run there
         self.hosts.devicesRead.connect(self._host_devices)

@@ -1,0 +1,70 @@
+"""Will it fit: the probe's lines at the run's batch, against each memory's free bytes; the check
+a run makes before anything starts (``train.fit_check``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from multilane.engine.config import RunConfig
+from multilane.engine.errors import UserError
+from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at
+from multilane.engine.plan.measure import free_bytes
+from multilane.engine.plan.probe import MemoryLine, probe
+from multilane.engine.tasks import Task
+from multilane.engine.telemetry.devices import Device
+
+FIT_CHECK_ENV = "MULTILANE_FIT_CHECK"
+"""Set to 0 to skip the check everywhere (the test suite does, but for the tests of the check itself)."""
+
+
+def fit_check_on(config: RunConfig) -> bool:
+    """Whether a run checks its fit: ``train.fit_check``, not turned off by the environment, and not a
+    ddp rank (its launcher checked, once for every rank)."""
+    from multilane.engine.distributed import in_worker
+
+    return config.train.fit_check and os.environ.get(FIT_CHECK_ENV, "1") != "0" and not in_worker()
+
+
+def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
+    """Probe the run (probe.py) and forecast every memory's peak at its batch (one line if the probe
+    itself runs out of memory)."""
+    try:
+        lines = probe(config, task, devices)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        raise UserError(
+            f"will not fit: the probe ran out of GPU memory with a few samples per device "
+            f"(strategy {config.devices.strategy}, precision {config.train.precision})"
+        ) from None
+    return forecast_from(lines, config, len(devices))
+
+
+def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecast:
+    weights = config.devices.weights or None
+    batch = min([config.data.batch_size, *[x.data_batch for x in lines if x.data_batch]])
+    free = [free_bytes(line.name) for line in lines]
+    needs = [Need(line.name, b, f) for line, b, f in zip(lines, needs_at(lines, batch, n, weights), free, strict=True)]
+
+    def fits(b: int) -> bool:
+        return all(f is None or x <= USABLE * f for x, f in zip(needs_at(lines, b, n, weights), free, strict=True))
+
+    return Forecast(
+        batch,
+        n,
+        config.devices.strategy,
+        needs,
+        largest_batch(fits, n),
+        [vars(line) for line in lines],
+    )
+
+
+def check_fit(config: RunConfig, task: Task, devices: list[Device]) -> Forecast | None:
+    """The forecast, or ``UserError`` with one line when the run will not fit; None when the check is off."""
+    if not fit_check_on(config):
+        return None
+    forecast = plan_run(config, task, devices)
+    refusal = forecast.refusal()
+    if refusal:
+        raise UserError(refusal)
+    return forecast

@@ -1,0 +1,94 @@
+"""The run's measured peak, to set beside its forecast at the end: the same measures as the probe.
+
+- GPUs: ``torch.cuda.max_memory_allocated`` of each GPU from the first step to the run's end
+  (evaluation and checkpoints included).
+- CPU lanes: live tensor storage (measure.py), counted during the run's 2nd and 3rd steps (the 1st
+  alone in a run of one step): the first steps whose optimizer state exists, as in the probe. Steps of
+  the same shapes hold the same memory, so these stand for every full step; counting every step would
+  cost an aten-op hook on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from multilane.engine.plan import measure
+from multilane.engine.plan.forecast import Forecast, gib
+from multilane.engine.telemetry.devices import Device
+
+CPU_STEPS = (2, 3)
+
+
+class PeakMeter:
+    """Made only when the run has a forecast: a run without one pays nothing."""
+
+    def __init__(self, devices: list[Device], forecast: Forecast, total_steps: int | None = None) -> None:
+        self.forecast = forecast
+        self.cuda = [torch.device(n) for n in dict.fromkeys(d.name for d in devices if d.is_cuda)]
+        self.count = None if self.cuda else measure.StorageCount()
+        self.cpu_peak: int | None = None
+        self.steps = set(CPU_STEPS)
+
+    def before_model(self) -> None:
+        """Called once the data is loaded, before the model is built: what is alive now is not counted."""
+        if self.count is not None:
+            self.count.baseline()
+
+    def start(self, total_steps: int, first_step: int) -> None:
+        """The loop begins (at ``first_step``, 0 for a new run) of ``total_steps``."""
+        if self.cuda:
+            measure.cuda_reset(self.cuda)
+        wanted = [s for s in CPU_STEPS if first_step < s <= total_steps] or [first_step + 1]
+        self.steps = set(wanted)
+
+    @contextlib.contextmanager
+    def step(self, n: int, backend: Any) -> Iterator[None]:
+        """Around optimizer step ``n`` (1-based)."""
+        if self.count is None or n not in self.steps:
+            yield
+            return
+        self.count.add_live()
+        self.count.reset_peak()
+        with measure.CpuCounting(self.count, backend):
+            yield
+        self.cpu_peak = max(self.cpu_peak or 0, self.count.peak)
+
+    def report(self) -> dict[str, Any] | None:
+        """``{"memory": {name: {"forecast", "measured"}}}``-style rows, or None when nothing was measured."""
+        measured: dict[str, int] = {}
+        if self.cuda:
+            with contextlib.suppress(RuntimeError):
+                measured = {str(d): p for d, p in zip(self.cuda, measure.cuda_peaks(self.cuda), strict=True)}
+        elif self.cpu_peak is not None:
+            measured = {"cpu": self.cpu_peak}
+        rows = {}
+        for need in self.forecast.needs:
+            if need.name in measured:
+                rows[need.name] = {"forecast": need.need, "measured": measured[need.name]}
+        return rows or None
+
+
+def memory_lines(rows: dict[str, Any] | None) -> list[str]:
+    """The summary's lines: "memory peak cuda:0: 3.10 GiB measured, 3.02 GiB forecast (-2.6 %)"."""
+    out = []
+    for name, r in (rows or {}).items():
+        m, f = r["measured"], r["forecast"]
+        err = (f - m) / m * 100 if m else 0.0
+        out.append(f"memory peak {name}: {gib(m)} measured, {gib(f)} forecast ({err:+.1f} %)")
+    return out
+
+
+class _NoMeter:
+    """A run without a forecast: nothing measured."""
+
+    def start(self, total_steps: int, first_step: int) -> None:
+        pass
+
+    def step(self, n: int, backend: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+NO_METER = _NoMeter()

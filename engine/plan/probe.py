@@ -1,0 +1,324 @@
+"""The probe: real training steps of the run's own model, optimizer, precision and strategy, on the
+run's devices, at two small batches, each memory's peak measured (measure.py).
+
+A step's peak on one memory (a GPU, or the CPU that every lane shares) is the larger of two phases:
+forward + backward (+ the gradient reduce), whose peak grows with the samples that memory holds, and
+the optimizer step (with clipping and the replicas' sync), which does not. The probe measures both at
+two batches, after a first step that creates the optimizer's state (Adam's moments) and the
+strategy's lasting copies (persistent replicas), so both are steady-state steps: ``fixed + per_sample · s``
+is fitted through the two forward-backward peaks. The model and data are the run's; the global random
+state is put back afterwards, so a probed run trains exactly as an unprobed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from multilane.engine.config import RunConfig
+from multilane.engine.data.loader import build_loader
+from multilane.engine.errors import UserError
+from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.plan import measure
+from multilane.engine.run.optim import build_optimizer
+from multilane.engine.tasks import Task, loss_weight_fn
+from multilane.engine.telemetry.devices import Device
+from torch.utils._pytree import tree_map
+
+PROBE_PER_DEVICE = (4,)
+"""The smallest per-device batch probed; the probe doubles it while the peak's slope still changes."""
+
+
+@dataclass
+class MemoryLine:
+    """One memory's need as a function of the samples it holds: the peak of each phase of the step
+    (forward, backward, optimizer) measured at a few batches, each phase's points joined by straight
+    lines (the last one extended); the need is the highest phase."""
+
+    name: str
+    """``cuda:0``, or ``cpu`` (the RAM every CPU lane shares)."""
+    lanes: list[int]
+    """The run's devices (indices) whose samples this memory holds."""
+    phases: dict[str, list[tuple[int, int]]]
+    """Each phase's (samples, peak bytes) points, by samples."""
+    ranks: int = 1
+    """ddp on CPU lanes: the processes (one per lane) whose needs add up in this memory."""
+    data_batch: int | None = None
+    """The batch a step really takes where the training data holds fewer samples than the run's batch."""
+
+    @property
+    def per_sample(self) -> float:
+        """Bytes per sample of the forward's last segment: the activation cost."""
+        pts = self.phases["forward"]
+        return _slope(pts[-2], pts[-1]) if len(pts) > 1 else 0.0
+
+    def need(self, samples: int) -> int:
+        """Bytes at the step's peak with ``samples`` in this memory (per rank for ddp: see ``ranks``)."""
+        return max(_along(pts, samples) for pts in self.phases.values())
+
+
+def _along(pts: list[tuple[int, int]], samples: int) -> int:
+    """The broken line through ``pts`` at ``samples``: interpolated between points, extended past the last."""
+    if len(pts) == 1:
+        return pts[0][1]
+    k = next((i for i in range(1, len(pts) - 1) if samples <= pts[i][0]), len(pts) - 1)
+    (s0, m0), (s1, m1) = pts[k - 1], pts[k]
+    return int(max(m1 + _slope((s0, m0), (s1, m1)) * (samples - s1), 0))
+
+
+def _slope(p0: tuple[int, int], p1: tuple[int, int]) -> float:
+    return max(0.0, (p1[1] - p0[1]) / (p1[0] - p0[0])) if p1[0] != p0[0] else 0.0
+
+
+REPEAT_SHARED = 2
+"""CPU lanes share one memory and run at once: how far their backward passes overlap depends on the
+threads' timing, so each batch is stepped this many times there and each phase's highest peak kept."""
+
+SETTLED = 0.05
+"""The probe doubles the batch until two successive segments' slopes differ by at most this share."""
+
+
+def probe_batches(batch: int, n: int) -> list[int]:
+    """The global batches the probe may take, smallest first: 4, 8, 16... samples per device, doubling
+    up to the run's own batch (which ends the list where it is not a doubling)."""
+    out = []
+    b = PROBE_PER_DEVICE[0] * n
+    while b < batch:
+        out.append(b)
+        b *= 2
+    out.append(batch)
+    if len(out) == 1 and batch >= 2 * n:  # a small run: its batch and half of it
+        out.insert(0, max(n, batch // 2))
+    return out
+
+
+@contextlib.contextmanager
+def _kept_random_state(devices: list[Device]) -> Any:
+    """The global random generators as they were: the probe draws nothing the run would."""
+    state = random.getstate()
+    cuda = sorted({d.index for d in devices if d.is_cuda})
+    with torch.random.fork_rng(devices=cuda, device_type="cuda" if cuda else "cpu"):
+        yield
+    random.setstate(state)
+
+
+def probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool = True) -> list[MemoryLine]:
+    """Measure the run's memory lines (one per memory the run uses); see the module docstring. Where the
+    training data holds fewer samples than the batch, the lines' ``data_batch`` says so. fsdp is refused
+    in one line: the probe measures whole replicas, which are what fsdp exists not to hold."""
+    if config.devices.strategy == "fsdp":
+        raise UserError(
+            "plan: the memory forecast does not cover the fsdp strategy yet (it measures whole replicas; "
+            "fsdp shards them across the devices): see docs/fsdp.md"
+        )
+    with _kept_random_state(devices):
+        return _probe(config, task, devices, ddp_group)
+
+
+def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool) -> list[MemoryLine]:
+    ddp = config.devices.strategy == "ddp"
+    weights = config.devices.weights or None
+    lanes_run = [devices[0]] if ddp else devices  # ddp: one rank's step, in this process
+    cuda = lanes_run[0].is_cuda
+    pools = _pools(lanes_run)
+    if ddp:  # one rank holds its own share: probe the largest share
+        batches = probe_batches(max(chunk_sizes(config.data.batch_size, len(devices), weights)), 1)
+    else:
+        batches = probe_batches(config.data.batch_size, len(devices))
+    probe_cfg = config.model_copy(deep=True)
+    probe_cfg.data.batch_size = batches[-1]
+    probe_cfg.data.workers = 0
+    loader = build_loader(task, probe_cfg, None)
+    try:
+        loader.start(0, 1)
+        inputs, target, size = loader.next()  # the largest batch the probe may take (the data may hold fewer)
+    finally:
+        loader.close()
+    data_batch = size if size < batches[-1] and not ddp else None  # every step takes all the data there is
+    batches = sorted({min(b, size) for b in batches})
+
+    def shares(b: int) -> list[int]:
+        return [b] if ddp else chunk_sizes(b, len(devices), weights)
+
+    count = measure.StorageCount()
+    if not cuda:
+        count.baseline()  # the data (and all else alive now) is not the run's
+    backend = make_backend(lanes_run, 0 if ddp else config.devices.output)
+    counting = measure.CpuCounting(count, backend) if not cuda else contextlib.nullcontext()
+    group = _one_rank_group() if ddp and ddp_group else contextlib.nullcontext()
+    free = [measure.free_bytes(name) for name, _ in pools]
+    points: list[tuple[int, list[list[int]]]] = []  # (global batch, each phase's peak on each pool)
+    try:
+        with counting, group:
+            step = _Stepper(config, task, backend, ddp, count, pools)
+            step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
+            for b in batches:
+                if len(points) >= 2 and _beyond(points, b, pools, shares, free):
+                    break  # the next batch would not fit (or nearly): the line so far says so, without trying
+                try:
+                    peaks = step.run(inputs, target, b, shares(b))
+                    for _ in range(REPEAT_SHARED - 1 if not cuda and len(lanes_run) > 1 else 0):
+                        again = step.run(inputs, target, b, shares(b))
+                        peaks = [
+                            [max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(peaks, again, strict=True)
+                        ]
+                    points.append((b, peaks))
+                except torch.OutOfMemoryError:
+                    if len(points) < 2:
+                        raise
+                    break  # the points so far are the line (the run's batch is beyond this memory)
+                if all(
+                    _settled(_phase(points, 0, k, ls, shares), _phase(points, 1, k, ls, shares))
+                    for k, (_, ls) in enumerate(pools)
+                ):
+                    break
+            del step
+    finally:
+        backend.close()
+        if cuda:
+            torch.cuda.empty_cache()
+    lines = []
+    for k, (name, lanes) in enumerate(pools):
+        phases = {p: _phase(points, i, k, lanes, shares) for i, p in enumerate(PHASES)}
+        if ddp:  # every rank: the one probed, each on its own device (or all in the one RAM)
+            if cuda:
+                lines += [MemoryLine(d.name, [i], phases) for i, d in enumerate(devices)]
+            else:
+                lines.append(MemoryLine("cpu", list(range(len(devices))), phases, ranks=len(devices)))
+        else:
+            lines.append(MemoryLine(name, lanes, phases))
+    for line in lines:
+        line.data_batch = data_batch
+    return lines
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _phase(points: list, phase: int, pool: int, lanes: list[int], shares: Any) -> list[tuple[int, int]]:
+    """One phase's (samples in the pool, peak) points on one pool."""
+    return [(sum(shares(b)[i] for i in lanes), peaks[phase][pool]) for b, peaks in points]
+
+
+def _beyond(points: list, b: int, pools: list, shares: Any, free: list[int | None]) -> bool:
+    """Whether batch ``b`` would take a pool past half its free memory, by the lines through ``points``."""
+    for k, (_, lanes) in enumerate(pools):
+        samples = sum(shares(b)[i] for i in lanes)
+        need = max(_along(_phase(points, p, k, lanes, shares), samples) for p in range(len(PHASES)))
+        if free[k] is not None and need > PROBE_SHARE * free[k]:
+            return True
+    return False
+
+
+PROBE_SHARE = 0.5
+"""The probe takes no batch its points say would need more than this share of a memory's free bytes."""
+
+
+def _settled(forward: list[tuple[int, int]], backward: list[tuple[int, int]]) -> bool:
+    """Whether the lines through the points so far will hold at larger batches: each phase's last two
+    slopes agree, and the backward's rises at least as fast as the forward's. (At small batches the
+    backward's peak can sit where gradients and replica copies meet, flat in the batch; at large ones it
+    is its first moments, the forward's activations and their first gradients, rising faster than the
+    forward: until that shows, its line would be too low.)"""
+    if len(forward) < 3:
+        return False
+    f0, f1 = _slope(forward[-3], forward[-2]), _slope(forward[-2], forward[-1])
+    b0, b1 = _slope(backward[-3], backward[-2]), _slope(backward[-2], backward[-1])
+    alike = abs(f1 - f0) <= SETTLED * max(f0, f1, 1e-9) and abs(b1 - b0) <= SETTLED * max(b0, b1, 1e-9)
+    return alike and b1 >= (1 - SETTLED) * f1
+
+
+def _pools(devices: list[Device]) -> list[tuple[str, list[int]]]:
+    """The memories the lanes use: each GPU (two lanes on one GPU share it), or the CPU's one."""
+    if not devices[0].is_cuda:
+        return [("cpu", list(range(len(devices))))]
+    names: dict[str, list[int]] = {}
+    for i, d in enumerate(devices):
+        names.setdefault(d.name, []).append(i)
+    return list(names.items())
+
+
+@contextlib.contextmanager
+def _one_rank_group() -> Any:
+    """A process group of this process alone (Gloo, in memory), for DDP's buckets to be real."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Stepper:
+    """The trainer's step (trainer.py ``_train_step``), with each phase's peak read per memory."""
+
+    def __init__(
+        self, config: RunConfig, task: Task, backend: Any, ddp: bool, count: measure.StorageCount, pools: list
+    ) -> None:
+        self.cfg, self.task, self.backend, self.count = config, task, backend, count
+        torch.manual_seed(config.train.seed)
+        self.device = backend.model_device
+        self.model = task.build_model().to(self.device)
+        if self.device.type != "cuda":
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                count.add_tensor(t)  # weights loaded from a file were not made by an op
+        self.module = self.model
+        if ddp and _group_ready():
+            from multilane.engine.distributed.rank_state import build_ddp
+
+            self.module = build_ddp(self.model, Device(self.device.type, self.device.index or 0), False)
+        self.opt = build_optimizer(self.model.parameters(), config.optim)
+        precision = config.train.precision
+        self.strategy = make_strategy("replicate" if ddp else config.devices.strategy, backend, precision, 0)
+        self.scaler = torch.amp.GradScaler(backend.device_type, enabled=precision == "fp16")
+        self.timer = backend.make_timer()
+        self.weight_fn = loss_weight_fn(task)
+        self._devices = [torch.device(name) for name, _ in pools] if self.device.type == "cuda" else []
+
+    def _take(self, b: int) -> Any:
+        return lambda t: t[:b].clone().to(self.device) if isinstance(t, torch.Tensor) else t
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            measure.cuda_reset(self._devices)
+        else:
+            self.count.reset_peak()
+
+    def _peaks(self) -> list[int]:
+        if self.device.type == "cuda":
+            return measure.cuda_peaks(self._devices)
+        return [self.count.peak]
+
+    def run(self, inputs: Any, target: Any, b: int, sizes: list[int]) -> list[list[int]]:
+        """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
+        self._reset()
+        x, y = (tree_map(self._take(b), z) for z in (inputs, target))
+        out = self.strategy.forward_loss(self.module, x, y, self.task.loss, sizes, self.timer, self.weight_fn)
+        forward = self._peaks()
+        self._reset()
+        self.opt.zero_grad(set_to_none=True)
+        self.strategy.backward(out, self.scaler.scale(out.loss))
+        self.strategy.reduce_gradients(self.timer)
+        del out, x, y
+        backward = self._peaks()
+        self._reset()
+        if self.cfg.train.grad_clip > 0:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.strategy.sync_replicas(self.model, self.timer)
+        return [forward, backward, self._peaks()]
+
+
+def _group_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,49 @@
+"""Will it fit, in the app: "Will it fit?" runs ``multilane plan`` on the form's settings in a child process
+and the device picker shows each device's forecast against its free memory (CPU lanes: the RAM)."""
+
+from __future__ import annotations
+
+import pytest
+from multilane.engine.config import build_config
+from multilane.engine.plan.fit import plan_run
+from multilane.engine.plan.forecast import gib
+from multilane.engine.tasks import make_task
+from multilane.engine.telemetry.devices import parse_devices
+from multilane.gui.window.device_picker import NEEDS, share_of
+
+
+@pytest.mark.slow
+def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTILANE_FIT_CHECK", "1")
+    w = make_window(("cpu:0", "cpu:1"))
+    w.set_config(build_config({"task": {"name": "linear"}, "data": {"batch_size": 96}}), keep_runs_dir=True)
+    w.devices.set_checked(["cpu:0", "cpu:1"])
+    rows = {d.name: item for item, _, d in w.devices.items}
+    assert rows["cpu:0"].text(NEEDS) == ""
+    qtbot.mouseClick(w.fit.button, __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.LeftButton)
+    assert "measuring" in w.fit.verdict.text()
+    qtbot.waitUntil(lambda: w.fit.forecast is not None or "⚠" in w.fit.verdict.text(), timeout=240_000)
+    need = w.fit.forecast["needs"][0]
+    assert need["name"] == "cpu" and w.fit.verdict.text() == "fits at batch 96"
+    # What the picker shows is the forecast the same probe makes in this process (the CPU measure counts
+    # tensor bytes exactly: the same model and batch give the same bytes), against the RAM available then.
+    here = plan_run(build_config({"task": {"name": "linear"}, "data": {"batch_size": 96}, "devices": {"use": "cpu:0,cpu:1"}}),
+                    make_task("linear", {}), parse_devices("cpu:0,cpu:1"))  # fmt: skip
+    assert here.needs[0].need == need["need"]
+    assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} · {share_of(need['need'], need['free'])}"
+    assert f"{gib(need['free'])} RAM available" in rows["cpu:0"].toolTip(NEEDS)
+    assert rows["cpu:1"].text(NEEDS) == "shared"
+    assert "RAM available" in rows["cpu:0"].toolTip(NEEDS)
+    # A changed setting makes the forecast stale: the column empties.
+    w.devices.set_checked(["cpu:0"])
+    assert rows["cpu:0"].text(NEEDS) == "" and w.fit.forecast is None
+
+
+def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
+    from multilane.gui.runs.run_summary import summarize_records
+    from multilane.gui.window.summary_view import summary_html
+
+    peaks = {"cpu": {"forecast": 5_734_892, "measured": 5_792_136}, "junk": "x", "bad": {"measured": True}}
+    s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": peaks}])
+    assert s.memory == ["memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
+    assert "<br>memory peak cpu: 5.5 MiB measured" in summary_html(s, "run")
