@@ -107,7 +107,7 @@ def export_headless(
 
 
 def export_child_main(request_path: str) -> int:
-    """The app's export in a process of its own (``gui/window/export_job.py``): matplotlib's drawing of a
+    """The app's export in a process of its own (``gui/export/export_job.py``): matplotlib's drawing of a
     million points holds the GIL for seconds, and in the app's process the window stopped answering.
     Prints one JSON line per part (``{"progress": [done, total, what]}``), then ``{"done": [paths]}`` or
     ``{"error": text}``. The request is a file the app wrote a moment before into its own temporary

@@ -280,7 +280,8 @@ def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:
         tr, ev, te = run.train, run.eval, run.telemetry
         if tr.rows:
             i = nearest_row(run, tr, x, x_mode)
-            row = [("loss", tr.get("loss")[i], "")]
+            row = [(*describe(k), tr.get(k)[i]) for k in ("loss", *(f"loss/{dev}" for dev in run.devices))]
+            row = [(name, v, unit) for name, unit, v in row]  # the train loss and each device's, named
             row += [(LABELS[k].split(" (")[0], tr.get(k)[i], UNITS.get(k, "")) for k in ("samples_per_s", "lr")]
             row += [("gradient norm", tr.get("grad_norm")[i], ""), ("step time", step_total(tr)[i], "ms")]
             values += row

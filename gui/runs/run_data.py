@@ -344,7 +344,7 @@ def _fmt(v: float) -> str:
 
 
 def write_request(path: str | Path, request: dict) -> None:
-    """Runs (in a dict) for another process, such as an export's (``gui/window/export_job.py``): one pickle whose numpy columns travel out of band (protocol 5),
+    """Runs (in a dict) for another process, such as an export's (``gui/export/export_job.py``): one pickle whose numpy columns travel out of band (protocol 5),
     so that the caller's thread only describes them and the bytes are written by ``file.write``, which
     lets other threads run (the window's, while a million points are written)."""
     buffers: list[pickle.PickleBuffer] = []

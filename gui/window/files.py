@@ -8,8 +8,8 @@ from pathlib import Path
 from multilane.engine.config import build_config, load_config, save_config
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.runs_folder import run_folder_problem
+from multilane.gui.export.export_dialog import ExportDialog
 from multilane.gui.runs.run_data import RunData, config_lanes
-from multilane.gui.window.export_dialog import ExportDialog
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
@@ -239,7 +239,7 @@ class RunFilesMixin:
     ):
         """The export in a process of its own, a progress bar with Cancel; the window stays in use.
         Returns the ``ExportJob`` (its ``finished`` signal carries the outcome)."""
-        from multilane.gui.window.export_job import ExportJob
+        from multilane.gui.export.export_job import ExportJob
 
         job = ExportJob(self._export_request(out_dir, formats, width, bundle), self)
         job.finished.connect(self._export_finished)

@@ -153,7 +153,7 @@ def test_task_params_form_follows_the_task(window):
 
 def test_the_parallel_strategy_is_chosen_in_the_form_with_its_explanation(window):
     combo = window.form.editors["devices.strategy"].widget
-    assert [combo.itemText(i) for i in range(combo.count())] == ["replicate", "persistent", "ddp"]
+    assert [combo.itemText(i) for i in range(combo.count())] == ["replicate", "persistent", "ddp", "fsdp"]
     assert "persistent:" in combo.toolTip()
     combo.setCurrentText("persistent")
     window.devices.set_checked(["cpu:0", "cpu:1"])
