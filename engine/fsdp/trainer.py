@@ -33,6 +33,8 @@ from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import choose_units, shard_model
+from multilane.engine.health.monitor import HealthMonitor
+from multilane.engine.health.run_health import RunHealth
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.run import checkpointer
 from multilane.engine.run.optim import build_optimizer
@@ -106,6 +108,10 @@ class FsdpTrainer(DdpTrainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        # Per-layer health and the noise scale read whole parameters and each rank's own gradient before
+        # the reduce, which fsdp's shards do not hold: off under fsdp for now (docs/fsdp.md), no replay.
+        self.health = HealthMonitor(cfg.health.model_copy(update={"enabled": False}), info.world, dev)
+        self.run_health = RunHealth(replay=False)
         self._due_at: float | None = None
         self.ddp = _Sharded(self.model)  # type: ignore[assignment]
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
