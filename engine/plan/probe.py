@@ -155,6 +155,9 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
         with counting, group:
             step = _Stepper(config, task, backend, ddp, count, pools)
             step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
+            # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py), held
+            # on the model's device for the whole run when it is on: made here too, so every peak holds it.
+            replay_copy = _replay_copy(step) if not ddp and config.health.enabled and config.health.nan_replay else None
             for b in batches:
                 if len(points) >= 2 and _beyond(points, b, pools, shares, free):
                     break  # the next batch would not fit (or nearly): the line so far says so, without trying
@@ -175,7 +178,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
                     for k, (_, ls) in enumerate(pools)
                 ):
                     break
-            del step
+            del step, replay_copy
     finally:
         backend.close()
         if cuda:
@@ -196,6 +199,14 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
 
 
 PHASES = ("forward", "backward", "optimizer")
+
+
+def _replay_copy(step: Any) -> list[torch.Tensor]:
+    """A copy of every tensor of the model's and the optimizer's state, as the NaN replay keeps one."""
+    from torch.utils._pytree import tree_leaves
+
+    state = [step.model.state_dict(), step.opt.state_dict()]
+    return [t.detach().clone() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
 def _phase(points: list, phase: int, pool: int, lanes: list[int], shares: Any) -> list[tuple[int, int]]:

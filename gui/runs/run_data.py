@@ -298,9 +298,11 @@ HEALTH_FIELDS = (
 
 def config_lanes(config: dict[str, Any] | None) -> list[str]:
     """The lane names a run's config asks for (``devices.use = "cpu:0,cpu:1"``), in its order; none
-    for ``auto`` (decided on the machine that ran it), ddp (ranks are named by host) or a bad value."""
+    for ``auto`` (decided on the machine that ran it), ddp and fsdp (ranks are named by host) or a bad value."""
+    from multilane.engine.config import PROCESS_STRATEGIES
+
     section = (config or {}).get("devices")
-    if not isinstance(section, dict) or section.get("strategy") == "ddp":
+    if not isinstance(section, dict) or section.get("strategy") in PROCESS_STRATEGIES:
         return []
     use = section.get("use")
     if not isinstance(use, str) or use.strip() in ("", "auto"):

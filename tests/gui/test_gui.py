@@ -105,7 +105,7 @@ def test_the_plots_right_click_export_is_the_apps_own(qtbot, window, tmp_path):
     dialog.formats["pdf"].setChecked(False)
     dialog.accept()
     # the export runs in a process of its own (gui/export/export_job.py): its files appear when it ends
-    qtbot.waitUntil(lambda: (out / "loss.png").is_file(), timeout=120_000)
+    qtbot.waitUntil(lambda: "Exported" in window.note_label.text(), timeout=120_000)
     assert QImage(str(out / "loss.png")).width() == 1000
     assert ET.parse(out / "loss.svg").getroot().tag.endswith("svg")
     assert not (out / "loss.pdf").exists()
