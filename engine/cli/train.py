@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.parser import short_text
@@ -103,7 +104,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.distributed.launcher import launch
         from multilane.engine.tasks import make_task
 
-        task = make_task(config.task.name, config.task.params)  # a bad task is one line here, not one per rank
+        try:  # a bad task is one line here, not one per rank
+            task = make_task(config.task.name, config.task.params)
+        except UserError as e:
+            if not args.resume or args.task is not None:
+                raise
+            from multilane.engine.rundir.runlog import CHECKPOINT
+
+            where = Path(args.resume).expanduser() / CHECKPOINT
+            raise UserError(f"resume: {where}: the task it was trained with cannot be made here: {e}") from None
         if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
             from multilane.engine.fsdp.units import mixed_precision
 

@@ -87,7 +87,12 @@ class Forecast:
 
 
 def gib(nbytes: float) -> str:
-    """Bytes as the memory column shows them: MiB below 1 GiB, GiB with two decimals above."""
+    """Bytes as the memory column shows them: bytes, KiB, MiB below 1 GiB, GiB with two decimals above
+    (a tiny model's need reads as what it is, never "0.0 MiB")."""
+    if nbytes < 1 << 10:
+        return f"{nbytes:,.0f} B"
+    if nbytes < 1 << 20:
+        return f"{nbytes / (1 << 10):,.1f} KiB"
     if nbytes < 1 << 30:
         return f"{nbytes / (1 << 20):,.1f} MiB"
     return f"{nbytes / (1 << 30):,.2f} GiB"

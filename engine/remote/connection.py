@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.engine.remote.hosts import HostSpec, ssh_config_path
+from multilane.engine.remote.hosts import HostSpec, host_name_problem, ssh_config_path
 from multilane.engine.remote.ssh import paramiko
 
 CONNECT_TIMEOUT_S = 10.0
@@ -86,7 +86,14 @@ class Connection:
             except Exception as e:  # a config paramiko cannot parse
                 raise RemoteError(f"{path}: cannot read it ({e})") from None
         self.hostname = cfg.get("hostname", self.spec.host)
-        self.port = self.spec.port or int(cfg.get("port", 22))
+        if self.hostname != self.spec.host and (reason := host_name_problem(self.hostname)):
+            raise RemoteError(
+                f"{path}: HostName {self.hostname!r} of host {self.spec.host!r} is not a host name ({reason})"
+            )
+        try:
+            self.port = self.spec.port or int(cfg.get("port", 22))
+        except ValueError:
+            raise RemoteError(f"{path}: Port {cfg.get('port')!r} of host {self.spec.host!r} is not a number") from None
         import getpass
 
         self.user = self.spec.user or cfg.get("user") or getpass.getuser()

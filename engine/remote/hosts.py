@@ -17,6 +17,17 @@ _HOST = re.compile(
 )
 
 
+def host_name_problem(name: str) -> str | None:
+    """Why the resolver cannot be asked for ``name`` (a label empty or over 63 characters, text the IDNA
+    codec rejects), or None: a name typed on the command line or found in ~/.ssh/config is one line
+    naming it, never the codec's traceback from inside ``getaddrinfo``."""
+    try:
+        name.encode("idna")
+    except UnicodeError as e:
+        return str(e.__cause__ or e).removeprefix("encoding with 'idna' codec failed ").strip("()")
+    return None
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """A host as the user named it; ``ssh/config`` fills in what it leaves out."""
@@ -33,12 +44,8 @@ class HostSpec:
         port = int(m["port"]) if m["port"] else None
         if port is not None and not 0 < port < 65536:
             raise UserError(f"host {text!r}: port {port} is outside 1 to 65535")
-        if m["host"]:
-            try:  # what the resolver will be asked: a name it cannot encode is one line here, not its traceback
-                m["host"].encode("idna")
-            except UnicodeError as e:
-                reason = str(e.__cause__ or e).removeprefix("encoding with 'idna' codec failed ")
-                raise UserError(f"host {text!r}: not a host name ({reason.strip('()')})") from None
+        if m["host"] and (reason := host_name_problem(m["host"])):
+            raise UserError(f"host {text!r}: not a host name ({reason})")
         return cls(m["v6"] or m["host"], m["user"], port)
 
     def __str__(self) -> str:

@@ -13,7 +13,7 @@ from multilane.engine.config import RunConfig, build_config, merge
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import TrainerCallback
 from multilane.engine.rundir.readfile import user_path
-from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, TASK_FILE, RunDir
+from multilane.engine.rundir.runlog import CHECKPOINT, CONFIG, ENVIRONMENT, TASK_FILE, RunDir
 from multilane.engine.tasks import Task, make_task
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file, task_file_record
 from multilane.engine.telemetry.devices import Device, parse_devices
@@ -58,7 +58,15 @@ def resolve_run(
         config.task.name = str(user_path(config.task.name, "task file").resolve())
         for cb in callbacks:
             cb.on_task_file(config.task.name)
-    task = task or make_task(config.task.name, config.task.params, expect_sha256)
+    try:
+        task = task or make_task(config.task.name, config.task.params, expect_sha256)
+    except UserError as e:
+        if resume_dir is None or "task.name" in overrides or "task.params" in overrides:
+            raise
+        # The task came from the checkpoint: the line names it, not only the task.
+        raise UserError(
+            f"resume: {resume_dir.path / CHECKPOINT}: the task it was trained with cannot be made here: {e}"
+        ) from None
     devices = parse_devices(config.devices.use)
     if config.devices.output >= len(devices):
         raise UserError(

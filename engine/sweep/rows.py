@@ -45,7 +45,8 @@ def trial_rows(study: Any, steps: dict[int, int] | None = None) -> list[dict[str
             {
                 "number": t.number,
                 "state": state,
-                "params": dict(t.params),
+                # A re-queued (or grid) trial waits with its parameters fixed, not yet suggested: shown too.
+                "params": dict(t.params) or dict(t.system_attrs.get("fixed_params") or {}),
                 "value": t.value if t.state == ts.COMPLETE else _last(t),
                 "best": best_so_far.get(t.number),
                 "is_best": t.number == best_number,

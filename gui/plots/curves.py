@@ -56,13 +56,21 @@ class CurveDrawing:
             ends = np.concatenate([breaks - 1, breaks])
             idx = np.union1d(idx, ends[(ends >= i0) & (ends < i1)])
         vx, vy = broken(x, y, idx, breaks)
-        lone = int(np.isfinite(vy).sum()) == 1
-        if lone and item.opts["symbol"] is None:
-            item.setSymbol("o")
-            item.setSymbolSize(6)
-            item.setSymbolPen(item.opts["pen"])
-            item.setSymbolBrush(item.opts["pen"].color())
-        elif not lone and item.opts["symbol"] is not None and not getattr(item, "keep_symbol", False):
+        if getattr(item, "keep_symbol", False):
+            item.setData(vx, vy)
+            return
+        # A point with no drawn neighbour (a curve's only point, or one step logged between a stop and
+        # the next) is a line of one point, which draws nothing: it gets a marker, the others none.
+        finite = np.isfinite(vy)
+        alone = finite.copy()
+        alone[1:] &= ~finite[:-1]
+        alone[:-1] &= ~finite[1:]
+        if alone.any():
+            pen = item.opts["pen"]
+            sizes = np.where(alone, 6.0, 0.0)
+            item.setData(vx, vy, symbol="o", symbolSize=sizes, symbolPen=pen, symbolBrush=pen.color())
+            return
+        if item.opts["symbol"] is not None:
             item.setSymbol(None)
         item.setData(vx, vy)
 

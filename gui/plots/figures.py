@@ -106,13 +106,19 @@ def _legend(ax: Axes, handles: list | None = None, labels: list[str] | None = No
 
 def draw_line(ax: Axes, x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None, **kw) -> None:
     """``ax.plot`` that breaks the line at ``breaks`` (rows after a pause, stop or gap: no trend drawn
-    across them) and marks a single point, which a line alone would not draw."""
+    across them) and marks each point with no neighbour drawn (a curve's only point, a step logged alone
+    between two stops), which a line alone would not draw."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     if breaks is not None and len(breaks):
         x = np.insert(x, breaks, x[breaks - 1])
         y = np.insert(y, breaks, np.nan)
-    if int(np.isfinite(y).sum()) == 1 and kw.get("marker") is None:
+    finite = np.isfinite(y)
+    alone = finite.copy()  # a point with no drawn neighbour: a line of one point draws nothing
+    alone[1:] &= ~finite[:-1]
+    alone[:-1] &= ~finite[1:]
+    if alone.any() and kw.get("marker") is None:
         kw["marker"] = "o"
+        kw["markevery"] = alone.tolist()  # those points only
         kw.setdefault("markersize", 4)
     ax.plot(x, y, **kw)
 

@@ -190,4 +190,6 @@ def memory_lines(peaks: Any) -> list[str]:
 
 
 def _size(n: float) -> str:
-    return f"{n / (1 << 20):,.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):,.2f} GiB"
+    from multilane.engine.plan.forecast import gib  # the CLI summary's units: B, KiB, MiB, GiB
+
+    return gib(n)

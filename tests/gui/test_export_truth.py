@@ -79,6 +79,29 @@ def test_a_single_logged_point_is_exported_with_a_marker():
     assert "bits per byte" in [ax.get_title(loc="left") for ax in overview_figure(run).axes]
 
 
+def test_a_step_logged_alone_between_two_stops_is_exported_with_a_marker_there_only():
+    from multilane.gui.runs.run_data import RunData
+
+    run = RunData("twice")
+    run.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0, "lanes": ["cpu:0"]})
+    t = 1000.0
+    for s in range(1, 41):
+        t += 0.05
+        if s in (21, 22):
+            run.add({"kind": "event", "event": "stopped", "step": s - 1, "wall_time": t})
+            t += 60.0
+            run.add({"kind": "event", "event": "started", "step": s - 1, "wall_time": t, "resumed_from_step": s - 1})
+        run.add({"kind": "train", "step": s, "wall_time": t, "loss": 1.0 + s / 100, "device_loss": {"cpu:0": 1.0}})
+    ax = loss_figure(run).axes[0]
+    marked = []
+    for line in lines_of(ax):
+        x, y = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+        every = line.get_markevery()
+        if line.get_marker() not in (None, "None", "") and every is not None:
+            marked += [(line.get_label(), x[i]) for i in np.flatnonzero(every) if np.isfinite(y[i])]
+    assert sorted(x for _, x in marked) == [21.0] * len(marked) and len(marked) >= 1, marked
+
+
 def test_a_comparisons_plots_draw_every_panel_per_run_and_name_what_differs(tmp_path):
     a, b = make_run(n=100, evals=(500, 1000), name="a"), make_run(n=80, seed=1, evals=(400,), name="b")
     a.config = {"optim": {"lr": 0.01}, "data": {"batch_size": 64}}

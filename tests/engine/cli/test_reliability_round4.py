@@ -162,6 +162,20 @@ def test_an_idna_rejected_host_name_is_one_line(capsys):
         one_error_line(capsys, main(argv), "not a host name")
 
 
+def test_a_host_name_or_port_in_the_ssh_config_that_no_resolver_takes_is_one_line(tmp_path, capsys, monkeypatch):
+    """The same promise for what ~/.ssh/config says of an alias: its HostName is asked of the resolver."""
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text(
+        "Host zw\n  HostName \u200b\u200b..example\n"
+        f"Host long\n  HostName {'a' * 70}.com\n"
+        "Host port\n  HostName 127.0.0.1\n  Port abc\n"
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for alias, words in (("zw", ("HostName", "not a host name")), ("long", ("HostName",)), ("port", ("Port", "abc"))):
+        line = one_error_line(capsys, main(["devices", "--host", alias]), *words, f"host {alias!r}")
+        assert "\u200b" not in line  # escaped, never printed raw
+
+
 @pytest.mark.parametrize(
     "command",
     ["devices", "devices --json", "watch", "control", pytest.param("export", marks=pytest.mark.slow), "train --help"],

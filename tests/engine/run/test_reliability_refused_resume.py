@@ -65,3 +65,23 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_it_and_the_lock_file_s
     assert "setup failed" not in err and "task linear:" not in err
     assert (lock.read_bytes(), lock.stat().st_mtime_ns) == before  # not rewritten with the refused pid
     assert (run / "status.json").read_bytes() == status
+
+
+@pytest.mark.slow  # the same module run
+@pytest.mark.parametrize("strategy", ["replicate", "ddp"])
+def test_a_checkpoint_whose_task_cannot_be_made_here_is_refused_naming_it(finished, tmp_path, capsys, strategy):
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    ck = run / "checkpoints" / "last.pt"
+    state = torch.load(ck, weights_only=True)
+    state["config"]["task"]["name"] = "nosuch"  # a task this machine does not have
+    torch.save(state, ck)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code = main(["train", "--resume", str(run), "--steps", "4", "--strategy", strategy])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [
+        f"multilane: error: resume: {ck}: the task it was trained with cannot be made here: "
+        + err.split("cannot be made here: ", 1)[1].strip()
+    ]
+    assert "unknown task 'nosuch'" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written

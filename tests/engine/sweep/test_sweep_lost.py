@@ -44,6 +44,10 @@ def test_a_running_trial_nobody_runs_is_lost_requeued_and_its_run_folder_says_so
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "aborted" and status["message"].startswith("lost:") and status["step"] == 7
     assert sweep.counts() == {"done": 0, "running": 0, "lost": 1, "waiting": 1}
+    from multilane.engine.sweep.rows import trial_rows
+
+    rows = trial_rows(load_journal(sweep.folder))  # what the Sweep tab's table and the CLI's show
+    assert [(r["state"], r["params"]) for r in rows] == [("lost", {"optim.lr": lr}), ("waiting", {"optim.lr": lr})]
 
 
 def test_in_a_shared_database_a_trial_without_identity_gets_a_grace_and_a_live_workers_trial_is_kept(tmp_path):
