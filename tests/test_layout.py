@@ -125,3 +125,26 @@ def test_public_names_of_the_docs_import_from_the_engine_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "multilane.engine.run.trainer"
+
+
+def test_every_package_folder_is_in_pyprojects_packages_list():
+    """A folder with an ``__init__.py`` that pyproject's explicit ``packages`` list leaves out is missing from
+    a non-editable install (a wheel), while every editable install still finds it."""
+    import os
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    mapped = {folder: name for name, folder in setup["package-dir"].items()}
+    missing = []
+    for top in ("engine", "gui"):
+        for folder, dirs, files in os.walk(ROOT / top):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            rel = Path(folder).relative_to(ROOT).as_posix()
+            if "__init__.py" not in files:
+                continue
+            base = next((f for f in sorted(mapped, key=len, reverse=True) if rel == f or rel.startswith(f + "/")), None)
+            name = mapped[base] + rel[len(base) :].replace("/", ".")
+            if name not in listed:
+                missing.append(name)
+    assert not missing, f"pyproject.toml's packages list lacks {missing}"
