@@ -96,7 +96,9 @@ class DdpTrainer(Trainer):
         )
 
     # -- setup ----------------------------------------------------------------------------------
-    def _setup(self) -> None:
+    def _setup_rank(self) -> torch.device:
+        """What every process strategy's rank sets up first (ddp here, fsdp in engine/fsdp): the seed, the
+        threads, the loader, the model on the rank's device, the control group, synchronized BatchNorm."""
         cfg, info = self.config, self.info
         torch.manual_seed(cfg.train.seed)
         if not info.device.is_cuda:
@@ -109,6 +111,11 @@ class DdpTrainer(Trainer):
         self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         if cfg.devices.sync_batchnorm:  # the lanes' synchronized BatchNorm, across ranks (batchnorm.py)
             convert_rank_batchnorm(self.model, dist.new_group())
+        return dev
+
+    def _setup(self) -> None:
+        cfg, info = self.config, self.info
+        dev = self._setup_rank()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)

@@ -23,11 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine.data.loader import build_loader
-from multilane.engine.distributed.batchnorm import convert_rank_batchnorm
-from multilane.engine.distributed.rank import cpu_threads_per_rank
 from multilane.engine.distributed.rank_state import RankRules, RankStreams
-from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.trainer import DdpTrainer
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
@@ -76,15 +72,7 @@ class FsdpTrainer(DdpTrainer):
         cfg, info = self.config, self.info
         from torch.distributed.device_mesh import init_device_mesh
 
-        torch.manual_seed(cfg.train.seed)
-        if not info.device.is_cuda:
-            torch.set_num_threads(cpu_threads_per_rank(info.local_world))
-        dev = info.device.torch_device()
-        self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
-        self.model = self.task.build_model().to(dev)
-        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        if cfg.devices.sync_batchnorm:
-            convert_rank_batchnorm(self.model, dist.new_group())
+        dev = self._setup_rank()
         mesh = init_device_mesh(dev.type, (info.world,))
         self.units = shard_model(self.model, choose_units(self.task, self.model), cfg.train.precision, mesh)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
