@@ -7,12 +7,27 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # on in the tests of the check itself (tests/engine/plan/), which set it back to 1.
 os.environ.setdefault("MULTILANE_FIT_CHECK", "0")
 
+import compileall
+from pathlib import Path
+
 import pytest
 import torch
 from multilane.engine.config import RunConfig, build_config, merge
 
 # A real OpenSSH server on 127.0.0.1 (the `sshd` and `ssh_home` fixtures), for the tests of remote hosts.
 pytest_plugins = ["sshd_server"]
+
+
+def pytest_configure(config):
+    """Once per pytest run, in the controller: the project's bytecode, written where Python looks for it.
+
+    A subprocess (a CLI run, a ddp rank, the app's child) would otherwise compile every module of the
+    engine again when the environment sets PYTHONDONTWRITEBYTECODE (CI's does): about 0.3 s of CPU each,
+    hundreds of times a run. Python reads bytecode that is there even then; compileall writes it."""
+    if not hasattr(config, "workerinput"):
+        root = Path(__file__).resolve().parents[1]
+        for folder in ("engine", "gui", "bench"):
+            compileall.compile_dir(root / folder, quiet=1)
 
 
 @pytest.fixture

@@ -26,8 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
-from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
-from multilane.engine.distributed.failures import LOST_PEERS, consolidate, notes_from_child_failure, primary
+from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV, rank_start
+from multilane.engine.distributed.failures import (
+    LOST_PEERS,
+    consolidate,
+    notes_from_child_failure,
+    primary,
+    write_note,
+)
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.run_lock import lock_run_folder
 from multilane.engine.rundir.runlog import STATUS, RunDir
@@ -113,6 +119,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nproc = processes_per_node(config)  # the machine can run it: checked before a folder or a process
+    start = rank_start.way()
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
     run_dir: Path | None = Path(resume_from) if resume_from else None
@@ -150,6 +157,7 @@ def launch(
         ),
         max_restarts=0,
         monitor_interval=0.1,
+        start_method=rank_start.start_method(start),  # forked from a process that has imported torch
     )
     # The ranks tell this launcher the run folder (several nodes: rank 0 makes it) through this file.
     node_file = Path(tempfile.mkdtemp(prefix="multilane-node-")) / "run_dir"
@@ -157,7 +165,8 @@ def launch(
     what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
     watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
     try:
-        elastic_launch(lc, sys.executable)("-m", "multilane.engine.cli", "train", *argv)
+        entrypoint, args = rank_start.worker(start, argv)
+        elastic_launch(lc, entrypoint)(*args)
     except ChildFailedError as e:
         run_dir = run_dir or _run_dir_of_node(node_file)
         cause = None
@@ -171,6 +180,8 @@ def launch(
                 return 2
             try:
                 notes_from_child_failure(run_dir, e)
+                for death in rank_start.deaths(node_file.parent):  # forked ranks: their supervisors' word
+                    write_note(run_dir, death["rank"], death["message"], None, False, death["time"])
                 # With several nodes the failure that caused this node's may be another node's: wait for its note.
                 cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
             except OSError as err:
@@ -178,7 +189,7 @@ def launch(
             finally:
                 if held is not None:
                     held.release(force=True)
-        message = cause["message"] if cause else first_failure(e)
+        message = cause["message"] if cause else first_failure(e, rank_start.deaths(node_file.parent))
         print(f"failed: {message}", file=sys.stderr)
         if run_dir is not None:
             print(f"  run directory: {run_dir}", file=sys.stderr)
@@ -251,7 +262,7 @@ class RendezvousWatchdog:
         me = psutil.Process()
         while not self._done.wait(0.5):
             try:
-                if any("multilane.engine.cli" in " ".join(c.cmdline()) for c in me.children(recursive=True)):
+                if any(_a_rank(c) for c in me.children(recursive=True)):
                     return  # the ranks started: the rendezvous is complete
             except psutil.Error:
                 pass
@@ -278,9 +289,10 @@ def quiet_torch_loggers() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def first_failure(e: Any) -> str:
-    """The message of the failure that caused the others among this node's ranks (no run folder known)."""
-    notes = []
+def first_failure(e: Any, deaths: list[dict[str, Any]] | None = None) -> str:
+    """The message of the failure that caused the others among this node's ranks (no run folder known);
+    ``deaths``: ranks a signal killed, which the agent may not have reported (``rank_start.py``)."""
+    notes = list(deaths or [])
     for rank, f in e.failures.items():
         text = str(f.message.get("message", "")) if isinstance(f.message, dict) else ""
         lost = LOST_PEERS in text
@@ -316,3 +328,9 @@ def _state(run_dir: Path | None) -> str | None:
         return json.loads((run_dir / STATUS).read_text()).get("state")
     except (OSError, ValueError):
         return None
+
+
+def _a_rank(process: Any) -> bool:
+    """A rank, or the server that forks them (``rank_start.py``): either comes once the rendezvous is complete."""
+    command = " ".join(process.cmdline())
+    return "multilane.engine.cli" in command or "multiprocessing.forkserver" in command

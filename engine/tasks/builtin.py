@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from multilane.engine.tasks.base import ArrayData, Task
 from multilane.engine.tasks.charlm import CharLMTask
+from multilane.engine.tasks.digits_file import load_digits
 from multilane.engine.tasks.imagefolder import ImageFolderTask
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -86,11 +87,9 @@ class DigitsTask(Task):
         return DigitsNet(self.params.channels, self.params.hidden)
 
     def data(self) -> ArrayData:
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        return ArrayData(x, torch.tensor(d.target, dtype=torch.long))
+        images, labels = load_digits()
+        x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+        return ArrayData(x, torch.tensor(labels, dtype=torch.long))
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output, target)

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from multilane.engine.errors import UserError
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import BUILTIN_TASKS, load_task_file, make_task
@@ -15,10 +16,21 @@ def test_builtin_tasks_declare_typed_params_with_descriptions():
 
 
 @pytest.mark.slow
-def test_digits_is_the_real_sklearn_dataset():
+def test_digits_is_the_real_sklearn_dataset_read_without_importing_sklearn():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
     data = make_task("digits").data()
     assert len(data) == 1797 and data.inputs.shape == (1797, 1, 8, 8)
     assert data.inputs.min() >= 0.0 and data.inputs.max() <= 1.0
+    d = load_digits()  # scikit-learn's own loader: the same images and labels, in the same order
+    assert torch.equal(data.inputs, torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0)
+    assert torch.equal(data.target, torch.tensor(d.target, dtype=torch.long))
+    # and the run's process never pays for importing scikit-learn and SciPy
+    code = "import sys; from multilane.engine.tasks import make_task; make_task('digits').data(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_task_params_are_validated_with_the_key_named():

@@ -167,7 +167,7 @@ def last_train_step(run: Path) -> int:
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "multilane.engine.cli" in " ".join(child.cmdline()):
+            if " ".join(child.cmdline()).startswith(f"multilane rank {rank}/"):  # rank_start.title
                 return child.pid
         except psutil.Error:
             continue
