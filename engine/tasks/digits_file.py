@@ -12,7 +12,6 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
-
 from multilane.engine.errors import UserError
 
 DIGITS_FILE = Path("datasets", "data", "digits.csv.gz")

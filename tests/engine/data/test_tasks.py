@@ -30,7 +30,10 @@ def test_digits_is_the_real_sklearn_dataset_read_without_importing_sklearn():
     assert torch.equal(data.target, torch.tensor(d.target, dtype=torch.long))
     # and the run's process never pays for importing scikit-learn and SciPy
     code = "import sys; from multilane.engine.tasks import make_task; make_task('digits').data(); print('sklearn' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_task_params_are_validated_with_the_key_named():
