@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from multilane.engine.config import RunConfig, build_config, merge
 
 # A real OpenSSH server on 127.0.0.1 (the `sshd` and `ssh_home` fixtures), for the tests of remote hosts.
@@ -28,6 +29,15 @@ def pytest_configure(config):
         root = Path(__file__).resolve().parents[1]
         for folder in ("engine", "gui", "bench"):
             compileall.compile_dir(root / folder, quiet=1)
+    warm_cli.install()  # the CLI's subprocesses forked from a pre-imported server (tests/warm_cli.py)
+
+
+@pytest.fixture(autouse=True)
+def _cold_start(request):
+    """A test marked ``cold_start`` starts its ``multilane`` subprocesses as fresh interpreters."""
+    warm_cli.set_cold(request.node.get_closest_marker("cold_start") is not None)
+    yield
+    warm_cli.set_cold(False)
 
 
 @pytest.fixture

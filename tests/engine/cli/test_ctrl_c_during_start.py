@@ -13,6 +13,9 @@ import time
 import pytest
 from helpers import CLI, run_folders
 
+# Ctrl+C while the command starts (Python, torch, the engine loading): a fresh interpreter each time.
+pytestmark = pytest.mark.cold_start
+
 HELD = """
 import os, signal, sys, threading, time
 from multilane.engine.cli.main import hold_ctrl_c_while_torch_loads

@@ -153,6 +153,7 @@ KILL_AFTER_S = [0.5, 1.5, 2.5, 3.5, 5.0]
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start  # the moments include the command's own start (imports, data, model)
 @pytest.mark.parametrize("delay", KILL_AFTER_S)
 def test_sigkill_at_any_moment_loses_nothing_already_written(tmp_path, delay):
     runs = tmp_path / "runs"
