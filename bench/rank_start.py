@@ -5,16 +5,15 @@
 For each rank count, the same short ``multilane train --strategy ddp`` run on CPU lanes, once with
 ``MULTILANE_RANK_START=exec`` (every rank a fresh interpreter: torchrun's default) and once with the
 default forkserver (engine/distributed/rank_start.py), in alternating order, ``--rounds`` times. The
-table gives the median wall time of the whole command and the CPU seconds of the command and every
-process it started (a 2-core machine's CPU is what several runs at once compete for), side by side with
-their ratio. The run's own training is a few steps: what is left is start-up.
+table gives the median wall time of the whole command and the CPU seconds the machine spent meanwhile
+(/proc/stat: run it on a quiet machine; a 2-core machine's CPU is what several runs at once compete
+for), side by side with their ratio. The run's own training is a few steps: what is left is start-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,20 +23,28 @@ import time
 CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
 
+def busy_seconds() -> float:
+    """CPU seconds this machine has spent busy so far (/proc/stat): a forked rank's time is counted
+    too, which the launcher's ``RUSAGE_CHILDREN`` would miss (the server, not the launcher, reaps it).
+    Run the bench on a quiet machine: what else runs is counted as well."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def one_run(ranks: int, way: str, steps: int, task: str, runs: str) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the command and its descendants) of one ddp run."""
+    """(wall seconds, CPU seconds the machine spent) of one ddp run."""
     devices = ",".join(f"cpu:{i}" for i in range(ranks))
     args = [*CLI, "train", "--strategy", "ddp", "--devices", devices, "--task", task, "--steps", str(steps)]
     args += ["--runs-dir", runs, "--set", "train.eval_every=0", "--set", "train.log_every=1"]
     env = {**os.environ, "MULTILANE_RANK_START": way, "MULTILANE_FIT_CHECK": "0"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = busy_seconds()
     t0 = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = busy_seconds() - before
     if r.returncode != 0:
         sys.exit(f"failed ({way}, {ranks} ranks): {r.stderr[-2000:]}")
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return wall, cpu
 
 

@@ -168,37 +168,16 @@ def launch(
         entrypoint, args = rank_start.worker(start, argv)
         elastic_launch(lc, entrypoint)(*args)
     except ChildFailedError as e:
-        run_dir = run_dir or _run_dir_of_node(node_file)
-        cause = None
-        if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
-            try:
-                # On one node the ranks are gone and their lock with them: a lock held now is another
-                # run's, which writes this folder (a resume refused by a live run): write nothing into it.
-                held = lock_run_folder(run_dir, wait_s=LOCK_WAIT_S) if nnodes == 1 else None
-            except UserError as refused:
-                print(f"multilane: error: {refused}", file=sys.stderr)
-                return 2
-            try:
-                notes_from_child_failure(run_dir, e)
-                for death in rank_start.deaths(node_file.parent):  # forked ranks: their supervisors' word
-                    write_note(run_dir, death["rank"], death["message"], None, False, death["time"])
-                # With several nodes the failure that caused this node's may be another node's: wait for its note.
-                cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
-            except OSError as err:
-                print(f"multilane: could not record the failure in {run_dir}: {err.strerror or err}", file=sys.stderr)
-            finally:
-                if held is not None:
-                    held.release(force=True)
-        message = cause["message"] if cause else first_failure(e, rank_start.deaths(node_file.parent))
-        print(f"failed: {message}", file=sys.stderr)
-        if run_dir is not None:
-            print(f"  run directory: {run_dir}", file=sys.stderr)
-        return 1
+        return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, e)
     except SignalException:
         state = _state(run_dir)
         print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
         return 0 if state == "stopped" else 1
     except (RendezvousError, DistError) as e:  # DistError: the static rendezvous's store timed out
+        if nnodes > 1 and watchdog.ranks_started:
+            # The ranks ran: the store went with the node that held it, which ended as the run failed
+            # (torch's agent asks the store between its looks at the ranks). The run's failure is the news.
+            return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, None)
         message = (
             f"rendezvous at {endpoint} failed for {what} within {rdzv_timeout_s:g} s "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
@@ -209,6 +188,42 @@ def launch(
         watchdog.cancel()
         shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
+
+
+def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -> int:
+    """The run failed (``e``: torch's ``ChildFailedError``, or None when the store went first): this
+    node's notes into the run folder, the failure that caused the others on stderr; exit status 1."""
+    cause = None
+    if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
+        try:
+            # On one node the ranks are gone and their lock with them: a lock held now is another
+            # run's, which writes this folder (a resume refused by a live run): write nothing into it.
+            held = lock_run_folder(run_dir, wait_s=LOCK_WAIT_S) if nnodes == 1 else None
+        except UserError as refused:
+            print(f"multilane: error: {refused}", file=sys.stderr)
+            return 2
+        try:
+            if e is not None:
+                notes_from_child_failure(run_dir, e)
+            for death in rank_start.deaths(node_dir):  # forked ranks: their supervisors' word
+                write_note(run_dir, death["rank"], death["message"], None, False, death["time"])
+            # With several nodes the failure that caused this node's may be another node's: wait for its note.
+            cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
+        except OSError as err:
+            print(f"multilane: could not record the failure in {run_dir}: {err.strerror or err}", file=sys.stderr)
+        finally:
+            if held is not None:
+                held.release(force=True)
+    if cause:
+        message = cause["message"]
+    elif e is not None:
+        message = first_failure(e, rank_start.deaths(node_dir))
+    else:
+        message = "the node holding the rendezvous store ended while the run trained"
+    print(f"failed: {message}", file=sys.stderr)
+    if run_dir is not None:
+        print(f"  run directory: {run_dir}", file=sys.stderr)
+    return 1
 
 
 def _record_unmet(run_dir: Path | None, message: str) -> None:
@@ -249,6 +264,7 @@ class RendezvousWatchdog:
 
     def __init__(self, endpoint: str, what: str, timeout_s: float) -> None:
         self.endpoint, self.what, self.timeout_s = endpoint, what, timeout_s
+        self.ranks_started = False  # seen once the rendezvous is complete
         self._done = threading.Event()
         threading.Thread(target=self._watch, name="rendezvous-watchdog", daemon=True).start()
 
@@ -263,6 +279,7 @@ class RendezvousWatchdog:
         while not self._done.wait(0.5):
             try:
                 if any(_a_rank(c) for c in me.children(recursive=True)):
+                    self.ranks_started = True
                     return  # the ranks started: the rendezvous is complete
             except psutil.Error:
                 pass
