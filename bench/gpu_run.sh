@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -4
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --find-links .whl --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site pydantic tomli-w 2>&1 | grep -v -e "dependency resolver" -e "requires" \
+            --target /tmp/site pydantic tomli-w setproctitle 2>&1 | grep -v -e "dependency resolver" -e "requires" \
             && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     else
         echo "no .whl/ here: run bench/gpu_wheels.sh where pip can download, and name .whl in carry"
