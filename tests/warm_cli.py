@@ -44,7 +44,6 @@ PRELOAD = [
     "multilane.engine.cli.main",
 ]
 CLI_MODULE = "multilane.engine.cli"
-_REAL_POPEN = subprocess.Popen
 _cold = threading.local()
 
 

@@ -194,6 +194,7 @@ def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -
     """The run failed (``e``: torch's ``ChildFailedError``, or None when the store went first): this
     node's notes into the run folder, the failure that caused the others on stderr; exit status 1."""
     cause = None
+    deaths = rank_start.deaths(node_dir)  # forked ranks a signal killed: their supervisors' word
     if run_dir is not None and run_dir.is_dir():  # not on a node that does not share the runs folder
         try:
             # On one node the ranks are gone and their lock with them: a lock held now is another
@@ -205,7 +206,7 @@ def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -
         try:
             if e is not None:
                 notes_from_child_failure(run_dir, e)
-            for death in rank_start.deaths(node_dir):  # forked ranks: their supervisors' word
+            for death in deaths:
                 write_note(run_dir, death["rank"], death["message"], None, False, death["time"])
             # With several nodes the failure that caused this node's may be another node's: wait for its note.
             cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
@@ -217,7 +218,7 @@ def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -
     if cause:
         message = cause["message"]
     elif e is not None:
-        message = first_failure(e, rank_start.deaths(node_dir))
+        message = first_failure(e, deaths)
     else:
         message = "the node holding the rendezvous store ended while the run trained"
     print(f"failed: {message}", file=sys.stderr)

@@ -15,7 +15,7 @@ rank ended and leaves that in the node's folder (``DEATHS``), where the launcher
 exit status of a rank it had started itself. It passes the agent's SIGTERM and SIGINT on to the rank,
 which dies with it if the agent has to kill it (``PR_SET_PDEATHSIG``); the supervisor ends with the rank's
 own status. ``MULTILANE_RANK_START=exec`` starts each rank as a fresh interpreter instead, as torchrun
-does by default. Measured in bench/rank_start.py; docs/distributed.md.
+does by default. Measured in bench/rank_start.py; docs/design.md, "Ranks start from a pre-imported server".
 """
 
 from __future__ import annotations
