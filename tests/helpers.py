@@ -90,3 +90,23 @@ def run_folders(runs: Path) -> list[Path]:
     if not runs.is_dir():
         return []
     return sorted(p for p in runs.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def run_with_a_lone_step(steps: int, lone: int, loss_scale: float):
+    """A run (``RunData``, one lane) logged every 0.05 s for ``steps`` steps, stopped after step
+    ``lone - 1``, resumed 60 s later, stopped again after step ``lone`` and resumed: step ``lone`` has no
+    neighbour on either side of its breaks (the plots and exports draw it as a marker)."""
+    from multilane.gui.runs.run_data import RunData
+
+    run = RunData("twice")
+    run.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0, "lanes": ["cpu:0"]})
+    t = 1000.0
+    for s in range(1, steps + 1):
+        t += 0.05
+        if s in (lone, lone + 1):
+            run.add({"kind": "event", "event": "stopped", "step": s - 1, "wall_time": t})
+            t += 60.0
+            run.add({"kind": "event", "event": "started", "step": s - 1, "wall_time": t, "resumed_from_step": s - 1})
+        loss = 1.0 + s / loss_scale
+        run.add({"kind": "train", "step": s, "wall_time": t, "loss": loss, "device_loss": {"cpu:0": 1.0}})
+    return run

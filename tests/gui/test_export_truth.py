@@ -3,6 +3,7 @@
 
 import numpy as np
 import pytest
+from helpers import run_with_a_lone_step
 from multilane.gui.plots.export import export_run
 from multilane.gui.plots.figures import FigureOptions, loss_figure
 from multilane.gui.plots.overview import comparison_overview_figure, overview_figure
@@ -80,18 +81,7 @@ def test_a_single_logged_point_is_exported_with_a_marker():
 
 
 def test_a_step_logged_alone_between_two_stops_is_exported_with_a_marker_there_only():
-    from multilane.gui.runs.run_data import RunData
-
-    run = RunData("twice")
-    run.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0, "lanes": ["cpu:0"]})
-    t = 1000.0
-    for s in range(1, 41):
-        t += 0.05
-        if s in (21, 22):
-            run.add({"kind": "event", "event": "stopped", "step": s - 1, "wall_time": t})
-            t += 60.0
-            run.add({"kind": "event", "event": "started", "step": s - 1, "wall_time": t, "resumed_from_step": s - 1})
-        run.add({"kind": "train", "step": s, "wall_time": t, "loss": 1.0 + s / 100, "device_loss": {"cpu:0": 1.0}})
+    run = run_with_a_lone_step(40, 21, 100)
     ax = loss_figure(run).axes[0]
     marked = []
     for line in lines_of(ax):

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_with_a_lone_step
 
 pytest.importorskip("PySide6")
 
@@ -64,16 +65,7 @@ def test_the_last_step_before_a_stop_and_the_first_after_the_resume_are_drawn(pa
 def test_a_step_logged_alone_between_two_stops_is_drawn_as_a_marker(panel, qtbot):
     """Stopped after step 100, resumed, stopped again after step 101, resumed: step 101 has no neighbour
     on either side of its breaks, so a line draws nothing there; a marker draws it (and no other point)."""
-    run = RunData("twice")
-    run.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0, "lanes": ["cpu:0"]})
-    t = 1000.0
-    for s in range(1, 201):
-        t += 0.05
-        if s in (101, 102):
-            run.add({"kind": "event", "event": "stopped", "step": s - 1, "wall_time": t})
-            t += 60.0
-            run.add({"kind": "event", "event": "started", "step": s - 1, "wall_time": t, "resumed_from_step": s - 1})
-        run.add({"kind": "train", "step": s, "wall_time": t, "loss": 1.0 + s / 1000, "device_loss": {"cpu:0": 1.0}})
+    run = run_with_a_lone_step(200, 101, 1000)
     show(panel, run, qtbot)
     for x_mode in ("step", "time"):
         panel.set_x_mode(x_mode)
