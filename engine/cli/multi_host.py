@@ -37,7 +37,8 @@ def cmd_train_hosts(args: argparse.Namespace) -> int:
 def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]], runs_dirs: list[str]) -> int:
     from multilane.engine.cli import remote
     from multilane.engine.cli.train import _overrides, _run_config
-    from multilane.engine.remote.multi_host import Node, launch_multi_host, node_counts
+    from multilane.engine.remote.multi_host import Node, launch_multi_host, node_counts, wait_nodes_ended
+    from multilane.engine.remote.remote_runs import FINAL, remote_status
 
     hosts = [h for h, _ in pairs]
     if args.resume:
@@ -84,7 +85,10 @@ def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]],
             file=sys.stderr,
         )
         local_runs = args.runs_dir or config.run.runs_dir
-        return remote._follow(conns[0], launched.run.path, local_runs, getattr(args, "interval", 0.5), launched.run)
+        code = remote._follow(conns[0], launched.run.path, local_runs, getattr(args, "interval", 0.5), launched.run)
+        if (remote_status(conns[0], launched.run.path) or {}).get("state") in FINAL:  # not left training
+            wait_nodes_ended(launched.nodes, conns)
+        return code
     finally:
         for c in conns:
             c.close()

@@ -163,6 +163,7 @@ def launch(
     node_file = Path(tempfile.mkdtemp(prefix="multilane-node-")) / "run_dir"
     os.environ[NODE_FILE_ENV] = str(node_file)
     what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
+    rank_start.fork_server(start)  # the ranks' server: a fork of this process, before any thread starts
     watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
     try:
         entrypoint, args = rank_start.worker(start, argv)
@@ -186,6 +187,7 @@ def launch(
         raise UserError(message) from None
     finally:
         watchdog.cancel()
+        rank_start.end_server(start)  # nothing of this node is left once its launcher has ended
         shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
 

@@ -20,7 +20,6 @@ does by default. Measured in bench/rank_start.py; docs/design.md, "Ranks start f
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
 import os
@@ -34,10 +33,11 @@ from typing import Any
 
 import setproctitle
 from multilane.engine.distributed import NODE_FILE_ENV
-from multilane.engine.errors import UserError
+from multilane.engine.start.parent_death import die_with_parent
+from multilane.engine.start.server import end_server as server_end
+from multilane.engine.start.server import fork_server_here, start_way
 
 ENV = "MULTILANE_RANK_START"
-WAYS = ("forkserver", "exec")
 DEATHS = "deaths"  # in the node's folder (beside NODE_FILE_ENV's file): rank<N>.json, a rank killed by a signal
 
 PRELOAD = [
@@ -62,10 +62,7 @@ loads (each reads the environment when it runs), so a rank's own environment sti
 
 def way() -> str:
     """How this launcher starts its ranks: ``$MULTILANE_RANK_START``, forkserver unless it says exec."""
-    chosen = os.environ.get(ENV, "").strip().lower() or WAYS[0]
-    if chosen not in WAYS:
-        raise UserError(f"{ENV}={os.environ[ENV]!r}: expected forkserver (the default) or exec")
-    return chosen
+    return start_way(ENV)
 
 
 def start_method(chosen: str) -> str:
@@ -75,6 +72,20 @@ def start_method(chosen: str) -> str:
         # environment then, which holds everything the launcher sets for its ranks.
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     return "forkserver" if chosen == "forkserver" else "spawn"
+
+
+def fork_server(chosen: str) -> None:
+    """With the forkserver way, start the server now as a fork of this launcher, which has imported what
+    it would import (``server.fork_server_here``): call it once the ranks' environment is set and before
+    any thread starts (the rendezvous)."""
+    if chosen == "forkserver":
+        fork_server_here(PRELOAD, f"multilane rank server (launcher {os.getpid()})")
+
+
+def end_server(chosen: str) -> None:
+    """After the ranks: the ranks' server ends before this launcher does (``server.end_server``)."""
+    if chosen == "forkserver":
+        server_end()
 
 
 def worker(chosen: str, argv: list[str]) -> tuple[Callable[..., Any] | str, tuple[Any, ...]]:
@@ -87,11 +98,6 @@ def worker(chosen: str, argv: list[str]) -> tuple[Callable[..., Any] | str, tupl
 def title(env: Any) -> str:
     """``multilane rank 1/2``: the start of a forked rank's process title (its global rank of all)."""
     return f"multilane rank {env.get('RANK', '?')}/{env.get('WORLD_SIZE', '?')}"
-
-
-def _die_with_parent(sig: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
 def supervise_rank(argv: list[str], launcher: int) -> None:
@@ -148,7 +154,7 @@ def _run_rank(argv: list[str]) -> None:
     code = 1
     try:
         parent = os.getppid()
-        _die_with_parent(signal.SIGKILL)
+        die_with_parent(signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(1)
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -192,6 +192,21 @@ def stop_nodes(nodes: list[Node]) -> None:
             n.conn.run(f"kill -TERM -- {pg} 2>/dev/null; sleep 1; kill -KILL -- {pg} 2>/dev/null; true", login=False)
 
 
+def wait_nodes_ended(nodes: list[RemoteRun], conns: list[Connection], timeout_s: float = 30.0) -> None:
+    """After the run has ended: wait, up to ``timeout_s`` on each host, until each node's launcher session
+    is gone there (setsid: its pid is its process group), so that nothing of the run is left on any
+    host when ``train --host A --host B`` returns. The run's own record was the news already: a host
+    that does not answer, or a session still ending after the wait, changes nothing of it."""
+    rounds = max(1, int(timeout_s / 0.1))
+    for n, conn in zip(nodes, conns, strict=False):
+        if n.pid is None:
+            continue
+        pg = shlex.quote(f"-{int(n.pid)}")
+        wait = f"i=0; while kill -0 -- {pg} 2>/dev/null; do [ $i -ge {rounds} ] && exit 0; i=$((i+1)); sleep 0.1; done"
+        with contextlib.suppress(RemoteError):
+            conn.run(wait, login=False, timeout_s=timeout_s + 15)
+
+
 def remove_unused_folder(conn: Connection, folder: str) -> None:
     """Host 0's run folder, made for a run that never started (no metrics): it would say a run is coming."""
     q = shlex.quote(folder)

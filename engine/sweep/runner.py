@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multilane.engine.errors import UserError
+from multilane.engine.start.server import start_way
 from multilane.engine.sweep.optuna_lib import optuna
 from multilane.engine.sweep.study import Sweep
-from multilane.engine.sweep.trial_run import TrialProcess, run_trial, trial_config
+from multilane.engine.sweep.trial_run import TRIAL_START_ENV, TrialProcess, run_trial, trial_config
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SweepRunner:
 
     # -- control --------------------------------------------------------------------------------------
     def start(self) -> None:
+        start_way(TRIAL_START_ENV)  # a wrong MULTILANE_TRIAL_START is one line before any trial starts
         with self._lock:
             self.sweep.recover_lost()
         for i, devices in enumerate(self.slots):

@@ -5,15 +5,15 @@ path (finished, stopped, exited after a second Ctrl+C, kill -9), the kernel clos
 then gives the trial's group the grace to end and SIGKILLs whatever of it is left, which also ends a step
 hung in C code that no signal handler reaches.
 
-The trial itself gets SIGTERM from the kernel when the sweep dies (``PR_SET_PDEATHSIG``): a stop with a
-checkpoint once its step returns (the guard sends no second SIGTERM: that would abort it). Alone, that
+The trial itself gets SIGTERM when the sweep dies (a trial forked from the sweep's pre-imported server
+watches the sweep's pidfd; one started with ``MULTILANE_TRIAL_START=exec`` has the kernel's
+``PR_SET_PDEATHSIG``): a stop with a checkpoint once its step returns (the guard sends no second SIGTERM: that would abort it). Alone, that
 signal could not end a hung step: its handler only sets a flag the step never reaches."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 
@@ -90,15 +90,3 @@ def signal_group(pgid: int, sig: int) -> None:
     """``sig`` to a trial's whole process group (gone already: nothing to do)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the thread that started it dies (Linux; elsewhere the
-    guard alone stops the trial)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

@@ -24,11 +24,14 @@ from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.rundir.control_file import write_control
 from multilane.engine.rundir.follow import TERMINAL_STATES, MetricsTail
 from multilane.engine.rundir.runlog import CONFIG, STATUS
-from multilane.engine.sweep.trial_guard import TrialGuard, die_with_parent, grace_s, signal_group
+from multilane.engine.start.parent_death import sigterm_with_parent
+from multilane.engine.start.server import start_cli, start_way
+from multilane.engine.sweep.trial_guard import TrialGuard, grace_s, signal_group
 
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 CONSOLE = "console.log"
 POLL_S = 0.25
+TRIAL_START_ENV = "MULTILANE_TRIAL_START"  # forkserver (the default) or exec: how trials start
 REQUEST = "sweep_request.json"  # "prune" or "stop" asked from outside (the app's trials table)
 
 
@@ -91,16 +94,29 @@ class TrialProcess:
         env = {**os.environ, RUN_DIR_ENV: str(run_dir)}
         if threads:  # CPU slots share the cores instead of each taking them all
             env["OMP_NUM_THREADS"] = str(threads)
+        argv = [*TRAIN, "--config", str(run_dir / CONFIG)]
         with open(run_dir / CONSOLE, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*TRAIN, "--config", str(run_dir / CONFIG)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=die_with_parent,
-                start_new_session=True,  # its own group: the sweep (and its guard) stop all of it
-            )
+            if start_way(TRIAL_START_ENV) == "forkserver":
+                with open(os.devnull, "rb") as null:
+                    self.proc: Any = start_cli(
+                        argv,
+                        stdin=null.fileno(),
+                        stdout=log.fileno(),
+                        stderr=log.fileno(),
+                        env=env,
+                        new_session=True,  # its own group: the sweep (and its guard) stop all of it
+                        signal_when_i_end=signal.SIGTERM,  # a stop with a checkpoint when the sweep dies
+                    )
+            else:
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=sigterm_with_parent,
+                    start_new_session=True,
+                )
         try:
             self.guard = TrialGuard(self.proc.pid)
         except BaseException:  # no guard, no trial: it is never left running unguarded

@@ -1,0 +1,2 @@
+"""Starting multilane's own processes (sweep trials, ddp ranks) forked from a server that has imported
+torch, instead of as fresh interpreters that each import it again."""
