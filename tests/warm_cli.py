@@ -1,7 +1,8 @@
 """The suite's ``multilane`` subprocesses, forked from a server that has imported torch (issue 30).
 
-Every ``python -m multilane.engine.cli ...`` a test (or the app under test, in the test's process)
-starts with ``subprocess`` would pay for Python's start, ``import torch`` and ``torch._dynamo`` (the
+Every ``python -m multilane.engine.cli ...`` (and ``python SCRIPT.py`` of tests/ and bench/: the
+Lightning and Transformers scripts, gpu_check's per-check children) a test (or the app under test, in the
+test's process) starts with ``subprocess`` would pay for Python's start, ``import torch`` and ``torch._dynamo`` (the
 first optimizer loads it) and pydantic: 2.5 to 5 s of CPU on the 2-core machine, hundreds of times a
 run, where the run itself often trains for a fraction of a second. ``WarmPopen`` starts those commands
 as a fork of a ``multiprocessing`` forkserver that imported these modules once per pytest worker:
@@ -31,6 +32,7 @@ from multilane.engine.start import server
 from multilane.engine.start.cli_child import CLI_MODULE
 
 _cold = threading.local()
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def set_cold(cold: bool) -> None:
@@ -53,6 +55,10 @@ def _module_argv(args: Any, executable: Any, kw: dict[str, Any]) -> list[str] | 
         return args
     if args and args[0] == os.path.join(os.path.dirname(sys.executable), "multilane"):
         return args
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py"):  # the repo's own scripts
+        script = os.path.realpath(args[1])
+        if any(script.startswith(os.path.join(ROOT, d, "")) for d in ("tests", "bench")):
+            return args
     return None
 
 

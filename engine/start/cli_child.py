@@ -1,5 +1,5 @@
-"""What runs in a process forked from the server: ``python -m multilane.engine.cli ARGV`` as a fresh
-interpreter would run it, with the standard streams, working folder and environment it was given.
+"""What runs in a process forked from the server: ``python -m multilane.engine.cli ARGV`` (or the
+``multilane`` script, or ``python SCRIPT.py ARGV``) as a fresh interpreter would run it, with the standard streams, working folder and environment it was given.
 
 The same exit status (``SystemExit``'s code, 1 and a traceback for an uncaught exception, death by SIGINT
 for an uncaught ``KeyboardInterrupt``), non-daemon threads joined and ``atexit`` run before it ends,
@@ -94,11 +94,21 @@ def run_cli(
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if parent is not None:
         signal_when_gone(parent.detach(), parent_signal)
-    sys.argv = ["-m", *argv[3:]] if argv[1:3] == ["-m", CLI_MODULE] else list(argv)
+    script = argv[1] if len(argv) > 1 and argv[1].endswith(".py") else None
+    if argv[1:3] == ["-m", CLI_MODULE]:
+        sys.argv = ["-m", *argv[3:]]
+    elif script:  # python SCRIPT ARGS: the script's folder first on the path, as Python puts it
+        sys.argv = argv[1:]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+    else:  # the ``multilane`` console script
+        sys.argv = list(argv)
     code: Any = 0
     interrupted = False
     try:
-        runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except KeyboardInterrupt:
