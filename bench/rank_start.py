@@ -32,20 +32,25 @@ def busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(ranks: int, way: str, steps: int, task: str, runs: str) -> tuple[float, float]:
-    """(wall seconds, CPU seconds the machine spent) of one ddp run."""
-    devices = ",".join(f"cpu:{i}" for i in range(ranks))
-    args = [*CLI, "train", "--strategy", "ddp", "--devices", devices, "--task", task, "--steps", str(steps)]
-    args += ["--runs-dir", runs, "--set", "train.eval_every=0", "--set", "train.log_every=1"]
-    env = {**os.environ, "MULTILANE_RANK_START": way, "MULTILANE_FIT_CHECK": "0"}
+def measured(args: list[str], env: dict[str, str], what: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds the machine spent) of one command; a failure ends the bench."""
     before = busy_seconds()
     t0 = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     cpu = busy_seconds() - before
     if r.returncode != 0:
-        sys.exit(f"failed ({way}, {ranks} ranks): {r.stderr[-2000:]}")
+        sys.exit(f"failed ({what}): {r.stderr[-2000:]}")
     return wall, cpu
+
+
+def one_run(ranks: int, way: str, steps: int, task: str, runs: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds the machine spent) of one ddp run."""
+    devices = ",".join(f"cpu:{i}" for i in range(ranks))
+    args = [*CLI, "train", "--strategy", "ddp", "--devices", devices, "--task", task, "--steps", str(steps)]
+    args += ["--runs-dir", runs, "--set", "train.eval_every=0", "--set", "train.log_every=1"]
+    env = {**os.environ, "MULTILANE_RANK_START": way, "MULTILANE_FIT_CHECK": "0"}
+    return measured(args, env, f"{way}, {ranks} ranks")
 
 
 def main() -> None:

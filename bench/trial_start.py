@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-from rank_start import busy_seconds
+from rank_start import measured
 
 CLI = [sys.executable, "-m", "multilane.engine.cli"]
 
@@ -32,14 +30,7 @@ def one_sweep(way: str, trials: int, steps: int, task: str, folder: str) -> tupl
     args += ["--sampler", "grid", "--pruner", "none", "--no-table", "--param", f"optim.lr=choice:{lrs}"]
     args += ["--set", "train.eval_every=0", "--set", "train.log_every=1", "--sweeps-dir", folder]
     env = {**os.environ, "MULTILANE_TRIAL_START": way, "MULTILANE_FIT_CHECK": "0"}
-    before = busy_seconds()
-    t0 = time.perf_counter()
-    r = subprocess.run(args, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    cpu = busy_seconds() - before
-    if r.returncode != 0:
-        sys.exit(f"failed ({way}): {r.stderr[-2000:]}")
-    return wall, cpu
+    return measured(args, env, way)
 
 
 def main() -> None:
@@ -51,8 +42,8 @@ def main() -> None:
     a = ap.parse_args()
     results: dict[str, list[tuple[float, float]]] = {"exec": [], "forkserver": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            for way in ("exec", "forkserver") if r % 2 == 0 else ("forkserver", "exec"):
+        for r in range(a.rounds):  # alternating order: a load that changes lands on both
+            for way in ("exec", "forkserver")[:: 1 if r % 2 == 0 else -1]:
                 results[way].append(one_sweep(way, a.trials, a.steps, a.task, os.path.join(tmp, f"{way}{r}")))
     wall = {w: statistics.median(x[0] for x in v) for w, v in results.items()}
     cpu = {w: statistics.median(x[1] for x in v) for w, v in results.items()}
