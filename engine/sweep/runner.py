@@ -85,10 +85,10 @@ class SweepRunner:
         while not self._stop.is_set():
             try:
                 with self._lock:
-                    c = self.sweep.counts()
-                    if c["done"] + c["running"] >= self.target:
+                    asked = self.sweep.ask(self.worker, self.target)  # None: the target is reached
+                    if asked is None:
                         return
-                    trial, params = self.sweep.ask(self.worker)
+                    trial, params = asked
                     try:
                         proc = self._begin(trial, params, devices)
                     except Exception as e:  # the trial never ran: not left "running", its params re-queued

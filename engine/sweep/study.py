@@ -144,10 +144,17 @@ class Sweep:
         return cls(path, spec, study, storage_url)
 
     # -- asking ---------------------------------------------------------------------------------------
-    def ask(self, worker: str | None = None) -> tuple[Any, dict[str, Any]]:
+    def ask(self, worker: str | None = None, target: int | None = None) -> tuple[Any, dict[str, Any]] | None:
         """A new trial for this process to run: asked of the study, who runs it recorded, its parameters
-        suggested (by a sampler seeded from the study's seed and the trial's number)."""
+        suggested (by a sampler seeded from the study's seed and the trial's number). With ``target``:
+        None once the study's trials done and running reach it, counted under the same lock as the ask,
+        so that two workers of one machine never both take the last trial (workers on other machines
+        count through the storage alone: each may start one more than the target asks)."""
         with asking():  # recover_lost never sees the trial between the ask and who runs it
+            if target is not None:
+                c = self.counts()
+                if c["done"] + c["running"] >= target:
+                    return None
             trial = self.study.ask()
             for k, v in worker_identity(worker).items():
                 trial.set_user_attr(k, v)

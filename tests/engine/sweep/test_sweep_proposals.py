@@ -99,3 +99,33 @@ def test_three_worker_processes_without_a_seed_propose_distinct_parameters(tmp_p
     got = _ask_in_workers(_sweep(tmp_path).folder, 3, 3)
     assert sorted(got) == list(range(9))
     assert len({tuple(p.values()) for p in got.values()}) == 9
+
+
+TAKER = """
+import json, sys
+from multilane.engine.sweep.study import Sweep
+sweep = Sweep.open(sys.argv[1])
+sys.stdin.readline()  # every worker starts asking at the same moment
+taken = []
+while (asked := sweep.ask(target=int(sys.argv[2]))) is not None:
+    taken.append(asked[0].number)  # left running, as a trial that trains: it counts toward the target
+print(json.dumps(taken))
+"""
+
+
+def test_workers_of_one_machine_asking_at_once_never_take_more_trials_than_the_target(tmp_path):
+    # The count and the ask happen under one lock of this machine: four worker processes that start at
+    # the same moment take exactly the target between them (the count read outside the lock let two
+    # workers both take the last trial: a PostgreSQL sweep with a worker ran 4 trials of 3).
+    folder = _sweep(tmp_path).folder
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TAKER, str(folder), "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    taken = [n for p in procs for n in json.loads(p.communicate(timeout=120)[0])]
+    assert sorted(taken) == list(range(5))
