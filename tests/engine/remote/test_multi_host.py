@@ -67,10 +67,15 @@ def processes_of(rdzv_id: str) -> list[psutil.Process]:
     return out
 
 
-def node_launchers() -> list[psutil.Process]:
-    """Every ``--node-rank`` launcher on the machine (this module's tests share one xdist group with the
-    other tests that start them)."""
-    return [q for q in psutil.process_iter(["cmdline"]) if "--node-rank" in " ".join(q.info["cmdline"] or [])]
+def node_launchers(since: float = 0.0) -> list[psutil.Process]:
+    """Every ``--node-rank`` launcher (and rank) on the machine started at ``since`` or later: this test's
+    own (this module's tests share one xdist group with the other tests that start them; one test's
+    launchers may still be ending, after its run has, when the next test begins)."""
+    out = []
+    for q in psutil.process_iter(["cmdline", "create_time"]):
+        if "--node-rank" in " ".join(q.info["cmdline"] or []) and (q.info["create_time"] or 0) >= since:
+            out.append(q)
+    return out
 
 
 def wait_gone(alive, seconds: float) -> list[psutil.Process]:
@@ -163,12 +168,13 @@ def test_ctrl_c_stops_every_node_through_the_control_file_on_the_first_host(sshd
 def test_a_second_host_that_does_not_answer_is_one_line_and_nothing_starts(sshd, two_hosts, tmp_path):
     a, b = two_hosts
     before = run_folders(a)
+    started = time.time() - 1.0  # create_time has a tick's resolution
     p = cli(sshd.env(), *across(a, b, tmp_path / "local", "deadhost=cpu:0"), *SMALL, timeout=120)
     assert p.returncode == 2
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("multilane: error: deadhost") and "cannot connect" in line, line
     assert run_folders(a) == before and not (tmp_path / "local").exists()
-    assert wait_gone(node_launchers, 20) == []
+    assert wait_gone(lambda: node_launchers(started), 20) == []
 
 
 @pytest.mark.slow
@@ -217,12 +223,13 @@ def test_a_launcher_that_cannot_start_on_the_second_host_kills_the_first_and_rem
     b.mkdir()
     (b / ".multilane-nodes").write_text("a file where host b's node folders would go")
     before = run_folders(a)
+    started = time.time() - 1.0
     p = cli(sshd.env(), *across(a, b, tmp_path / "local"), *LONG, timeout=120)
     assert p.returncode == 2, p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("multilane: error: hostb: cannot make") and ".multilane-nodes" in line, line
     assert run_folders(a) == before  # the first host's folder, made for a run that never began, is gone
-    assert wait_gone(node_launchers, 20) == []
+    assert wait_gone(lambda: node_launchers(started), 20) == []
 
 
 def test_a_first_host_known_by_a_loopback_name_is_refused_as_the_rendezvous_of_other_machines(sshd, ssh_home):
