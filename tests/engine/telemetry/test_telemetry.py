@@ -342,7 +342,7 @@ def test_busy_is_measured_on_one_lane_as_on_several(devices, make_config):
         task__name="mlp",
         task__params={"samples": 4096, "width": 256},
         devices__use=devices,
-        train__steps=60,
+        train__steps=150,  # over a second of training (60 steps took 0.2 s at times: no record fell within it)
         telemetry__rate_hz=20,
         telemetry__record_s=0.2,
         train__log_every=10,
