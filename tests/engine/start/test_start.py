@@ -141,6 +141,7 @@ if forked:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["quiet", "thread"])
 def test_a_launchers_server_is_forked_from_it_only_without_threads_and_ends_with_it(tmp_path, mode):
     script = tmp_path / "launcher.py"
