@@ -30,6 +30,16 @@ def load_journal(folder: Path):
     return optuna.load_study(study_name=None, storage=storage)
 
 
+def study_names(url: str) -> list[str]:
+    """The studies in a database a sweep may be making its tables in at this moment: opened through the
+    product's storage, which waits out that race, where plain ``optuna.get_all_study_names(url)`` would
+    make the same tables and lose it (a duplicate-key error)."""
+    import optuna
+    from multilane.engine.sweep.optuna_lib import rdb_storage
+
+    return optuna.get_all_study_names(rdb_storage(url))
+
+
 def last_step(run_dir: Path) -> int:
     steps = [json.loads(line).get("step", 0) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return max(steps)

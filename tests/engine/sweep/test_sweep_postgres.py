@@ -7,7 +7,7 @@ import time
 import pytest
 from helpers import CLI
 from postgres import pg_bin, postgres_server
-from sweep_helpers import TINY
+from sweep_helpers import TINY, study_names
 
 pytestmark = [
     pytest.mark.timeout(1800),
@@ -26,7 +26,7 @@ def test_two_workers_in_separate_processes_share_one_study_in_postgresql(tmp_pat
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         end = time.monotonic() + 600
-        while "pg" not in optuna.get_all_study_names(url):
+        while "pg" not in study_names(url):
             assert time.monotonic() < end and first.poll() is None, first.communicate()
             time.sleep(0.5)
         second = subprocess.run(

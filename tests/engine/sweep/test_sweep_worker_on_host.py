@@ -16,7 +16,7 @@ import pytest
 from helpers import CLI
 from postgres import pg_bin, postgres_server
 from sshd_server import MULTILANE
-from sweep_helpers import TINY
+from sweep_helpers import TINY, study_names
 
 pytestmark = [
     pytest.mark.timeout(1800),
@@ -66,7 +66,7 @@ def test_a_worker_started_over_ssh_and_a_local_sweep_share_one_study_and_no_pass
         )  # fmt: skip
         local.stdin.write(url + "\n")
         local.stdin.close()
-        wait_for(lambda: "shared" in optuna.get_all_study_names(url) or local.poll() is not None, 600, "the study")
+        wait_for(lambda: "shared" in study_names(url) or local.poll() is not None, 600, "the study")
         assert local.poll() is None, local.communicate()
         r = subprocess.run(
             [*CLI, "sweep-worker", "--host", "testhost", "--remote-command", MULTILANE, "--storage", url,
