@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from multilane.engine.errors import UserError
 from multilane.engine.telemetry.driver import bounded, driver_problem
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_CPU_LANES = 64
+# The device nodes without which no process of this machine can reach a GPU: NVIDIA's (/dev/nvidia0...),
+# ROCm's (/dev/kfd, which torch.cuda serves on a ROCm build) and WSL2's (/dev/dxg).
+GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
 
@@ -32,6 +39,8 @@ class Device:
 
     def torch_device(self) -> torch.device:
         """Where this lane's tensors live (every CPU lane lives in the one CPU memory)."""
+        import torch
+
         return torch.device("cuda", self.index) if self.is_cuda else torch.device("cpu")
 
     def __str__(self) -> str:
@@ -39,6 +48,10 @@ class Device:
 
 
 def _cuda_count() -> int:
+    if sys.platform == "linux" and not any(glob.glob(pattern) for pattern in GPU_NODES):
+        return 0  # no GPU's device node: torch.cuda would say 0 too, after ~2 CPU-seconds of ``import torch``
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -51,6 +64,8 @@ def cuda_count() -> int:
 def cuda_properties(i: int) -> Any:
     """torch's properties of ``cuda:i``, bounded in time; ``UserError`` in one line when CUDA lists the
     GPU but cannot read them (a GPU fallen off the bus, a driver and CUDA that disagree)."""
+    import torch
+
     try:
         return bounded(torch.cuda.get_device_properties, i, what="the NVIDIA driver (CUDA)")
     except UserError:

@@ -1,8 +1,10 @@
 """The ``multilane`` command, run as a real subprocess."""
 
+import glob
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +88,21 @@ def test_devices_lists_cpu_lanes_as_json():
     assert r.returncode == 0
     devices = json.loads(r.stdout)
     assert devices[-1]["kind"] == "cpu" and devices[-1]["cores"] >= 1
+
+
+@pytest.mark.cold_start
+@pytest.mark.skipif(
+    any(glob.glob(p) for p in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")), reason="a GPU's device node is here"
+)
+def test_devices_on_a_machine_without_a_gpu_node_lists_the_cpu_without_importing_torch():
+    # An SSH host's `devices --json` (the app's host picker, every remote run's start): no GPU can be
+    # reached without a device node, so torch's 2 CPU-seconds of import are not paid to learn that.
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", *CLI[1:], "devices", "--json"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and [row["kind"] for row in json.loads(r.stdout)] == ["cpu"], r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "multilane.engine.telemetry.devices" in imported and "torch" not in imported
 
 
 @pytest.mark.slow
