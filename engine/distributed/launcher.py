@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -160,7 +159,7 @@ def launch(
         start_method=rank_start.start_method(start),  # forked from a process that has imported torch
     )
     # The ranks tell this launcher the run folder (several nodes: rank 0 makes it) through this file.
-    node_file = Path(tempfile.mkdtemp(prefix="multilane-node-")) / "run_dir"
+    node_file = rank_start.node_folder() / "run_dir"
     os.environ[NODE_FILE_ENV] = str(node_file)
     what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
     rank_start.fork_server(start)  # the ranks' server: a fork of this process, before any thread starts

@@ -20,12 +20,16 @@ does by default. Measured in bench/rank_start.py; docs/design.md, "Ranks start f
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,3 +213,41 @@ def deaths(node_dir: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out
+
+
+NODE_PREFIX = "multilane-node-"
+HELD = ".held"
+
+
+def node_folder() -> Path:
+    """A new folder of this launcher's node (the ranks' notes to it: the run folder, their deaths), held
+    by an ``flock`` on its ``.held`` for as long as this process (and what it forks: the ranks' server)
+    lives. The launcher removes its folder as it ends; a launcher killed with SIGKILL cannot, so folders
+    of this user whose lock is free (their launcher and its ranks all gone) are removed here first."""
+    tmp = Path(tempfile.gettempdir())
+    for stale in tmp.glob(f"{NODE_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if stale.is_dir() and not stale.is_symlink() and stale.stat().st_uid == os.getuid():
+                _remove_if_unheld(stale)
+    folder = Path(tempfile.mkdtemp(prefix=NODE_PREFIX))
+    fd = os.open(folder / HELD, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept open (not inheritable across exec) until exit
+    return folder
+
+
+def _remove_if_unheld(folder: Path) -> None:
+    if time.time() - folder.stat().st_mtime < 60:  # one being made this minute: its lock may come next
+        return
+    try:
+        fd = os.open(folder / HELD, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:  # a folder of a launcher from before the lock: gone once a day old
+        if time.time() - folder.stat().st_mtime > 86400:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # held: a live launcher's (or its ranks')
+    finally:
+        os.close(fd)
+    shutil.rmtree(folder, ignore_errors=True)
