@@ -241,7 +241,7 @@ class Trainer:
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
         self.window.resume()  # the window's clock runs from here (also a window a checkpoint restored)
         memory = getattr(self, "memory", None) or _NO_METER
-        memory.start(self.total_steps, self.step)
+        memory.start(self.total_steps, self.step, log_every)
         while self.step < self.total_steps:
             self._sync_control()
             self.control.wait_while_held()

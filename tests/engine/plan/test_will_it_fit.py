@@ -70,7 +70,7 @@ def _config(tmp_path, task: str, batch: int, strategy: str = "replicate", **extr
             "task": {"name": task, "params": extra.pop("params", {})},
             "devices": {"use": "cpu:0,cpu:1", "strategy": strategy},
             "data": {"batch_size": batch},
-            "train": {"steps": 3, "log_every": 1, "eval_every": 0, **extra},
+            "train": {"steps": 3, "log_every": 1, "eval_every": 0} | extra,
             "telemetry": {"enabled": False},
             "run": {"runs_dir": str(tmp_path / "runs")},
         }
@@ -79,12 +79,16 @@ def _config(tmp_path, task: str, batch: int, strategy: str = "replicate", **extr
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("task", "batch", "strategy"),
-    [("digits", 192, "replicate"), ("tagger", 96, "persistent"), ("mlp", 512, "replicate")],
-)
-def test_the_forecast_is_within_10_percent_of_the_measured_peak_of_the_run(tmp_path, task, batch, strategy):
+    ("task", "batch", "strategy", "log_every"),
+    # log_every 10 (the default): the NaN replay's copy of the optimizer state exists from the second
+    # log window on; a run measured before it read 11 % under its true peak (digits, batch 64)
+    [("digits", 192, "replicate", 1), ("tagger", 96, "persistent", 1), ("mlp", 512, "replicate", 1),
+     ("digits", 64, "replicate", 10)],
+)  # fmt: skip
+def test_the_forecast_is_within_10_percent_of_the_measured_peak_of_the_run(tmp_path, task, batch, strategy, log_every):
     made = Tagger() if task == "tagger" else None
-    config = _config(tmp_path, task, batch, strategy)
+    steps = {"steps": 3} if log_every == 1 else {"steps": log_every + 4, "log_every": log_every}
+    config = _config(tmp_path, task, batch, strategy, **steps)
     trainer = Trainer(config, task=made)
     result = trainer.run()
     assert result.status == "finished", result.message
