@@ -87,6 +87,10 @@ class RankLoader:
     def epoch_fraction(self, m: int) -> float | None:
         return self.base.epoch_fraction(m)
 
+    def sample_indices(self, m: int) -> list[int] | None:
+        """The task's indices of the whole micro-batch ``m`` (every rank's shard), where the loader knows them."""
+        return self.base.sample_indices(m) if hasattr(self.base, "sample_indices") else None
+
     def start(self, m0: int, stop: int) -> None:
         self._m = m0
         if isinstance(self.base, DatasetLoader):

@@ -138,7 +138,8 @@ class DdpTrainer(Trainer):
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
         self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce)
-        self.run_health = RunHealth(replay=False)  # a replay would need every rank: not under ddp
+        # A NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
         # This process's first step finds out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
         self._build_ddp(find_unused=False)

@@ -312,7 +312,7 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
             t.step = step
             rec = t.window.record(step=step)
             loss = rec["loss"] if rec else math.nan
-            origin = _origin(t, step, tracer, rec, accum, kept.step)
+            origin = origin_of(t, step, tracer, rec, accum, kept.step, t.backend.lane_names)
             if origin is not None:
                 origin.loss = loss if not math.isfinite(loss) else None
                 return origin
@@ -323,8 +323,11 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         restore(t, now)
 
 
-def _origin(t: Trainer, step: int, tracer: Tracer, rec: dict[str, Any] | None, accum: int, k0: int) -> Origin | None:
-    names = t.backend.lane_names
+def origin_of(
+    t: Any, step: int, tracer: Any, rec: dict[str, Any] | None, accum: int, k0: int, names: list[str]
+) -> Origin | None:
+    """The origin a replayed step shows, from its findings per lane (``tracer``: ``inputs``, ``outputs``,
+    ``grads``; under ddp a rank is a lane) and its record, or None when every value stayed finite."""
     bad_lanes = [k for k, v in (rec or {}).get("device_loss", {}).items() if not math.isfinite(v)]
     first_in, first_out, first_grad = _first(tracer.inputs), _first(tracer.outputs), _first(tracer.grads)
     grad = (first_grad.where, names[first_grad.lane]) if first_grad is not None else None

@@ -32,8 +32,16 @@ def strategy_replicas(strategy: Any, lanes: int) -> list[Any] | None:
 
 
 class RunHealth:
-    def __init__(self, replay: bool) -> None:
-        self.keeper = StepKeeper() if replay else None
+    def __init__(self, replay: bool, ranks: bool = False) -> None:
+        """``replay``: keep each log window's start for a NaN replay; ``ranks``: a ddp rank's (rank_replay.py)."""
+        if ranks:
+            from multilane.engine.health.rank_replay import RankKeeper, find_rank_origin
+
+            self.keeper: StepKeeper | None = RankKeeper() if replay else None
+            self._find: Any = find_rank_origin
+        else:
+            self.keeper = StepKeeper() if replay else None
+            self._find = find_origin
 
     def window_start(self, t: Trainer) -> None:
         """Before a log window's first step: keep the state a replay starts from."""
@@ -56,7 +64,7 @@ class RunHealth:
         if kept is None:
             return message
         try:
-            origin = find_origin(t, kept, t.step)
+            origin = self._find(t, kept, t.step)
         except Exception as e:  # the replay is a diagnosis: its failure must not hide the run's
             t._event("warning", message=f"could not replay the steps to find where the NaN began: {e}")
             return message

@@ -155,9 +155,10 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
         with counting, group:
             step = _Stepper(config, task, backend, ddp, count, pools)
             step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
-            # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py), held
-            # on the model's device for the whole run when it is on: made here too, so every peak holds it.
-            replay_copy = _replay_copy(step) if not ddp and config.health.enabled and config.health.nan_replay else None
+            # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
+            # ddp each rank's, rank_replay.py), held on the model's device for the whole run when it is
+            # on: made here too, so every peak holds it.
+            replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
             for b in batches:
                 if len(points) >= 2 and _beyond(points, b, pools, shares, free):
                     break  # the next batch would not fit (or nearly): the line so far says so, without trying

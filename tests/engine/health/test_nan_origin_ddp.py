@@ -1,0 +1,74 @@
+"""Where a NaN began, under ddp (issue 32 item 3): every rank replays the log window together, each its
+own shard, and the run names the same step, module (or the data), samples and gradient as the
+single-process engine on as many lanes names for the same run — the rank that held the sample in place
+of the lane. Real ddp launches (Gloo, one process per rank), compared with the in-process engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import CLI, TASK_FILES
+from multilane.engine.config import build_config
+from multilane.engine.run.trainer import Trainer
+from multilane.engine.tasks import make_task
+
+pytestmark = pytest.mark.timeout(600)
+TASK = str(TASK_FILES / "nan_sources.py")
+
+
+def settings(tmp_path: Path, lanes: int, params: dict, name: str) -> dict:
+    return {
+        "task": {"name": TASK, "params": params},
+        "data": {"batch_size": 24, "val_fraction": 0.0},
+        "optim": {"name": "sgd", "lr": 0.01},
+        "train": {"steps": 10, "log_every": 10, "eval_every": 0},
+        "devices": {"use": ",".join(f"cpu:{i}" for i in range(lanes))},
+        "telemetry": {"enabled": False},
+        "run": {"runs_dir": str(tmp_path / name), "name": name},
+    }
+
+
+def lanes_run(tmp_path: Path, lanes: int, params: dict) -> tuple[str, dict]:
+    cfg = settings(tmp_path, lanes, params, "lanes")
+    result = Trainer(build_config(cfg), task=make_task(TASK, params)).run()
+    assert result.status == "stopped", result.message
+    return result.message, json.loads((result.run_dir / "nan_origin.json").read_text())
+
+
+def ddp_run(tmp_path: Path, ranks: int, params: dict) -> tuple[str, dict, dict]:
+    cfg = settings(tmp_path, ranks, params, "ddp")
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([*CLI, "train", "--strategy", "ddp", "--config", str(path)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    (run,) = [p for p in (tmp_path / "ddp").iterdir() if (p / "status.json").is_file()]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "stopped", r.stderr[-3000:]
+    return status["message"], json.loads((run / "nan_origin.json").read_text()), status
+
+
+def as_lanes(text: str) -> str:
+    """A ddp rank's name (host/rank1/cpu:1) as the lane that took the same shard (cpu:1)."""
+    return re.sub(r"[^\s/]+/rank\d+/(cpu:\d+)", r"\1", text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ranks", "params"),
+    [(2, {"how": "zero_input", "bad": 61}), (3, {"how": "nan_data", "bad": 17})],
+    ids=["inf-from-one-sample-2-ranks", "nan-in-the-data-3-ranks"],
+)
+def test_ddp_names_the_origin_the_single_process_engine_names(tmp_path, ranks, params):
+    line, detail, status = ddp_run(tmp_path, ranks, params)
+    want_line, want = lanes_run(tmp_path, ranks, params)
+    assert as_lanes(line) == want_line and status["message"] == line
+    assert detail["step"] == want["step"] and detail["samples"] == want["samples"] == [params["bad"]]
+    assert detail["kind"] == want["kind"] == ("output" if params["how"] == "zero_input" else "input")
+    for part in ("inputs", "outputs", "gradients"):
+        assert {as_lanes(k): v for k, v in detail[part].items()} == want[part], part
+    held = as_lanes(next(iter(detail["outputs"] or detail["inputs"])))
+    assert f" on {held}" in as_lanes(line) and len(detail["device_loss"]) == ranks
