@@ -107,6 +107,9 @@ class RunSummary:
     series: dict[str, Series] = field(default_factory=dict)
     memory: list[str] = field(default_factory=list)
     """The forecast beside the measured peak, one line per memory (a ``memory`` event; engine/plan/)."""
+    split: list[str] = field(default_factory=list)
+    """Each device's memory at the last log: parameters, gradients, optimizer state, the rest (a train
+    record's ``memory``; engine/telemetry/memory_split.py): what fsdp's sharding saves, per device."""
 
     def value(self, name: str) -> Series:
         s = self.series.get(name)
@@ -143,6 +146,8 @@ def summarize_records(records: Iterable[dict[str, Any]], status: dict[str, Any] 
             continue
         if kind == "train":
             s.step = max(s.step, step)
+            if isinstance(rec.get("memory"), dict):
+                s.split = split_lines(rec["memory"]) or s.split
             s.value("loss").add(step, rec.get("loss"))
             sps, ms = rec.get("samples_per_s"), rec.get("step_ms")
             n = step - prev_step
@@ -187,6 +192,22 @@ def memory_lines(peaks: Any) -> list[str]:
             continue
         out.append(f"memory peak {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({(f - m) / m:+.1%})")
     return out
+
+
+def split_lines(memory: Any) -> list[str]:
+    """ "memory cpu:0: params 1.2 MiB · grads 1.2 MiB · optimizer 2.4 MiB" per device of a train record's
+    ``memory`` (the CLI summary's words; read from disk: a device whose parts are not byte counts is left out)."""
+    from multilane.engine.telemetry.memory_split import KINDS, summary_lines
+
+    def count(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
+
+    good = {
+        str(name)[:60]: m
+        for name, m in memory.items()
+        if isinstance(m, dict) and all(count(m.get(k)) for k in KINDS) and (m.get("rest") is None or count(m["rest"]))
+    }
+    return [line.strip() for line in summary_lines(good)]
 
 
 def _size(n: float) -> str:

@@ -41,7 +41,8 @@ def summary_html(s: RunSummary, name: str) -> str:
             f"<td align=right>&nbsp;{_num(series.best)}&nbsp;</td><td align=right>&nbsp;{series.best_step:,}</td></tr>"
         )
     table = f"<table cellspacing=0>{''.join(rows)}</table>" if len(rows) > 1 else ""
-    memory = "".join(f"<br>{html.escape(line)}" for line in s.memory)  # will it fit: forecast vs measured
+    # each device's split at the last log, then will it fit: the forecast beside the measured peak
+    memory = "".join(f"<br>{html.escape(line)}" for line in [*s.split, *s.memory])
     return head + table + memory
 
 

@@ -47,3 +47,32 @@ def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
     s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": peaks}])
     assert s.memory == ["memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
     assert "<br>memory peak cpu: 5.5 MiB measured" in summary_html(s, "run")
+
+
+def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbot, tmp_path):
+    """Issue 36 item 4: the window's summary splits each device's memory as the CLI's does (a real
+    persistent run on two lanes: lane 0 holds the optimizer state, lane 1 its replica's parameters)."""
+    from multilane.engine.run.trainer import Trainer
+    from multilane.engine.rundir.runlog import read_metrics
+    from multilane.engine.telemetry.memory_split import fmt_bytes
+    from multilane.gui.window.summary_view import SummaryView
+
+    cfg = build_config({"task": {"name": "mlp"}, "devices": {"use": "cpu:0,cpu:1", "strategy": "persistent"},
+                        "train": {"steps": 4, "log_every": 2, "eval_every": 0}, "telemetry": {"enabled": False},
+                        "run": {"runs_dir": str(tmp_path)}})  # fmt: skip
+    result = Trainer(cfg).run()
+    recorded = [r for r in read_metrics(result.run_dir) if r["kind"] == "train"][-1]["memory"]
+    view = SummaryView()
+    qtbot.addWidget(view)
+    assert view.show_run(result.run_dir)
+    shown = [line for line in view.text().splitlines() if line.startswith("memory cpu:")]
+    assert shown == [
+        f"memory {d}: params {fmt_bytes(m['params'])} · grads {fmt_bytes(m['grads'])} · optimizer {fmt_bytes(m['optimizer'])}"
+        for d, m in recorded.items()
+    ]
+    assert recorded["cpu:0"]["optimizer"] > 0 and recorded["cpu:1"]["optimizer"] == 0 < recorded["cpu:1"]["params"]
+    # Read from disk: a device whose parts are not byte counts is left out, never drawn as a number.
+    from multilane.gui.runs.run_summary import split_lines
+
+    junk = {"cpu:0": {"params": "x", "grads": 1, "optimizer": 1}, "cpu:1": [1], "cpu:2": dict(recorded["cpu:0"])}
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in split_lines(junk)] == ["memory cpu:2"]
