@@ -92,27 +92,33 @@ class StepKeeper:
         self.kept = snapshot(t, self.kept)
 
 
-def snapshot(t: Trainer, into: Kept | None = None) -> Kept:
-    random = getattr(t.strategy, "random", None)
+def snapshot(t: Any, into: Kept | None = None, lane_rng: Any = None) -> Kept:
+    """The trainer's state now; ``lane_rng``: the lanes' random streams (default: the strategy's)."""
+    if lane_rng is None:
+        random = getattr(t.strategy, "random", None)
+        lane_rng = random.state_dict() if random is not None else None
     return Kept(
         step=t.step,
         model=_copy_into(into.model if into else None, t.model.state_dict()),
         optimizer=_copy_into(into.optimizer if into else None, t.optimizer.state_dict()),
         scaler=t.scaler.state_dict() if t.scaler.is_enabled() else None,
         rng=torch.get_rng_state(),
-        lane_rng=_copy_into(into.lane_rng if into else None, random.state_dict()) if random is not None else None,
+        lane_rng=_copy_into(into.lane_rng if into else None, lane_rng) if lane_rng is not None else None,
     )
 
 
-def restore(t: Trainer, k: Kept) -> None:
+def restore(t: Any, k: Kept, set_lane_rng: Any = None) -> None:
+    """Put ``k`` back; ``set_lane_rng(state)`` puts the lanes' streams back (default: the strategy's)."""
     t.model.load_state_dict(k.model)
     t.optimizer.load_state_dict(_clone(k.optimizer))
     if k.scaler is not None:
         t.scaler.load_state_dict(k.scaler)
     torch.set_rng_state(k.rng)
-    random = getattr(t.strategy, "random", None)
-    if random is not None and k.lane_rng is not None:
-        random.load_state_dict(_clone(k.lane_rng))
+    if set_lane_rng is None:
+        random = getattr(t.strategy, "random", None)
+        set_lane_rng = random.load_state_dict if random is not None else None
+    if set_lane_rng is not None and k.lane_rng is not None:
+        set_lane_rng(_clone(k.lane_rng))
     t.step = k.step
 
 

@@ -25,9 +25,9 @@ from multilane.engine.health.nan_origin import (
     Origin,
     StepKeeper,
     Tracer,
-    _clone,
-    _copy_into,
     origin_of,
+    restore,
+    snapshot,
 )
 from multilane.engine.parallel.replicas.lane_rng import _generators
 
@@ -35,27 +35,21 @@ if TYPE_CHECKING:
     from multilane.engine.distributed.trainer import DdpTrainer
 
 
+def _streams(t: DdpTrainer) -> list[torch.Generator]:
+    return _generators(t.info.device.torch_device())
+
+
 def rank_snapshot(t: DdpTrainer, into: Kept | None = None) -> Kept:
-    """This rank's state before a log window (no collective)."""
-    return Kept(
-        step=t.step,
-        model=_copy_into(into.model if into else None, t.model.state_dict()),
-        optimizer=_copy_into(into.optimizer if into else None, t.optimizer.state_dict()),
-        scaler=t.scaler.state_dict() if t.scaler.is_enabled() else None,
-        rng=torch.get_rng_state(),
-        lane_rng=[g.get_state() for g in _generators(t.info.device.torch_device())],
-    )
+    """This rank's state before a log window: its own random streams (no collective)."""
+    return snapshot(t, into, lane_rng=[g.get_state() for g in _streams(t)])
 
 
 def rank_restore(t: DdpTrainer, k: Kept) -> None:
-    t.model.load_state_dict(k.model)
-    t.optimizer.load_state_dict(_clone(k.optimizer))
-    if k.scaler is not None:
-        t.scaler.load_state_dict(k.scaler)
-    torch.set_rng_state(k.rng)
-    for g, s in zip(_generators(t.info.device.torch_device()), k.lane_rng or [], strict=False):
-        g.set_state(s)
-    t.step = k.step
+    def put(states: list[torch.Tensor]) -> None:
+        for g, s in zip(_streams(t), states, strict=False):
+            g.set_state(s)
+
+    restore(t, k, put)
 
 
 class RankKeeper(StepKeeper):
