@@ -128,6 +128,12 @@ class DdpTrainer(Trainer):
         self.window = ShardWindow()
         self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
         self._loss_weight = loss_weight_fn(self.task)
+        if info.world > info.local_world:
+            # Several nodes: a node that does not share host 0's runs folder (a run across hosts) has no
+            # checkpoint to resume from; rank 0's travels to every rank (None when the run is new).
+            box = [self._checkpoint if info.is_main else None]
+            dist.broadcast_object_list(box, src=0, group=self._control_group)
+            self._checkpoint = box[0]
         saved_streams = None
         if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
             checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})

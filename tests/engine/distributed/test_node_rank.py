@@ -68,3 +68,47 @@ def test_a_node_rank_out_of_range_and_a_lone_node_0_are_one_line_each(tmp_path):
     status = json.loads((folder / "status.json").read_text())
     assert status["state"] == "failed" and status["message"].startswith("rendezvous at"), status
     assert not (tmp_path / "runs").exists()
+
+
+def _two_nodes(zero: list[str], one: list[str], endpoint: str) -> None:
+    """Node 1 first, then node 0; both must end 0."""
+    args = ["--nnodes", "2", "--rdzv-endpoint", endpoint]
+    procs = [
+        subprocess.Popen([*CLI, "train", *cmd, *args, "--node-rank", str(k)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for k, cmd in ((1, one), (0, zero))
+    ]  # fmt: skip
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+
+
+@pytest.mark.slow
+def test_a_run_across_nodes_resumes_with_a_node_that_has_no_copy_of_the_run_folder(tmp_path):
+    """Hosts that share no folder (a run across hosts): node 1 never had the run folder or its checkpoint;
+    rank 0's checkpoint reaches every rank, and the resumed run equals a straight run to the last bit."""
+    import torch
+
+    common = ["--strategy", "ddp", "--task", "linear", "--devices", "cpu:0", "--set", "train.log_every=1"]
+    a, b = tmp_path / "host0-runs", tmp_path / "host1-runs"
+    _two_nodes([*common, "--steps", "3", "--runs-dir", str(a)], [*common, "--steps", "3", "--runs-dir", str(b)],
+               f"127.0.0.1:{free_port()}")  # fmt: skip
+    (run,) = a.iterdir()
+    assert not b.exists()
+    fresh = tmp_path / "host1-new-runs"  # node 1 of the resume: a host without the run folder
+    _two_nodes(["--resume", str(run), "--steps", "6"], [*common, "--steps", "6", "--runs-dir", str(fresh)],
+               f"127.0.0.1:{free_port()}")  # fmt: skip
+    assert not fresh.exists()
+    straight = tmp_path / "straight"
+    r = subprocess.run([*CLI, "train", *common, "--devices", "cpu:0,cpu:1", "--steps", "6", "--runs-dir", str(straight)],
+                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (ref,) = straight.iterdir()
+
+    def losses(folder: Path) -> dict[int, float]:
+        recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+        return {r["step"]: r["loss"] for r in recs}
+
+    assert losses(run) == losses(ref) and sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+    mine, want = (torch.load(f / "checkpoints" / "last.pt", weights_only=True)["model"] for f in (run, ref))
+    assert all(torch.equal(mine[k], want[k]) for k in want)
+    assert json.loads((run / "status.json").read_text())["step"] == 6
