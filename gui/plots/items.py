@@ -3,19 +3,31 @@ title that wraps, a colour swatch for the key."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextOption
 
 
 def make_curve(
-    plot: pg.PlotItem, color: str, name: str | None = None, width: float = 1.5, style=Qt.SolidLine, alpha: int = 255
+    plot: pg.PlotItem,
+    color: str,
+    name: str | None = None,
+    width: float = 1.5,
+    style=Qt.SolidLine,
+    alpha: int = 255,
+    dash: Sequence[float] | None = None,
 ) -> pg.PlotDataItem:
+    """A curve on ``plot`` with the app's pen; ``dash``: a dash pattern in line widths (a compared run's)."""
     c = pg.mkColor(color)
     c.setAlpha(alpha)
     # Wider pens cost Qt's raster engine more (2 px about twice 1 px); devices get 1.5 px, the
     # combined loss 2.5 px, so that neither vanishes under the other (docs/app.md).
-    item = plot.plot([], [], pen=pg.mkPen(c, width=width, style=style), name=name, connect="finite")
+    pen = pg.mkPen(c, width=width, style=style)
+    if dash is not None:
+        pen.setDashPattern(list(dash))  # Qt.CustomDashLine, in units of the pen's width
+    item = plot.plot([], [], pen=pen, name=name, connect="finite")
     return item
 
 
