@@ -8,7 +8,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
 from multilane.gui.plots.items import make_curve
-from multilane.gui.plots.palette import GAP, NEUTRAL, device_width, run_dash, series_color
+from multilane.gui.plots.palette import GAP, NEUTRAL, compared_width, device_width, run_dash, series_color
 from multilane.gui.plots.run_view import broken, compare_devices, compared_lines, gap_breaks, step_total
 from multilane.gui.plots.style import PHASE_COLORS, PHASES
 from multilane.gui.runs.run_data import RunData, Series, recorded
@@ -196,8 +196,10 @@ class CurveDrawing:
             for panel, plot in (("util", self.util), ("memory", self.memory)):
                 plan += [(k, run, plot, col, dev) for col, dev in lines[panel]]
         drawn = []
+        n = len(runs)
         for plot in (self.util, self.memory):
             mine = [p for p in plan if p[2] is plot]
+            m = max((sum(1 for p in mine if p[0] == k) for k in range(n)), default=1)
             for i, (k, run, _plot, col, dev) in enumerate(mine):
                 te = run.telemetry
                 y = te.get(col)
@@ -205,7 +207,8 @@ class CurveDrawing:
                     continue
                 x = self._x(run, te)
                 color = NEUTRAL if dev is None else series_color(devices.index(dev))
-                width = device_width(i, len(mine), 1.5, 1.0)
+                j = sum(1 for p in mine[:i] if p[0] == k)  # its place among its run's lines
+                width = compared_width(k, n, j, m, 1.5, 1.0, 2.0)
                 name = f"{run.name} {dev or 'process'}"
                 dash = run_dash(k)
                 if dash is not None:  # white under the dashes: they show over an equal earlier line

@@ -72,8 +72,15 @@ class WrappingLabel(pg.LabelItem):
     min_lines = 1
 
     def updateMin(self) -> None:
-        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes
-        line = self.item.document().documentLayout().blockBoundingRect(self.item.document().begin()).height()
+        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes;
+        # one line's height, not the first paragraph's: a hover line wrapped onto five lines made the
+        # header twice their height (10 lines' room) and left the plots of a 1024×700 window none
+        block = self.item.document().begin()
+        layout = block.layout()
+        if layout is not None and layout.lineCount():
+            line = layout.lineAt(0).height()
+        else:
+            line = self.item.document().documentLayout().blockBoundingRect(block).height()
         h = max(self.itemRect().height(), self.min_lines * line if self.text else 0)
         self.setMinimumWidth(10)
         self.setMinimumHeight(h)

@@ -52,10 +52,10 @@ class PlotMarks:
             parts = []
             for i, (run, differ) in enumerate(zip(runs, settings, strict=True)):
                 label = run.name + (f" ({settings_text(differ)})" if differ else "")
-                parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label))
+                parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label) + style_mark(i))
             parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
             parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top;')
-            parts.append("utilization and memory: colour = device, line style = run)</span>")
+            parts.append("utilization, memory: colour = device, grey mark = the run's line)</span>")
             # the step time draws one line per run: its own key names the runs, not the phases
             runs_key = " ".join(f"{swatch(series_color(i))}&nbsp;{html.escape(r.name)}" for i, r in enumerate(runs))
             set_plot_title(self.phases, f"Step time (ms), each run's total &nbsp; {runs_key}")
@@ -78,10 +78,9 @@ class PlotMarks:
         run's line style."""
         devices = compare_devices(runs)
         lines = [compared_lines(r, devices) for r in runs]
-        styles = " ".join(
-            f'<span style="color:#555; font-weight:bold;">{run_swatch(k)}</span>&nbsp;{html.escape(r.name)}'
-            for k, r in enumerate(runs)
-        )
+        # each run's line style: after its name in the key (run names are long, and a title that wraps
+        # onto three lines left a small plot no room)
+        styles = "(line: run)"
 
         def colours(panel: str) -> str:
             present = {dev for ln in lines for _, dev in ln[panel] if dev is not None}
@@ -95,8 +94,8 @@ class PlotMarks:
             memory = "Process memory (MiB)"  # CPU lanes share one process: no memory of their own
         else:
             memory = "Memory used (MiB)"
-        util = f"Utilization (%) &nbsp; {colours('util')} &nbsp; {styles}"
-        return util, f"{memory} &nbsp; {colours('memory')} &nbsp; {styles}".replace("&nbsp;  &nbsp;", "&nbsp;")
+        util = " &nbsp; ".join(t for t in ("Utilization (%)", colours("util"), styles) if t)
+        return util, " &nbsp; ".join(t for t in (memory, colours("memory"), styles) if t)
 
     def _entry(self, group: str, mark: str, label: str) -> str:
         hidden = group in self._hidden
@@ -215,3 +214,8 @@ class PlotMarks:
                 part = f'<span style="color:{self._device_color(dev)};">{part}</span>'
             parts.append(part)
         return " · ".join(parts)
+
+
+def style_mark(k: int) -> str:
+    """The k-th compared run's line style in the utilization and memory plots, for the key: grey."""
+    return f'&nbsp;<span style="color:#777; font-weight:bold;">{run_swatch(k)}</span>'

@@ -19,7 +19,16 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.figures import RC, FigureOptions, _legend, draw_line, mark_breaks, run_labels, series_breaks
-from multilane.gui.plots.palette import COMBINED, GAP, NEUTRAL, VALIDATION, device_width, run_dash, series_color
+from multilane.gui.plots.palette import (
+    COMBINED,
+    GAP,
+    NEUTRAL,
+    VALIDATION,
+    compared_width,
+    device_width,
+    run_dash,
+    series_color,
+)
 from multilane.gui.plots.run_view import (
     LABELS,
     X_LABELS,
@@ -216,6 +225,7 @@ def _compared_device_panels(runs: Sequence[RunData], opts: FigureOptions) -> tup
             (k, run, col, dev) for k, (run, ln) in enumerate(zip(runs, lines, strict=True)) for col, dev in ln[name]
         ]
         present: list[str | None] = []
+        m = max((sum(1 for p in mine if p[0] == k) for k in range(len(runs))), default=1)
         for i, (k, run, col, dev) in enumerate(mine):
             te = run.telemetry
             y = te.get(col)
@@ -223,7 +233,9 @@ def _compared_device_panels(runs: Sequence[RunData], opts: FigureOptions) -> tup
             if not keep.any():
                 continue
             color = NEUTRAL if dev is None else series_color(devices.index(dev))
-            style = {"color": color, "linewidth": device_width(i, len(mine), 1.0, 0.9), "zorder": 2 + i}
+            j = sum(1 for p in mine[:i] if p[0] == k)  # its place among its run's lines
+            width = compared_width(k, len(runs), j, m, 1.0, 0.7, 1.2)
+            style = {"color": color, "linewidth": width, "zorder": 2 + i}
             dash = run_dash(k)
             if dash is not None:
                 style |= {"linestyle": (0, dash), "gapcolor": GAP}

@@ -50,3 +50,11 @@ def run_dash(k: int) -> tuple[float, ...] | None:
 
 def run_swatch(k: int) -> str:
     return RUN_SWATCHES[k % len(RUN_SWATCHES)]
+
+
+def compared_width(k: int, n: int, j: int, m: int, base: float, device_step: float, run_step: float) -> float:
+    """The width of device j's line (of m) of the k-th compared run (of n), drawn in that order: each
+    device of a run narrower than the one before (as in one run's plots), and a run's line ``run_step``
+    narrower than the same device's line of the run before, so that over an equal line it leaves the
+    earlier run's colour at both edges (without antialiasing, 1 px apart left none on screen)."""
+    return base + device_step * min(m - 1 - j, 3) + run_step * min(n - 1 - k, 2)

@@ -163,6 +163,8 @@ def test_compared_utilization_and_memory_draw_each_device_of_each_run_as_recorde
                 np.testing.assert_array_equal(gap.getData()[1], y)
                 expected[id(gap)] = (k, col)
         assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths)  # each next narrower
+        # a device's line 2 px under the same device's of the run before: its colour at both edges on screen
+        assert all(a - b >= 2.0 for a, b in zip(widths, widths[len(cols) :], strict=False))
         # nothing else drawn there: not the shown run's own lines, nor a mean over devices
         visible = {id(it) for it in plot.listDataItems() if it.isVisible()}
         assert visible == set(expected) - {i for i in expected if i not in map(id, plot.listDataItems())}
@@ -172,8 +174,10 @@ def test_compared_utilization_and_memory_draw_each_device_of_each_run_as_recorde
         for j, d in enumerate(DEVICES):
             assert f"{d} utilization {busy_of(j, 300):.0f}%" in part, part
         assert ("process RSS 330.0 MiB" if memory == "rss" else "cpu:0 memory used 1,400 MiB") in part, part
-    title = panel.util.titleLabel.text
-    assert "cpu:1" in title and "run-a" in title and "run-b" in title and "╍╍" in title
+    title = panel.util.titleLabel.text  # the devices' colours in the title, each run's line in the key
+    assert f'color:{series_color(0)}; font-weight:bold;">━━</span>&nbsp;cpu:1' in title and "(line: run)" in title
+    key = panel.key.text
+    assert key.index("run-a") < key.index("━━</span>", key.index("run-a")) < key.index("run-b") < key.index("╍╍")
     panel.toggle_curve("run:1")  # a run hidden from the key: its lines (and their white) go too
     assert not panel._curves["cmp1:util/cpu:0"].isVisible() and not panel._curves["cmp1:util/cpu:0|gap"].isVisible()
     assert panel._curves["cmp0:util/cpu:0"].isVisible()
@@ -181,18 +185,21 @@ def test_compared_utilization_and_memory_draw_each_device_of_each_run_as_recorde
 
 def test_equal_runs_both_show_in_each_devices_painted_line(panel, qtbot):
     """Run b's line equal to run a's, the same device's colour: its dashes show inside run a's line
-    (white gaps between them) and run a's colour at their edges — counted in the painted pixels."""
+    (white gaps between them) and run a's colour at their edges — counted in the painted pixels, for
+    each lane's utilization and for the one process's memory of CPU lanes (one line a run)."""
     a, b = equal_runs()
     for run in (a, b):  # one level for the whole run: a flat line, easy to read across
         for j, d in enumerate(DEVICES):
             run.telemetry.columns[f"util/{d}"].data[:] = 20.0 + 50.0 * j
+        run.telemetry.columns["rss_mb"].data[:] = 300.0
     show(panel, a, qtbot)
     panel.add_overlay(b)
     panel.refresh()
     qtbot.wait(50)
-    rgb = painted(panel, panel.util)
-    for j, dev in enumerate(DEVICES):
-        c = QColor(series_color(j))
+    lines = [(panel.util, series_color(j), dev) for j, dev in enumerate(DEVICES)] + [(panel.memory, NEUTRAL, "RSS")]
+    for plot, colour, dev in lines:
+        rgb = painted(panel, plot)
+        c = QColor(colour)
         mine = np.abs(rgb.astype(int) - [c.red(), c.green(), c.blue()]).max(axis=-1) <= 40
         white = rgb.min(axis=-1) >= 245
         gaps = edges = 0
