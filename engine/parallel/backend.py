@@ -80,6 +80,15 @@ class Backend(ABC):
         path; a backward through every lane's graph at once)."""
         return nullcontext()
 
+    def busy_backward(
+        self, loss: torch.Tensor | None, lane_losses: Sequence[torch.Tensor], lanes: Sequence[int]
+    ) -> AbstractContextManager[None]:
+        """Count each lane's part of one backward through several lanes' graphs (run in the calling
+        thread: ``replicate``'s one backward) as that lane's busy time, where the backend measures it.
+        ``loss``: the tensor backward starts from (None: the lanes' losses themselves); ``lane_losses``:
+        each lane's loss in ``lanes``, the root of its own graph."""
+        return nullcontext()
+
     def lane_busy_seconds(self) -> list[float] | None:
         """Compute seconds spent inside each lane so far, where the backend measures it (CPU lanes)."""
         return None

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
-from multilane.engine.parallel.replicas.replica import ReplicaSet, replicate_module
+from multilane.engine.parallel.replicas.replica import ReplicaSet, is_lane_copies, replicate_module
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import gather_tree, scatter_tree
-from multilane.engine.telemetry.busy import BusyClock
+from multilane.engine.telemetry.busy import BackwardShares, BusyClock
 from torch import nn
 from torch._utils import ExceptionWrapper
 
@@ -37,6 +37,7 @@ class CpuLanesBackend(Backend):
         # threads every step would cost more than a small model's forward.
         self._pools: list[ThreadPoolExecutor | None] = [None] * self.n
         self._busy = BusyClock(self.n)  # running work counts at once: a long step is not 0 % busy
+        self.backward_shares = BackwardShares(self._busy)  # each lane's part of one backward over all
 
     def scatter(self, obj: Any, sizes: Sequence[int], lanes: Sequence[int]) -> list[Any]:
         if len(lanes) == 1:
@@ -97,6 +98,15 @@ class CpuLanesBackend(Backend):
         finally:
             for lane in lanes:
                 self._busy.stop(lane)
+
+    def busy_backward(
+        self, loss: torch.Tensor | None, lane_losses: Sequence[torch.Tensor], lanes: Sequence[int]
+    ) -> AbstractContextManager[None]:
+        """Each lane's own nodes of the one backward, timed as they run (``busy.lane_backward``) on one
+        backward in ten, the others split at the shares measured (``busy.BackwardShares``); the sum of
+        the lanes' gradients (``LaneCopies``) and the gather are no lane's."""
+        roots = [(lane, t.grad_fn) for lane, t in zip(lanes, lane_losses, strict=True)]
+        return self.backward_shares.backward(None if loss is None else loss.grad_fn, roots, is_lane_copies)
 
     def lane_busy_seconds(self) -> list[float]:
         return self._busy.seconds()

@@ -200,8 +200,10 @@ class PersistentReplicas(ReplicateEachStep):
                 # BatchNorm's statistics cross them), or the forward draws random numbers and a
                 # recomputing backward (torch.utils.checkpoint) sets the shared default generator to
                 # the state it saved, which lanes must not do at once. On GPUs the autograd engine
-                # still runs each device's part in that device's own thread.
-                torch.autograd.backward(out.shard_losses, seeds)
+                # still runs each device's part in that device's own thread; on CPU lanes each lane is
+                # credited with its own nodes' time (Backend.busy_backward).
+                with self.backend.busy_backward(None, out.shard_losses, out.lanes):
+                    torch.autograd.backward(out.shard_losses, seeds)
             else:
                 self.backend.parallel_apply(
                     [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes

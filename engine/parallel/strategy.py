@@ -258,8 +258,13 @@ class ReplicateEachStep:
         """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
         graphs, which sums every lane's gradient into the model's own parameters. One lane's backward is
         that lane's work and counts as its busy time; several lanes' run in one thread through all their
-        graphs together, which is not split between them (their busy time is their forward and loss)."""
-        with self.backend.busy(out.lanes if len(out.lanes) == 1 else []):
+        graphs together, their nodes interleaved: each lane is credited with the time its own nodes take
+        (``Backend.busy_backward``), the sum of their gradients with no lane's."""
+        if len(out.lanes) == 1 or not out.shard_losses:
+            with self.backend.busy(out.lanes):
+                loss.backward()
+            return
+        with self.backend.busy_backward(loss, out.shard_losses, out.lanes):
             loss.backward()
 
     def reduce_gradients(self, timer: PhaseTimer) -> None:

@@ -8,8 +8,8 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
 from multilane.gui.plots.items import make_curve
-from multilane.gui.plots.palette import device_width, series_color
-from multilane.gui.plots.run_view import broken, device_mean, gap_breaks, run_memory, step_total
+from multilane.gui.plots.palette import GAP, NEUTRAL, compared_width, device_width, run_dash, series_color
+from multilane.gui.plots.run_view import broken, compare_devices, compared_lines, gap_breaks, step_total
 from multilane.gui.plots.style import PHASE_COLORS, PHASES
 from multilane.gui.runs.run_data import RunData, Series, recorded
 from PySide6.QtCore import Qt
@@ -157,7 +157,7 @@ class CurveDrawing:
                 item.setZValue(k)
                 return item
 
-            tr, ev, te = run.train, run.eval, run.telemetry
+            tr, ev = run.train, run.eval
             if tr.rows:
                 x, br = self._x(run, tr), self._breaks(run, tr)
                 if "loss" in tr.columns:
@@ -177,17 +177,52 @@ class CurveDrawing:
                     style = Qt.SolidLine if i == 0 else Qt.DotLine
                     item = curve(f"metric/{m}", self.metric_plot, f"{run.name} {m}", wide, style=style)
                     self._show(f"cmp{k}:metric/{m}", item, x, ev.get(f"metric/{m}"), br)
-            if te.rows:
+        self._from_zero(self.lr, [r.train.get("lr") for r in runs if r.train.rows])  # every run's values
+        self._draw_compared_devices(runs)
+
+    def _draw_compared_devices(self, runs: list[RunData]) -> list[tuple[str, pg.PlotDataItem]]:
+        """Utilization and memory when runs are compared: one line per device per run, in the device's
+        colour (its place in ``compare_devices``: a device has one colour in every run), each run in its
+        own line style (``palette.run_dash``). Equal lines hide nothing: the first run's lines are the
+        widest and each later line is drawn over the earlier ones narrower, a dashed run's gaps painted
+        white (``GAP``), so a run equal to another shows its dashes inside the other's line, which shows
+        at their edges. Returns (key, item) of every line drawn, for the tests."""
+        devices = compare_devices(runs)
+        plan = []
+        for k, run in enumerate(runs):
+            if not run.telemetry.rows:
+                continue
+            lines = compared_lines(run, devices)
+            for panel, plot in (("util", self.util), ("memory", self.memory)):
+                plan += [(k, run, plot, col, dev) for col, dev in lines[panel]]
+        drawn = []
+        n = len(runs)
+        for plot in (self.util, self.memory):
+            mine = [p for p in plan if p[2] is plot]
+            m = max((sum(1 for p in mine if p[0] == k) for k in range(n)), default=1)
+            for i, (k, run, _plot, col, dev) in enumerate(mine):
+                te = run.telemetry
+                y = te.get(col)
+                if not np.isfinite(y).any():
+                    continue
                 x = self._x(run, te)
-                util = device_mean(te, "util/")
-                if np.isfinite(util).any():
-                    self._show_finite(f"cmp{k}:util", curve("util", self.util, f"{run.name} (mean)"), x, util, run, te)
-                mem, _label = run_memory(te)
-                if np.isfinite(mem).any():
-                    self._show_finite(f"cmp{k}:mem", curve("mem", self.memory, run.name), x, mem, run, te)
-        # axes from zero that hold every run's values, not the shown run's alone
-        self._from_zero(self.lr, [r.train.get("lr") for r in runs if r.train.rows])
-        self._from_zero(self.memory, [run_memory(r.telemetry)[0] for r in runs if r.telemetry.rows])
+                color = NEUTRAL if dev is None else series_color(devices.index(dev))
+                j = sum(1 for p in mine[:i] if p[0] == k)  # its place among its run's lines
+                width = compared_width(k, n, j, m, 1.5, 1.0, 2.0)
+                name = f"{run.name} {dev or 'process'}"
+                dash = run_dash(k)
+                if dash is not None:  # white under the dashes: they show over an equal earlier line
+                    gap = self._item(f"cmp{k}:{col}|gap", plot, GAP, None, width=width)
+                    gap.setZValue(2 * i)
+                    self._show_finite(f"cmp{k}:{col}|gap", gap, x, y, run, te)
+                    drawn.append((f"cmp{k}:{col}|gap", gap))
+                item = self._item(f"cmp{k}:{col}", plot, color, name, width=width, dash=dash)
+                item.setZValue(2 * i + 1)
+                self._show_finite(f"cmp{k}:{col}", item, x, y, run, te)
+                drawn.append((f"cmp{k}:{col}", item))
+        # the memory axis from zero holds every run's lines, not the shown run's alone
+        self._from_zero(self.memory, [run.telemetry.get(col) for _k, run, plot, col, _d in plan if plot is self.memory])
+        return drawn
 
     # -- what the key shows ----------------------------------------------------------------------
     def _apply_visibility(self) -> None:

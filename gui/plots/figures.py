@@ -18,6 +18,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.transforms import offset_copy
 from multilane.engine.errors import UserError
 from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.palette import COMBINED, VALIDATION, device_width, series_color
@@ -87,19 +88,26 @@ def _finish_axes(ax: Axes, opts: FigureOptions, ylabel: str, log_y: bool = False
     ax.set_xlabel(X_LABELS[opts.x_mode])
     ax.set_ylabel(ylabel)
     ax.margins(x=0.01)
+    ax.set_xlim(left=0)  # from the run's start, as in plots.* and the app (no step or second before it)
     if log_y:
         ax.set_yscale("log")
 
 
-def _legend(ax: Axes, handles: list | None = None, labels: list[str] | None = None) -> None:
-    """Outside the axes — right of them, or under them when the names are long: a legend there
-    covers no data however the curves run."""
+def _legend(ax: Axes, handles: list | None = None, labels: list[str] | None = None, below: bool = False) -> None:
+    """Outside the axes — right of them, or under them when the names are long (or ``below``): a legend
+    there covers no data however the curves run. In a grid of plots, one right of its axes takes its
+    width from every plot of its column."""
     if handles is None or labels is None:
         handles, labels = ax.get_legend_handles_labels()
     if not handles:
         return
-    if max(len(label) for label in labels) > 22:
-        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, borderaxespad=0.0)
+    longest = max(len(label) for label in labels)
+    if below or longest > 22:
+        ncol = 2 if longest > 12 else min(4, len(labels))
+        # under the tick labels and the x label (about 30 pt), whatever the plot's height: at a fixed
+        # share of it (-0.2) the legend covered the x label of a short plot
+        under = offset_copy(ax.transAxes, fig=ax.figure, y=-34, units="points")
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=under, ncol=ncol)
     else:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
@@ -152,7 +160,9 @@ def mark_breaks(ax: Axes, run: RunData, opts: FigureOptions, label: bool = True)
             ax.axvline(step, color="#888", linestyle=style, linewidth=1.0, zorder=0, label=tag)
 
 
-def _validation(ax: Axes, run: RunData, opts: FigureOptions, color: str, label: str) -> None:
+def _validation(
+    ax: Axes, run: RunData, opts: FigureOptions, color: str, label: str, width: float = 1.6, zorder: float = 4
+) -> None:
     ev = run.eval
     if not ev.rows or "val_loss" not in ev.columns:
         return
@@ -164,11 +174,11 @@ def _validation(ax: Axes, run: RunData, opts: FigureOptions, color: str, label: 
         series_breaks(run, ev),
         color=color,
         linestyle=(0, (4, 2)),
-        linewidth=1.6,
+        linewidth=width,
         marker=marker,
         markersize=3.5,
         label=label,
-        zorder=4,
+        zorder=zorder,
     )
 
 
@@ -232,13 +242,16 @@ def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None
     with matplotlib.rc_context(RC):
         fig = Figure(figsize=(opts.width_in, opts.height_in), layout="constrained")
         ax = fig.add_subplot()
+        n = len(runs)
         for i, run in enumerate(runs):
             color = series_color(i)
+            # equal runs hide none of each other: the first widest, each later one over it narrower
+            width = device_width(i, n, 1.4, 1.2)
             if run.train.rows and "loss" in run.train.columns:
                 x, br = x_values(run, run.train, opts.x_mode), series_breaks(run, run.train)
                 y = run.train.get("loss")
-                _train_curve(ax, x, y, opts, br, color=color, linewidth=1.8, label=run.name, zorder=3)
-            _validation(ax, run, opts, color, f"{run.name} (validation)")
+                _train_curve(ax, x, y, opts, br, color=color, linewidth=width, label=run.name, zorder=3 + i)
+            _validation(ax, run, opts, color, f"{run.name} (validation)", width, zorder=3 + n + i)
         _finish_axes(ax, opts, "loss", log_y=opts.log_y and _positive(runs))
         _title(fig, ax, f"Loss · {len(runs)} runs compared", None, opts.smoothing)
         # one entry per run, and what solid and dashed mean once, not a validation entry per run
@@ -250,6 +263,9 @@ def comparison_figure(runs: Sequence[RunData], opts: FigureOptions | None = None
                 Line2D([], [], color="#555", linestyle=(0, (4, 2))),
             ]
             labels += ["train (solid)", "validation (dashed)"]
+        if n > 1:
+            handles.append(Line2D([], [], color="#555", linewidth=1.0))
+            labels.append("equal lines: the first run widest")
         _legend(ax, handles, labels)
     return fig
 

@@ -3,19 +3,31 @@ title that wraps, a colour swatch for the key."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextOption
 
 
 def make_curve(
-    plot: pg.PlotItem, color: str, name: str | None = None, width: float = 1.5, style=Qt.SolidLine, alpha: int = 255
+    plot: pg.PlotItem,
+    color: str,
+    name: str | None = None,
+    width: float = 1.5,
+    style=Qt.SolidLine,
+    alpha: int = 255,
+    dash: Sequence[float] | None = None,
 ) -> pg.PlotDataItem:
+    """A curve on ``plot`` with the app's pen; ``dash``: a dash pattern in line widths (a compared run's)."""
     c = pg.mkColor(color)
     c.setAlpha(alpha)
     # Wider pens cost Qt's raster engine more (2 px about twice 1 px); devices get 1.5 px, the
     # combined loss 2.5 px, so that neither vanishes under the other (docs/app.md).
-    item = plot.plot([], [], pen=pg.mkPen(c, width=width, style=style), name=name, connect="finite")
+    pen = pg.mkPen(c, width=width, style=style)
+    if dash is not None:
+        pen.setDashPattern(list(dash))  # Qt.CustomDashLine, in units of the pen's width
+    item = plot.plot([], [], pen=pen, name=name, connect="finite")
     return item
 
 
@@ -60,8 +72,15 @@ class WrappingLabel(pg.LabelItem):
     min_lines = 1
 
     def updateMin(self) -> None:
-        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes
-        line = self.item.document().documentLayout().blockBoundingRect(self.item.document().begin()).height()
+        # at least ``min_lines`` lines high, so the plots do not jump as the hover text comes and goes;
+        # one line's height, not the first paragraph's: a hover line wrapped onto five lines made the
+        # header twice their height (10 lines' room) and left the plots of a 1024×700 window none
+        block = self.item.document().begin()
+        layout = block.layout()
+        if layout is not None and layout.lineCount():
+            line = layout.lineAt(0).height()
+        else:
+            line = self.item.document().documentLayout().blockBoundingRect(block).height()
         h = max(self.itemRect().height(), self.min_lines * line if self.text else 0)
         self.setMinimumWidth(10)
         self.setMinimumHeight(h)

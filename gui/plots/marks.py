@@ -8,9 +8,11 @@ import html
 import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.items import set_plot_title, swatch
-from multilane.gui.plots.palette import COMBINED, VALIDATION, series_color
+from multilane.gui.plots.palette import COMBINED, VALIDATION, run_swatch, series_color
 from multilane.gui.plots.run_view import (
+    compare_devices,
     compare_values_at,
+    compared_lines,
     differing_settings,
     format_duration,
     run_breaks,
@@ -35,24 +37,31 @@ class PlotMarks:
         click hides or shows its curves in every plot (a device, the combined line, validation, a run)."""
         d = self.data
         runs = [d, *(r for r, _ in self.overlays)]
+        device_titles = self._compared_device_titles(runs) if len(runs) > 1 else ()
         state = (tuple(d.devices), tuple(r.name for r in runs), bool(d.eval.rows), self.smoothing > 0)
-        state += (tuple(sorted(self._hidden)), bool(d.train.rows))
+        state += (tuple(sorted(self._hidden)), bool(d.train.rows), device_titles)
         if state == self._key_state:
             return
         self._key_state = state
         if len(runs) > 1:
+            # utilization and memory: colour is the device, the line style the run (their titles say so)
+            set_plot_title(self.util, device_titles[0])
+            set_plot_title(self.memory, device_titles[1])
+            self._memory_title = device_titles[1]
             settings = differing_settings(runs)
             parts = []
             for i, (run, differ) in enumerate(zip(runs, settings, strict=True)):
                 label = run.name + (f" ({settings_text(differ)})" if differ else "")
-                parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label))
+                parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label) + style_mark(i))
             parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
-            parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top)</span>')
+            parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top;')
+            parts.append("utilization, memory: colour = device, grey mark = the run's line)</span>")
             # the step time draws one line per run: its own key names the runs, not the phases
             runs_key = " ".join(f"{swatch(series_color(i))}&nbsp;{html.escape(r.name)}" for i, r in enumerate(runs))
             set_plot_title(self.phases, f"Step time (ms), each run's total &nbsp; {runs_key}")
         else:
             set_plot_title(self.phases, self.phase_title)
+            set_plot_title(self.util, "Utilization (%)")
             parts = [self._entry(f"dev:{dev}", swatch(self._device_color(dev)), dev) for dev in d.devices]
             if d.train.rows:
                 parts.append(self._entry("combined", swatch(COMBINED), "combined"))
@@ -63,6 +72,30 @@ class PlotMarks:
         if len(parts) > 1:
             parts.append('<span style="color:#888;">(click a name to hide or show it)</span>')
         self.key.setText(" &nbsp; ".join(parts), size="9pt")
+
+    def _compared_device_titles(self, runs: list) -> tuple[str, str]:
+        """The utilization and memory plots' titles when runs are compared: each device's colour, each
+        run's line style."""
+        devices = compare_devices(runs)
+        lines = [compared_lines(r, devices) for r in runs]
+        # each run's line style: after its name in the key (run names are long, and a title that wraps
+        # onto three lines left a small plot no room)
+        styles = "(line: run)"
+
+        def colours(panel: str) -> str:
+            present = {dev for ln in lines for _, dev in ln[panel] if dev is not None}
+            shown = [dev for dev in devices if dev in present]
+            return " ".join(f"{swatch(series_color(devices.index(dev)))}&nbsp;{html.escape(dev)}" for dev in shown)
+
+        cols = [col for ln in lines for col, _ in ln["memory"]]
+        if any(c.startswith("rss/") for c in cols):
+            memory = "Process memory (MiB) per rank"
+        elif "rss_mb" in cols:
+            memory = "Process memory (MiB)"  # CPU lanes share one process: no memory of their own
+        else:
+            memory = "Memory used (MiB)"
+        util = " &nbsp; ".join(t for t in ("Utilization (%)", colours("util"), styles) if t)
+        return util, " &nbsp; ".join(t for t in (memory, colours("memory"), styles) if t)
 
     def _entry(self, group: str, mark: str, label: str) -> str:
         hidden = group in self._hidden
@@ -181,3 +214,8 @@ class PlotMarks:
                 part = f'<span style="color:{self._device_color(dev)};">{part}</span>'
             parts.append(part)
         return " · ".join(parts)
+
+
+def style_mark(k: int) -> str:
+    """The k-th compared run's line style in the utilization and memory plots, for the key: grey."""
+    return f'&nbsp;<span style="color:#777; font-weight:bold;">{run_swatch(k)}</span>'

@@ -3,7 +3,8 @@
 One run: loss (every device, the combined line thin on top, validation), the metric by its name,
 throughput, learning rate, gradient norm, utilization and memory per device (equal lanes or ranks
 all visible), power, temperature, and the step time split into its phases. Runs compared: each run
-in its own colour in every panel, the key naming each run with the settings that differ. Lines
+in its own colour in every panel but utilization and memory, where each device keeps its colour and
+each run has its own line style; the key names each run with the settings that differ. Lines
 break where the run paused, stopped or logged nothing for long; pauses and stops are marked.
 """
 
@@ -18,14 +19,23 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.figures import RC, FigureOptions, _legend, draw_line, mark_breaks, run_labels, series_breaks
-from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
+from multilane.gui.plots.palette import (
+    COMBINED,
+    GAP,
+    NEUTRAL,
+    VALIDATION,
+    compared_width,
+    device_width,
+    run_dash,
+    series_color,
+)
 from multilane.gui.plots.run_view import (
     LABELS,
     X_LABELS,
-    device_mean,
+    compare_devices,
+    compared_lines,
     metric_label,
     metric_title,
-    run_memory,
     step_total,
     x_values,
 )
@@ -45,6 +55,7 @@ class Panel:
     from_zero: bool = False
     percent: bool = False
     stack: list[tuple] = field(default_factory=list)  # (x, bottom, top, breaks, colour, name)
+    key: list[tuple[dict, str]] = field(default_factory=list)  # its own legend: (line style, name)
 
 
 def _smooth(y: np.ndarray, opts: FigureOptions) -> np.ndarray:
@@ -166,15 +177,13 @@ def _comparison_panels(runs: Sequence[RunData], opts: FigureOptions) -> list[Pan
     single["grad_norm"] = Panel("Gradient norm", LABELS["grad_norm"])
     single["lr"].from_zero = True  # a constant lr is not a wall
     step = Panel("Step time (each run's total)", LABELS["step_ms"], from_zero=True)
-    util = Panel("Utilization (mean over devices)", LABELS["util"], percent=True)
-    memory = Panel("Memory", "memory (MiB)", from_zero=True)
     names: list[str] = []
     n = len(runs)
     for k, run in enumerate(runs):
         # equal runs hide none of each other: the first widest, each later one over it narrower
         wide, thin = device_width(k, n, 2.0, 1.6), device_width(k, n, 1.4, 1.6)
         solid = {"color": series_color(k), "linewidth": thin, "zorder": 2 + k}
-        tr, ev, te = run.train, run.eval, run.telemetry
+        tr, ev = run.train, run.eval
         if tr.rows:
             x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
             loss.curves.append((x, _smooth(tr.get("loss"), opts), br, solid | {"linewidth": wide}))
@@ -194,16 +203,53 @@ def _comparison_panels(runs: Sequence[RunData], opts: FigureOptions) -> list[Pan
                 names += [m] if m not in names else []
                 style = solid | {"marker": "o", "markersize": dot, "linestyle": "-" if i == 0 else ":"}
                 metric.curves.append((xe, ev.get(f"metric/{m}"), br, style))
-        if te.rows:
-            xt = x_values(run, te, opts.x_mode)
-            for panel, y in ((util, device_mean(te, "util/")), (memory, run_memory(te)[0])):
-                keep = np.isfinite(y)
-                if keep.any():
-                    panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), solid))
     metric.title = metric.ylabel = metric_title(names)
     loss.log = opts.log_y and _positive([c[1] for c in loss.curves])
+    util, memory = _compared_device_panels(runs, opts)
     panels = [loss, metric, *single.values(), util, memory, step]
     return [p for p in panels if p.curves]
+
+
+def _compared_device_panels(runs: Sequence[RunData], opts: FigureOptions) -> tuple[Panel, Panel]:
+    """Utilization and memory of runs compared, as in the app: one line per device per run, in the
+    device's colour, each run in its own line style (a dashed run's gaps white); the first run's lines
+    widest, each later one over them narrower, so that equal lines all show. Their own key names both."""
+    devices = compare_devices(list(runs))
+    lines = [compared_lines(run, devices) if run.telemetry.rows else {"util": [], "memory": []} for run in runs]
+    cols = [col for ln in lines for col, _ in ln["memory"]]
+    process = any(c.startswith("rss") for c in cols)
+    util = Panel("Utilization (colour: device, line: run)", LABELS["util"], percent=True)
+    memory = Panel(f"{'Process memory' if process else 'Memory used'} (line: run)", "memory (MiB)", from_zero=True)
+    for name, panel in (("util", util), ("memory", memory)):
+        mine = [
+            (k, run, col, dev) for k, (run, ln) in enumerate(zip(runs, lines, strict=True)) for col, dev in ln[name]
+        ]
+        present: list[str | None] = []
+        m = max((sum(1 for p in mine if p[0] == k) for k in range(len(runs))), default=1)
+        for i, (k, run, col, dev) in enumerate(mine):
+            te = run.telemetry
+            y = te.get(col)
+            keep = np.isfinite(y)
+            if not keep.any():
+                continue
+            color = NEUTRAL if dev is None else series_color(devices.index(dev))
+            j = sum(1 for p in mine[:i] if p[0] == k)  # its place among its run's lines
+            width = compared_width(k, len(runs), j, m, 1.0, 0.7, 1.2)
+            style = {"color": color, "linewidth": width, "zorder": 2 + i}
+            dash = run_dash(k)
+            if dash is not None:
+                style |= {"linestyle": (0, dash), "gapcolor": GAP}
+            xt = x_values(run, te, opts.x_mode)
+            panel.curves.append((xt[keep], y[keep], series_breaks(run, te, keep), style))
+            present += [dev] if dev not in present else []
+        if panel.curves:
+            shown = [d for d in devices if d in present]
+            panel.key = [({"color": series_color(devices.index(d)), "linewidth": 1.8}, d) for d in shown]
+            for k, run in enumerate(runs):
+                dash = run_dash(k)
+                style = {"color": "#555", "linewidth": 1.4} | ({"linestyle": (0, dash)} if dash else {})
+                panel.key.append((style, run.name))
+    return util, memory
 
 
 def _draw(fig: Figure, panels: list[Panel], run: RunData | None, opts: FigureOptions) -> None:
@@ -238,7 +284,10 @@ def _draw(fig: Figure, panels: list[Panel], run: RunData | None, opts: FigureOpt
             tops += [np.nanmax(t) for _, _, t, _, _, _ in panel.stack if len(t)]
             top = max(tops, default=1.0)
             ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)
-        if sum(1 for *_, style in panel.curves if style.get("label")) > 1 or panel.stack:
+        if panel.key:
+            handles = [Line2D([], [], **style) for style, _ in panel.key]
+            _legend(ax, handles, [name for _, name in panel.key], below=True)
+        elif sum(1 for *_, style in panel.curves if style.get("label")) > 1 or panel.stack:
             _legend(ax)
 
 

@@ -196,32 +196,40 @@ def step_total(series: Series) -> np.ndarray:
     return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan)
 
 
-def device_mean(series: Series, prefix: str) -> np.ndarray:
-    """The mean over a telemetry series' devices of ``prefix`` (``util/``), NaN where none reported."""
-    cols = [series.get(k) for k in series.names(prefix)]
-    if not cols:
-        return np.full(series.rows, np.nan)
-    stack = np.vstack(cols)
-    have = np.isfinite(stack)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(have.any(axis=0), np.nansum(stack, axis=0) / have.sum(axis=0), np.nan)
+def compare_devices(runs: list[RunData]) -> list[str]:
+    """Every device of the runs compared, in the first run's order, then each later run's new ones: a
+    device's colour is its place here (the same as in its run's own view when the runs share their
+    device list, as runs compared usually do)."""
+    names: list[str] = []
+    for run in runs:
+        te = run.telemetry
+        seen = [k.split("/", 1)[1] for p in ("util/", "mem/", "rss/") for k in te.names(p)]
+        names += [d for d in dict.fromkeys([*run.devices, *seen]) if d not in names]
+    return names
 
 
-def run_memory(series: Series) -> tuple[np.ndarray, str]:
-    """One memory curve per run, for comparing runs: the GPUs' memory used, summed, else the process's."""
-    mem = series.names("mem/")
-    if mem:
-        stack = np.vstack([series.get(k) for k in mem])
-        return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan), "memory used (MiB)"
-    if series.names("rss/"):
-        stack = np.vstack([series.get(k) for k in series.names("rss/")])
-        return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan), "process RSS (MiB)"
-    return series.get("rss_mb"), "process RSS (MiB)"
+def compared_lines(run: RunData, devices: list[str]) -> dict[str, list[tuple[str, str | None]]]:
+    """The telemetry columns a run draws when runs are compared, as (column, device; None: the process):
+    ``util`` each device's utilization; ``memory`` each device's memory used (GPUs), each rank's process
+    (ddp on the CPU), or the one process's RSS (CPU lanes, which share it). In ``devices`` order."""
+    te = run.telemetry
+    order = {d: i for i, d in enumerate(devices)}
+
+    def per_device(prefix: str) -> list[tuple[str, str | None]]:
+        cols = [(k, k.split("/", 1)[1]) for k in te.names(prefix)]
+        return sorted(cols, key=lambda c: order.get(c[1], len(order)))
+
+    memory = per_device("mem/") or per_device("rss/")
+    if not memory and "rss_mb" in te.columns:
+        memory = [("rss_mb", None)]
+    return {"util": per_device("util/"), "memory": memory}
 
 
 def describe(key: str) -> tuple[str, str]:
     """A column key as (name, unit) for people: ``util/cpu:0`` → ("cpu:0 utilization", "%")."""
     head, _, dev = key.partition("/")
+    if head == "rss" and dev:  # a ddp rank's process on the CPU
+        return f"{dev} process RSS", "MiB"
     if head in ("loss",) and dev:
         return f"{dev} loss", ""
     if head == "metric" and dev:
@@ -273,8 +281,9 @@ def value_text(v: float, unit: str) -> str:
 def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:
     """The parts of the hover line when runs are compared: every run by name, with its value in each compared panel
     at ``x`` (train and validation loss, metrics, throughput, learning rate, gradient norm, step time,
-    mean utilization, memory) — never one run's values without its name."""
+    each device's utilization and memory) — never one run's values without its name."""
     parts = [f"step {x:,.0f}" if x_mode == "step" else f"elapsed {x:,.1f} s"]
+    devices = compare_devices(runs)
     for run in runs:
         values = []
         tr, ev, te = run.train, run.eval, run.telemetry
@@ -289,10 +298,12 @@ def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:
             i = nearest_row(run, ev, x, x_mode)
             values.append(("validation loss", ev.get("val_loss")[i], ""))
             values += [(metric_label(m), ev.get(f"metric/{m}")[i], "") for m in run.metric_names]
-        if te.rows:
+        if te.rows:  # each device's utilization and memory, by the device's name
             i = nearest_row(run, te, x, x_mode)
-            values.append(("utilization", device_mean(te, "util/")[i], "%"))
-            values.append(("memory", run_memory(te)[0][i], "MiB"))
+            lines = compared_lines(run, devices)
+            for col, _dev in lines["util"] + lines["memory"]:
+                name, unit = describe(col)
+                values.append((name, te.get(col)[i], unit))
         shown = [f"{name} {value_text(v, unit)}" for name, v, unit in values if np.isfinite(v)]
         parts.append(f"{run.name}: {', '.join(shown) if shown else 'nothing logged here'}")
     return parts

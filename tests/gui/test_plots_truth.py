@@ -305,10 +305,14 @@ def test_comparing_runs_draws_every_panel_per_run_and_names_what_differs(panel, 
     panel.add_overlay(b)
     panel.refresh()
     for k, run in enumerate((a, b)):
-        for what in ("loss", "val", "samples_per_s", "lr", "step", "metric/accuracy", "util", "mem"):
+        for what in ("loss", "val", "samples_per_s", "lr", "step", "metric/accuracy"):
             item = panel._curves[f"cmp{k}:{what}"]
             assert item.isVisible() and item.opts["pen"].color().name().upper() == series_color(k).upper(), what
             assert np.isfinite(drawn(item)[1]).sum() >= 2, what
+        for j, dev in enumerate(("cpu:0", "cpu:1")):  # utilization: each device in its own colour, every run
+            item = panel._curves[f"cmp{k}:util/{dev}"]
+            assert item.isVisible() and item.opts["pen"].color().name().upper() == series_color(j).upper(), dev
+        assert np.isfinite(drawn(panel._curves[f"cmp{k}:rss_mb"])[1]).sum() >= 2
         np.testing.assert_allclose(drawn(panel._curves[f"cmp{k}:samples_per_s"])[1], run.train.get("samples_per_s"))
     assert not panel._curves["samples_per_s"].isVisible() and not panel._stack[0].isVisible()
     # every run's values inside the axes that start at zero (a larger lr of the compared run too)

@@ -64,6 +64,11 @@ class LaneCopies(Function):
         return tuple(result)
 
 
+def is_lane_copies(node: object) -> bool:
+    """Whether an autograd node is ``LaneCopies``' backward: the sum of every lane's gradients."""
+    return getattr(node, "_forward_cls", None) is LaneCopies
+
+
 class ReplicaSet(list):
     """The replicas (a list of modules, one per lane) and each one's parameter tensors, in the order of
     ``model.parameters()``."""
