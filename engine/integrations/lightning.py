@@ -141,7 +141,7 @@ class MultilaneCallback(pl.Callback):
         """After the step's last backward (the ranks' gradients combined, unscaled by Lightning's AMP
         plugin), before gradient clipping and the optimizer's update."""
         h = self.health
-        if h is None or not h.on:
+        if h is None or not h.on or h.took_gradients:  # manual optimization's later optimizers: the first's
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         lane_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
