@@ -31,9 +31,12 @@ class Regression(pl.LightningModule):
         x, y = batch
         if self.crash is not None and (self.global_step + 1, self.global_rank) == self.crash:
             raise ValueError(f"the user's bug at step {self.global_step + 1} on rank {self.global_rank}")
-        if self.global_step + 1 == self.dump:
+        if self.global_step + 1 == self.dump:  # every micro-batch of the step; the weights at its first
+            path = self.out / f"step{self.dump}-rank{self.global_rank}.pt"
             state = {k: v.clone() for k, v in self.net.state_dict().items()}
-            torch.save({"x": x, "y": y, "state": state}, self.out / f"step{self.dump}-rank{self.global_rank}.pt")
+            d = torch.load(path) if path.exists() else {"micro": [], "state": state}
+            d["micro"].append((x, y))
+            torch.save(d, path)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         self.logged.append({"step": self.global_step + 1, "loss": loss.item()})

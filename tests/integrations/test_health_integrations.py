@@ -186,36 +186,34 @@ def test_hugging_face_records_per_layer_health_of_the_accumulated_step_before_it
 
 @pytest.mark.slow
 def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation(tmp_path):
-    run = run_script(
-        "lightning_script.py", tmp_path, "--devices", "2", "--steps", "2", "--health-every", "2", "--dump", "2"
-    )
-    # by hand: the script's model, each rank's batch of 16 at step 2, float64
-    grads, sizes = [], []
+    args = ["--devices", "2", "--steps", "2", "--accumulate", "2", "--health-every", "2", "--dump", "2"]
+    run = run_script("lightning_script.py", tmp_path, *args)
+    # by hand: the script's model, each rank's two micro-batches of 16 at step 2, float64
+    grads, q = [], []
     for rank in (0, 1):
         d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
         model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
-        nn.functional.mse_loss(model(d["x"].to(F64)), d["y"].to(F64)).backward()
+        micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
+        assert len(micro) == 2
+        (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 2).backward()
         # DDP averages the ranks' gradients: this rank's part of the step's gradient is half its own
         grads.append([p.grad / 2 for p in model.parameters()])
-        sizes.append(len(d["x"]))
+        q.append(sum(len(x) / (2 * len(x) * 2) ** 2 for x, _ in micro))  # a sample weighs 1/(2·16·2)
     h = [a + b for a, b in zip(*grads, strict=True)]
     sq = [sum(g.square().sum().item() for g in gs) for gs in grads]
     total = sum(g.square().sum().item() for g in h)
-    a, q = [0.5, 0.5], [n / (2 * n) ** 2 for n in sizes]  # each sample weighs 1 / (2 · 16)
+    a = [0.5, 0.5]  # each rank's share of the step
     g2 = (total - sum(sq)) / (sum(a) ** 2 - sum(x * x for x in a))
     trace = (sum(sq) - sum(x * x for x in a) * g2) / sum(q)
     (rec,) = [r for r in records(run, "train") if r["step"] == 2]
-    assert rec["noise"]["batch"] == 32 and rec["noise"]["unit"] == "samples"
+    assert rec["noise"]["batch"] == 64 and rec["noise"]["unit"] == "samples"
     assert rec["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
     assert rec["noise"]["trace"] == pytest.approx(trace, rel=2e-3)
     assert rec["noise"]["b_simple"] == pytest.approx(trace / g2, rel=2e-3)
     # the layers' gradient norms are the combined gradient's
     (health,) = records(run, "health")
     assert health["rows"] == ["net.0", "net.2"] and health["step"] == 2
-    by_layer = [
-        (h[0].square().sum() + h[1].square().sum()).sqrt().item(),
-        (h[2].square().sum() + h[3].square().sum()).sqrt().item(),
-    ]
-    assert health["grad_norm"] == pytest.approx(by_layer, rel=2e-3)
+    layers = [(h[0].square().sum() + h[1].square().sum()).sqrt(), (h[2].square().sum() + h[3].square().sum()).sqrt()]
+    assert health["grad_norm"] == pytest.approx([v.item() for v in layers], rel=2e-3)
     assert not [r for r in records(run, "event") if r["event"] == "noise_scale"]  # measured: no note
