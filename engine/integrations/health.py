@@ -30,6 +30,7 @@ from multilane.engine.health.lane_grads import ddp_comm_hook
 from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
 from torch import nn
 
+SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
 
 
@@ -61,6 +62,11 @@ class LoopHealth:
     def on(self) -> bool:
         """This step is sampled (between ``start`` and ``after_update``)."""
         return self.monitor.on
+
+    def switch_off(self, reason: str) -> None:
+        """No health in this run (a sharded strategy: a process's ``.grad`` is not the layer's)."""
+        self.monitor.every = 0
+        self.note = reason
 
     def attach_ddp(self, ddp: Any) -> None:
         """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls

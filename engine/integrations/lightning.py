@@ -30,7 +30,7 @@ except MissingExtra:
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection
-from multilane.integrations.health import LoopHealth, health_section
+from multilane.integrations.health import SHARDED, LoopHealth, health_section
 from multilane.integrations.recorder import RunRecorder
 
 __all__ = ["MultilaneCallback"]
@@ -119,7 +119,11 @@ class MultilaneCallback(pl.Callback):
         rec = self.recorder
         self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)
         ddp = getattr(trainer.strategy, "model", None)
-        if rec.world > 1 and hasattr(ddp, "register_comm_hook"):  # DistributedDataParallel
+        kind = type(trainer.strategy).__name__
+        if self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
+            self.health.switch_off(SHARDED.format(kind))
+            rec.event("health_off", message=self.health.note)
+        elif rec.world > 1 and hasattr(ddp, "register_comm_hook"):  # DistributedDataParallel
             self.health.attach_ddp(ddp)
         elif rec.world > 1 and self.health.every:
             self.health.note = f"the noise scale is measured under ddp only, not {type(trainer.strategy).__name__}"

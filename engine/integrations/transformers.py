@@ -29,7 +29,7 @@ hf = require("transformers", "transformers", "multilane.integrations.transformer
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection  # noqa: E402
-from multilane.integrations.health import LoopHealth, health_section  # noqa: E402
+from multilane.integrations.health import SHARDED, LoopHealth, health_section  # noqa: E402
 from multilane.integrations.recorder import RunRecorder  # noqa: E402
 
 __all__ = ["MultilaneCallback"]
@@ -95,9 +95,13 @@ class MultilaneCallback(hf.TrainerCallback):
         rec = self.recorder
         self.health = LoopHealth(self.health_config, args.device, rec.rank, rec.world)
         self._model = model
-        if rec.world > 1 and self.health.every:
+        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
+        kind = str(getattr(kind, "value", kind))
+        if self.health.every and kind.upper() in ("FSDP", "DEEPSPEED"):
+            self.health.switch_off(SHARDED.format(kind))
+            rec.event("health_off", message=self.health.note)
+        elif rec.world > 1 and self.health.every:
             self.health.note = NO_DDP_NOISE
-        if self.health.note and self.health.every and rec.world > 1:  # one device: the view says why
             rec.event("noise_scale", message=self.health.note)
         clip = getattr(self._trainer, "_clip_grad_norm", None)
         if self.health.every and callable(clip) and (args.max_grad_norm or 0) > 0:
@@ -116,6 +120,7 @@ class MultilaneCallback(hf.TrainerCallback):
                 h.gradients(self._model if self._model is not None else model, scale)
             return clip(model, *args, **kwargs)
 
+        wrapped.multilane_health = True
         return wrapped
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -173,8 +178,7 @@ class MultilaneCallback(hf.TrainerCallback):
             rec.eval(step, _num(evals.get("loss")), metrics, epoch=_num(logs.get("epoch")))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._trainer is not None:
-            self._trainer.__dict__.pop("_clip_grad_norm", None)  # the Trainer's own method again
+        _unwrap_clipping(self._trainer)
         self.recorder.step = state.global_step
         self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
 
@@ -190,6 +194,7 @@ def _record_failures(train: Any) -> Any:
         try:
             return train(self, *args, **kwargs)
         except BaseException as e:
+            _unwrap_clipping(self)
             handler = getattr(self, "callback_handler", None)
             for cb in getattr(handler, "callbacks", ()):
                 if isinstance(cb, MultilaneCallback):
@@ -202,6 +207,13 @@ def _record_failures(train: Any) -> Any:
 
 if not getattr(hf.Trainer.train, "multilane_records_failures", False):
     hf.Trainer.train = _record_failures(hf.Trainer.train)
+
+
+def _unwrap_clipping(trainer: Any) -> None:
+    """The Trainer's own clipping again (health's reading wrapped it for one ``train()``)."""
+    mine = getattr(trainer, "__dict__", {}).get("_clip_grad_norm")
+    if getattr(mine, "multilane_health", False):
+        del trainer._clip_grad_norm
 
 
 def _finite(v: float | None) -> float | None:
