@@ -93,8 +93,13 @@ class HealthMonitor:
         if self.on:
             self._shares.add_micro(lane_units, lanes, accum, total)
 
-    def after_reduce(self, model: nn.Module, scale: torch.Tensor | None) -> None:
-        """The model's ``.grad`` is the batch's gradient (before clipping; ``scale``: fp16's loss scale)."""
+    def after_reduce(
+        self, model: nn.Module, scale: torch.Tensor | None, lane_scale: torch.Tensor | float | None = None
+    ) -> None:
+        """The model's ``.grad`` is the batch's gradient (before clipping; ``scale``: fp16's loss scale,
+        None where it is already unscaled). ``lane_scale``: the scale the lanes' own gradients carry
+        where it differs (an outside loop that unscales ``.grad`` before its hook, after its comm hook
+        saw the scaled buckets); by default ``scale``."""
         if not self.on:
             return
         for h in self._handles:
@@ -109,8 +114,10 @@ class HealthMonitor:
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 total = squared_norm(grads, self.device)
                 if scale is not None:
-                    s2 = scale.to(self.device, torch.float64).square()
-                    lane_sq, total = lane_sq / s2, total / s2
+                    total = total / scale.to(self.device, torch.float64).square()
+                lane_scale = scale if lane_scale is None else lane_scale
+                if lane_scale is not None:
+                    lane_sq = lane_sq / torch.as_tensor(lane_scale, dtype=torch.float64, device=self.device).square()
                 out["lane_sq"], out["total_sq"] = lane_sq, total.reshape(1)
             self.probe.disarm()
         self._noise_tensors = out

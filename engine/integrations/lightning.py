@@ -6,7 +6,10 @@ its time and the epoch. Validation becomes an eval record (``trainer.callback_me
 hold "val"). Stop in the app (the run folder's control file) sets ``trainer.should_stop`` at the next
 step, after saving a Lightning checkpoint when the trainer has a checkpoint callback; Pause waits
 between steps. A failure ends the run ``failed`` with its traceback; under ddp the rank that failed
-first is named, not the peers that lost it (recorder.py). Needs the ``[lightning]`` extra; this module is the only one that imports Lightning.
+first is named, not the peers that lost it (recorder.py). Every ``health.every`` steps, per-layer
+health as the engine's own runs record it (health.py), and under DDP the gradient noise scale from
+each rank's gradient. Needs the ``[lightning]`` extra; this module is the only one that imports
+Lightning.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ except MissingExtra:
         raise MissingExtra(str(e).replace("pytorch_lightning", "lightning")) from None
 
 # After the library: without it, the one line comes before torch is imported.
+from multilane.engine.config import HealthSection
+from multilane.integrations.health import SHARDED, LoopHealth, health_section
 from multilane.integrations.recorder import RunRecorder
 
 __all__ = ["MultilaneCallback"]
@@ -66,9 +71,18 @@ class MultilaneCallback(pl.Callback):
     ``--name``); the app follows it live (File → Follow run, the runs table) and its Stop and Pause act
     on it."""
 
-    def __init__(self, runs_dir: str | Path = "runs", name: str = "lightning", telemetry: bool = True) -> None:
+    def __init__(
+        self,
+        runs_dir: str | Path = "runs",
+        name: str = "lightning",
+        telemetry: bool = True,
+        health: HealthSection | dict[str, Any] | None = None,
+    ) -> None:
+        """``health``: the run's ``health`` section (its keys as a dict; by default on, as a native run)."""
         super().__init__()
         self.recorder = RunRecorder(runs_dir, name, telemetry)
+        self.health_config = health_section(health)
+        self.health: LoopHealth | None = None
         self._t0: float | None = None
         self._losses: list[float] = []
         self._lr: float | None = None
@@ -100,7 +114,21 @@ class MultilaneCallback(pl.Callback):
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "max_epochs": trainer.max_epochs,
             },
+            health=self.health_config.model_dump(mode="json"),
         )
+        rec = self.recorder
+        self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)
+        ddp = getattr(trainer.strategy, "model", None)
+        kind = type(trainer.strategy).__name__
+        if self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
+            self.health.switch_off(SHARDED.format(kind))
+            rec.event("health_off", message=self.health.note)
+        elif rec.world > 1 and hasattr(ddp, "register_comm_hook"):  # DistributedDataParallel
+            self.health.attach_ddp(ddp)
+        elif rec.world > 1 and self.health.every:
+            self.health.note = f"the noise scale is measured under ddp only, not {type(trainer.strategy).__name__}"
+        if self.health.note and self.health.every and rec.world > 1:  # one device: the view says why
+            rec.event("noise_scale", message=self.health.note)
 
     # -- each step ------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -108,6 +136,21 @@ class MultilaneCallback(pl.Callback):
             self._t0 = time.perf_counter()
             opt = trainer.optimizers[0] if trainer.optimizers else None
             self._lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+            if self.health is not None:
+                self.health.start(trainer.global_step + 1, pl_module, trainer.accumulate_grad_batches)
+        if self.health is not None:
+            self.health.micro(batch_size(batch))
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """After the step's last backward (the ranks' gradients combined, unscaled by Lightning's AMP
+        plugin), before gradient clipping and the optimizer's update."""
+        h = self.health
+        if h is None or not h.on or h.took_gradients:  # manual optimization's later optimizers: the first's
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        lane_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        h.gradients(pl_module, None, lane_scale)
+        h.before_update()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -130,6 +173,12 @@ class MultilaneCallback(pl.Callback):
         self._t0, self._losses = None, []
         samples, self._samples = self._samples, 0
         rec = self.recorder
+        noise = None
+        if self.health is not None:
+            self.health.after_update()
+            noise, sampled = self.health.end_step()  # under ddp, on a sampled step, a collective
+            for h in sampled:
+                rec.health(h)
         end = rec.step_end(step, mine, step_s, samples if samples > 0 else None)
         if end.losses:
             rec.train(
@@ -140,6 +189,7 @@ class MultilaneCallback(pl.Callback):
                 step_ms=1000.0 * step_s,
                 samples_per_s=end.samples / step_s if end.samples and step_s > 0 else None,
                 epoch=trainer.current_epoch,
+                noise=noise,
             )
         if end.stop:
             self._stop(trainer)

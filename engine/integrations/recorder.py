@@ -32,7 +32,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.failures import consolidate, write_note
 from multilane.engine.errors import UserError
-from multilane.engine.run.callbacks import STATUS_EVERY_S
+from multilane.engine.run.callbacks import HEALTH_LAYERS, STATUS_EVERY_S, split_health
 from multilane.engine.run.control import RunControl
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, RunDir, record_problem
@@ -117,6 +117,7 @@ class RunRecorder:
         batch_size: int | None = None,
         optimizer: tuple[str, float] | None = None,
         extra: dict[str, Any] | None = None,
+        health: dict[str, Any] | None = None,
     ) -> None:
         """Start the run: on rank 0 the folder, config.json, environment.json, status and "started";
         on every rank the telemetry of its own device. Under ddp a collective (every rank calls it)."""
@@ -146,6 +147,8 @@ class RunRecorder:
                 config["data"] = {"batch_size": batch_size}
             if optimizer is not None:
                 config["optim"] = {"name": optimizer[0], "lr": optimizer[1]}
+            if health is not None:
+                config["health"] = health
             self.rd.write_json(CONFIG, config)
             self.rd.write_json(ENVIRONMENT, environment())
             self._file = ControlFile(self.rd.path)
@@ -205,6 +208,16 @@ class RunRecorder:
         if device_loss:
             rec["device_loss"] = device_loss
         rec.update({k: v for k, v in fields.items() if v is not None})
+        self.write(rec)
+
+    def health(self, record: dict[str, Any]) -> None:
+        """A ``health`` record of the engine's monitor (rank 0): the grouped rows into metrics.jsonl,
+        every layer's values into ``health_layers.jsonl``, as the engine's own runs write them."""
+        if self.rd is None:
+            return
+        rec, layers = split_health(record)
+        if layers is not None and record_problem(rec) is None:
+            self.rd.append_text(HEALTH_LAYERS, layers)
         self.write(rec)
 
     def eval(self, step: int, val_loss: float | None, metrics: dict[str, float], **fields: Any) -> None:

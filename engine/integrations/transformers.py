@@ -9,8 +9,10 @@ mean over the ranks, so no device's own loss is shown (``device_loss`` is writte
 process). A ``TrainerCallback`` never hears of an exception, so importing this module wraps
 ``Trainer.train`` (once, for every Trainer and subclass): an exception out of it ends the run of the
 trainer's ``MultilaneCallback`` ``failed`` with its traceback (Ctrl+C: ``stopped``), then goes on up as
-before; under ddp the rank that failed first is named (recorder.py). Needs the ``[transformers]``
-extra; this module is the only one that imports transformers.
+before; under ddp the rank that failed first is named (recorder.py). Every ``health.every`` steps,
+per-layer health as the engine's own runs record it (health.py): the gradient is read where the
+Trainer clips it (before clipping, unscaled), or at ``on_pre_optimizer_step`` when it does not clip.
+Needs the ``[transformers]`` extra; this module is the only one that imports transformers.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from multilane.integrations.extras import require
 hf = require("transformers", "transformers", "multilane.integrations.transformers")
 
 # After the library: without it, the one line comes before torch is imported.
+from multilane.engine.config import HealthSection  # noqa: E402
+from multilane.integrations.health import SHARDED, LoopHealth, health_section  # noqa: E402
 from multilane.integrations.recorder import RunRecorder  # noqa: E402
 
 __all__ = ["MultilaneCallback"]
 
 # Evaluation log entries that time the evaluation, not the model: not metrics.
 _TIMING = ("runtime", "samples_per_second", "steps_per_second")
+
+NO_DDP_NOISE = (
+    "the noise scale is not measured under the Hugging Face Trainer's ddp: how it weighs each rank's loss "
+    "(samples, or tokens averaged across devices) depends on the model, which its hooks do not say"
+)
 
 
 def _num(v: Any) -> float | None:
@@ -42,8 +51,20 @@ class MultilaneCallback(hf.TrainerCallback):
     """Writes the ``transformers.Trainer`` run into ``<runs_dir>/<timestamp>-<name>/``; the app
     follows it live and its Stop and Pause act on it."""
 
-    def __init__(self, runs_dir: str | Path = "runs", name: str = "transformers", telemetry: bool = True) -> None:
+    def __init__(
+        self,
+        runs_dir: str | Path = "runs",
+        name: str = "transformers",
+        telemetry: bool = True,
+        health: HealthSection | dict[str, Any] | None = None,
+    ) -> None:
+        """``health``: the run's ``health`` section (its keys as a dict; by default on, as a native run)."""
         self.recorder = RunRecorder(runs_dir, name, telemetry)
+        self.health_config = health_section(health)
+        self.health: LoopHealth | None = None
+        self._trainer: Any = None  # the Trainer whose train() runs (set by the wrapped Trainer.train)
+        self._model: Any = None
+        self._noise: dict[str, Any] | None = None
         self._t0: float | None = None
         self._step_s: list[float] = []
         self._samples_per_step = 0
@@ -69,10 +90,60 @@ class MultilaneCallback(hf.TrainerCallback):
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "logging_steps": args.logging_steps,
             },
+            health=self.health_config.model_dump(mode="json"),
         )
+        rec = self.recorder
+        self.health = LoopHealth(self.health_config, args.device, rec.rank, rec.world)
+        self._model = model
+        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
+        kind = str(getattr(kind, "value", kind))
+        if self.health.every and kind.upper() in ("FSDP", "DEEPSPEED"):
+            self.health.switch_off(SHARDED.format(kind))
+            rec.event("health_off", message=self.health.note)
+        elif rec.world > 1 and self.health.every:
+            self.health.note = NO_DDP_NOISE
+            rec.event("noise_scale", message=self.health.note)
+        clip = getattr(self._trainer, "_clip_grad_norm", None)
+        if self.health.every and callable(clip) and (args.max_grad_norm or 0) > 0:
+            self._trainer._clip_grad_norm = self._before_clipping(clip)
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _before_clipping(self, clip: Any) -> Any:
+        """The Trainer's clipping (this Trainer only), reading a sampled step's gradient first: the
+        whole step's, combined over the ranks, divided by the loss scale it still carries."""
+
+        @functools.wraps(clip)
+        def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
+            h = self.health
+            if h is not None and h.on:
+                scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
+                scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+                h.gradients(self._model if self._model is not None else model, scale)
+            return clip(model, *args, **kwargs)
+
+        wrapped.multilane_health = True
+        return wrapped
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._t0 = time.perf_counter()
+        if self.health is not None and model is not None:
+            self._model = model
+            self.health.start(state.global_step + 1, model, args.gradient_accumulation_steps)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After clipping (read before it, where the Trainer clips) and before the optimizer's step."""
+        h = self.health
+        if h is not None and h.on:
+            h.gradients(self._model)  # unscaled here; a no-op when read before clipping
+            h.before_update()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        h = self.health
+        if h is None:
+            return
+        h.after_update()
+        self._noise, sampled = h.end_step()
+        for record in sampled:
+            self.recorder.health(record)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step_s = time.perf_counter() - (self._t0 or time.perf_counter())
@@ -99,6 +170,7 @@ class MultilaneCallback(hf.TrainerCallback):
                 epoch=_num(logs.get("epoch")),
                 step_ms=1000.0 * sum(times) / len(times) if times else None,
                 samples_per_s=self._samples_per_step * len(times) / sum(times) if times and sum(times) > 0 else None,
+                noise=self._noise,
             )
         evals = {k[5:]: v for k, v in logs.items() if k.startswith("eval_") and _num(v) is not None}
         if evals:
@@ -106,6 +178,7 @@ class MultilaneCallback(hf.TrainerCallback):
             rec.eval(step, _num(evals.get("loss")), metrics, epoch=_num(logs.get("epoch")))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _unwrap_clipping(self._trainer)
         self.recorder.step = state.global_step
         self.recorder.finish("stopped" if self.recorder.stop_asked else "finished")
 
@@ -115,9 +188,13 @@ def _record_failures(train: Any) -> Any:
 
     @functools.wraps(train)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for cb in getattr(getattr(self, "callback_handler", None), "callbacks", ()):
+            if isinstance(cb, MultilaneCallback):
+                cb._trainer = self  # its hooks are handed no Trainer: health reads its clipping
         try:
             return train(self, *args, **kwargs)
         except BaseException as e:
+            _unwrap_clipping(self)
             handler = getattr(self, "callback_handler", None)
             for cb in getattr(handler, "callbacks", ()):
                 if isinstance(cb, MultilaneCallback):
@@ -130,6 +207,13 @@ def _record_failures(train: Any) -> Any:
 
 if not getattr(hf.Trainer.train, "multilane_records_failures", False):
     hf.Trainer.train = _record_failures(hf.Trainer.train)
+
+
+def _unwrap_clipping(trainer: Any) -> None:
+    """The Trainer's own clipping again (health's reading wrapped it for one ``train()``)."""
+    mine = getattr(trainer, "__dict__", {}).get("_clip_grad_norm")
+    if getattr(mine, "multilane_health", False):
+        del trainer._clip_grad_norm
 
 
 def _finite(v: float | None) -> float | None:

@@ -63,6 +63,16 @@ class RunResult:
 HEALTH_LAYERS = "health_layers.jsonl"
 """Every layer's sampled health, one line per sampled step (metrics.jsonl holds the grouped rows)."""
 
+
+def split_health(record: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A monitor's ``health`` record as the run folder keeps it: the grouped record for metrics.jsonl,
+    and the line of every layer's values for ``HEALTH_LAYERS`` (None when it has none). The engine's
+    trainers and the integrations' recorders write through this one function."""
+    rec = {k: v for k, v in record.items() if k != "layers"}
+    layers = record.get("layers")
+    return rec, (json.dumps(layers, separators=(",", ":")) + "\n") if layers else None
+
+
 STATUS_EVERY_S = 1.0
 """At most how often ``status.json``'s step follows the train records (an atomic, fsynced rewrite)."""
 
@@ -93,10 +103,10 @@ class MetricsWriter(TrainerCallback):
 
     def on_health(self, record: dict[str, Any]) -> None:
         """The grouped record into metrics.jsonl; every layer's values into health_layers.jsonl."""
-        rec = {k: v for k, v in record.items() if k != "layers"}
+        rec, layers = split_health(record)
         self.run_dir.append_metric(rec)
-        if record.get("layers"):
-            self.run_dir.append_text(HEALTH_LAYERS, json.dumps(record["layers"], separators=(",", ":")) + "\n")
+        if layers is not None:
+            self.run_dir.append_text(HEALTH_LAYERS, layers)
 
     on_eval = on_record
     on_event = on_record

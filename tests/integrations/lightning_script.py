@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, out: Path, sleep_s: float, crash: tuple[int, int] | None = None) -> None:
+    def __init__(self, out: Path, sleep_s: float, crash: tuple[int, int] | None = None, dump: int = 0) -> None:
         super().__init__()
+        self.dump = dump  # at this step, each rank saves its batch and the weights it starts from
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.out, self.sleep_s, self.logged = out, sleep_s, []
         self.crash = crash  # (step, rank): that rank's training_step raises at that step
@@ -30,6 +31,12 @@ class Regression(pl.LightningModule):
         x, y = batch
         if self.crash is not None and (self.global_step + 1, self.global_rank) == self.crash:
             raise ValueError(f"the user's bug at step {self.global_step + 1} on rank {self.global_rank}")
+        if self.global_step + 1 == self.dump:  # every micro-batch of the step; the weights at its first
+            path = self.out / f"step{self.dump}-rank{self.global_rank}.pt"
+            state = {k: v.clone() for k, v in self.net.state_dict().items()}
+            d = torch.load(path) if path.exists() else {"micro": [], "state": state}
+            d["micro"].append((x, y))
+            torch.save(d, path)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         self.logged.append({"step": self.global_step + 1, "loss": loss.item()})
@@ -70,6 +77,8 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--crash", default=None, help="STEP:RANK: that rank raises at that step")
+    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
+    p.add_argument("--dump", type=int, default=0, help="each rank saves its batch and weights at this step")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -90,10 +99,14 @@ def main() -> None:
         enable_checkpointing=a.checkpoint,
         default_root_dir=str(out / "lightning"),
         logger=False,
-        callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="lit")],
+        callbacks=[
+            MultilaneCallback(
+                runs_dir=a.runs_dir, name="lit", health={"every": a.health_every} if a.health_every else None
+            )
+        ],
     )
     trainer.fit(
-        Regression(out, a.sleep, tuple(map(int, a.crash.split(":"))) if a.crash else None),
+        Regression(out, a.sleep, tuple(map(int, a.crash.split(":"))) if a.crash else None, a.dump),
         DataLoader(data(256, 0), batch_size=16, shuffle=True),
         DataLoader(data(64, 1), batch_size=32),
     )

@@ -1,0 +1,134 @@
+"""Per-layer health for a training loop Multilane does not drive (Lightning, transformers).
+
+The engine's own sampler (``engine/health/monitor.py``: ``HealthMonitor``) does the work, on the
+run's ``health`` section (the same keys and defaults as a native run); this module only maps an outside
+loop's hooks onto its calls, for both integrations:
+
+- ``start`` at a step's first micro-batch (a sampled step arms the activation hooks, on the model
+  itself: zero cost on other steps, where ``start`` is a modulo test);
+- ``micro`` per micro-batch (its samples; under ddp the shares of the noise scale);
+- ``gradients`` where the loop's ``.grad`` is the whole optimizer step's gradient, combined over the
+  ranks and unscaled, before clipping; ``before_update`` before the optimizer's step and
+  ``after_update`` after it (``‖Δw‖/‖w‖``);
+- ``end_step`` reads the step's values (one transfer) and returns the ``health`` records and the
+  smoothed noise scale.
+
+The noise scale needs each rank's own gradient before the ranks' gradients are combined: under DDP a
+communication hook (``engine/health/lane_grads.py``'s ``ddp_comm_hook``, the engine's own) sees this
+rank's buckets before torch's all-reduce; ``attach_ddp`` registers it. One process, or a DDP that
+already has another communication hook: the noise scale is not measured, and ``noise_note`` says why.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from multilane.engine.config import HealthSection
+from multilane.engine.health.lane_grads import ddp_comm_hook
+from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
+from torch import nn
+
+SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
+HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
+
+
+def health_section(health: HealthSection | dict[str, Any] | None) -> HealthSection:
+    """The run's ``health`` section: as given, from a dict of its keys, or the defaults (on)."""
+    if isinstance(health, HealthSection):
+        return health
+    return HealthSection.model_validate(health or {})
+
+
+class LoopHealth:
+    """The health of one process's part of an outside trainer's run."""
+
+    def __init__(self, cfg: HealthSection, device: torch.device | str, rank: int = 0, world: int = 1) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.rank, self.world = rank, world
+        self.monitor = HealthMonitor(cfg, 1, self.device)
+        self.note: str | None = ONE_DEVICE if cfg.enabled and world < 2 else None
+        self.accum = 1
+        self._took = False  # this sampled step's gradients were read
+
+    @property
+    def every(self) -> int:
+        """The cadence (0: off)."""
+        return self.monitor.every
+
+    @property
+    def on(self) -> bool:
+        """This step is sampled (between ``start`` and ``after_update``)."""
+        return self.monitor.on
+
+    def switch_off(self, reason: str) -> None:
+        """No health in this run (a sharded strategy: a process's ``.grad`` is not the layer's)."""
+        self.monitor.every = 0
+        self.note = reason
+
+    def attach_ddp(self, ddp: Any) -> None:
+        """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls
+        it, before the first backward). A DDP with a communication hook of its own keeps it: then no
+        noise scale, and ``note`` says why."""
+        if not self.every or self.world < 2:
+            return
+        import torch.distributed as dist
+
+        monitor = HealthMonitor(self.cfg, self.world, self.device, exchange=dist.all_reduce)
+        assert monitor.probe is not None
+        try:
+            ddp.register_comm_hook(None, ddp_comm_hook(monitor.probe, self.rank, self.world))
+        except RuntimeError as e:
+            self.note = HOOK_TAKEN.format(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
+        self.monitor, self.note = monitor, None
+
+    # -- the step ---------------------------------------------------------------------------------
+    def start(self, step: int, model: nn.Module, accum: int) -> None:
+        """Before step ``step``'s (1-based) first micro-batch."""
+        self.accum = max(1, int(accum))
+        self._took = False
+        self.monitor.begin_step(step, model, self.accum)
+
+    def micro(self, samples: int) -> None:
+        """One micro-batch of ``samples`` on this rank. Under DDP every rank's loss is its own batch's
+        mean and the ranks' gradients are averaged: each sample weighs ``1 / (world · samples · accum)``."""
+        if self.monitor.on and samples > 0:
+            self.monitor.micro([float(samples)], [self.rank if self.world > 1 else 0], self.accum, samples * self.world)
+
+    def gradients(self, model: nn.Module, scale: torch.Tensor | float | None = None, lane_scale: Any = None) -> None:
+        """``model``'s ``.grad`` is the step's gradient (every micro-batch's, the ranks' combined).
+        ``scale``: the loss scale ``.grad`` still carries (None: unscaled); ``lane_scale``: the one the
+        communication hook saw (fp16 under ddp, where the loop unscales ``.grad`` before its hook)."""
+        if self.monitor.on and not self._took:
+            s = None if scale is None else torch.as_tensor(scale, dtype=torch.float64)
+            self.monitor.after_reduce(model, s, lane_scale)
+            self._took = True
+
+    @property
+    def took_gradients(self) -> bool:
+        """This sampled step's gradients were read (later calls of ``gradients`` leave them)."""
+        return self._took
+
+    def before_update(self) -> None:
+        if self._took:
+            self.monitor.before_update()
+
+    def after_update(self) -> None:
+        """After the optimizer's step; a sampled step whose gradients were never read is dropped."""
+        if self.monitor.on and not self._took:
+            self.monitor.abandon()
+            return
+        self.monitor.after_update()
+        self._took = False
+
+    def abandon(self) -> None:
+        """The step did not reach the optimizer (skipped, failed): drop what it armed."""
+        self.monitor.abandon()
+
+    def end_step(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """``(noise, records)``: the smoothed noise scale (None if not measured) and the sampled
+        steps' ``health`` records. Under ddp a collective when a step was sampled: every rank calls it."""
+        return self.monitor.at_log(time.time())

@@ -1,0 +1,219 @@
+"""Issue 32 item 5: the Lightning and Hugging Face callbacks record per-layer health as a native run
+does, against a plain float64 loop on the same model and batches (as tests/engine/health does for the
+engine): the gradient norm of the whole accumulated step (unscaled, before clipping), the weight norm
+and ``‖Δw‖/‖w‖`` of the clipped step, and the mean, std and fraction of zeros of the chosen
+activations over every micro-batch of the step. Under Lightning's ddp (two CPU processes) the noise
+scale comes from each rank's own gradient, against a hand computation from the ranks' batches."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from integration_runs import records, run_script
+from multilane.engine.rundir.runlog import read_json
+from torch import nn
+
+F64 = torch.float64
+HEALTH = {"every": 1, "activations": "ReLU,Tanh"}
+ROWS, ACT_ROWS = ["net.0", "net.2", "net.4"], ["net.1 (ReLU)", "net.3 (Tanh)"]
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
+
+
+def data(n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, 5, generator=g, dtype=F64), torch.randn(n, 3, generator=g, dtype=F64)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def reference(model: nn.Sequential, steps: list[list[tuple]], lr: float, clip: float) -> list[dict]:
+    """Plain SGD on ``steps`` (each a list of micro-batches), every value by hand in float64."""
+    layers = [model[0], model[2], model[4]]
+    out = []
+    for micro in steps:
+        acts: list[list[torch.Tensor]] = [[], []]
+        hooks = [
+            m.register_forward_hook(lambda _m, _a, o, keep=keep: keep.append(o.detach()))
+            for keep, m in zip(acts, (model[1], model[3]), strict=True)
+        ]
+        model.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / len(micro)
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        grads = [torch.cat([p.grad.reshape(-1) for p in k.parameters()]).norm().item() for k in layers]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = [flat(k).clone() for k in layers]
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        after = [flat(k) for k in layers]
+        a = [torch.cat(x) for x in acts]
+        out.append(
+            {
+                "grad_norm": grads,
+                "weight_norm": [w.norm().item() for w in after],
+                "update_ratio": [((w - b).norm() / w.norm()).item() for w, b in zip(after, before, strict=True)],
+                "act_mean": [x.mean().item() for x in a],
+                "act_std": [x.std(unbiased=False).item() for x in a],
+                "act_zero": [(x == 0).double().mean().item() for x in a],
+            }
+        )
+    return out
+
+
+def check(run, expect: list[dict]) -> None:
+    assert all(sum(g * g for g in r["grad_norm"]) > 0.3**2 for r in expect)  # every step is clipped
+    health = records(run, "health")  # the readers accept every record
+    assert [r["step"] for r in health] == list(range(1, len(expect) + 1))
+    for rec, ref in zip(health, expect, strict=True):
+        assert rec["rows"] == ROWS and rec["act_rows"] == ACT_ROWS
+        for key, values in ref.items():
+            assert rec[key] == pytest.approx(values, rel=1e-3, abs=1e-12), (rec["step"], key)
+    full = [json.loads(x) for x in (run / "health_layers.jsonl").read_text().splitlines()]
+    assert [f["step"] for f in full] == [r["step"] for r in health] and full[0]["names"] == ROWS
+    assert read_json(run / "config.json")["health"]["every"] == 1
+    # one process: no noise scale (the view says it needs two or more devices, as for a native run)
+    assert not any("noise" in r for r in records(run, "train"))
+    assert [r["event"] for r in records(run, "event")] == ["started", "finished"]
+
+
+@pytest.mark.slow
+def test_lightning_records_per_layer_health_of_the_accumulated_unscaled_unclipped_step(tmp_path):
+    from multilane.integrations.lightning import MultilaneCallback  # isort: skip
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import MixedPrecision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.seen = net(), []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append([t.clone() for t in batch])
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    module = Module()
+    start = copy.deepcopy(module.net)
+    # fp16's loss scaling (2^10; a float64 model stays float64 under autocast): Lightning unscales the
+    # gradient before on_before_optimizer_step, which the records must not divide again
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    cb = MultilaneCallback(runs_dir=tmp_path / "runs", name="lit", telemetry=False, health=HEALTH)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[amp],
+        callbacks=[cb],
+        max_steps=3,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.3,  # clipped after the hook: the records hold the gradient before it
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(*data()), batch_size=8))
+    assert not any(m._forward_hooks for m in module.modules())  # hooked on sampled steps only
+    steps = [module.seen[k : k + 2] for k in range(0, 6, 2)]
+    check(cb.run_dir, reference(start, steps, lr=0.2, clip=0.3))
+
+
+@pytest.mark.slow
+def test_hugging_face_records_per_layer_health_of_the_accumulated_step_before_its_clipping(tmp_path):
+    from multilane.integrations.transformers import MultilaneCallback  # isort: skip
+
+    import transformers
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.seen = net(), []
+
+        def forward(self, x, y):
+            if self.training:
+                self.seen.append((x.clone(), y.clone()))
+            return {"loss": nn.functional.mse_loss(self.net(x), y)}
+
+    x, y = data()
+    rows = [{"x": x[i], "y": y[i]} for i in range(len(x))]
+    model = Model()
+    start = copy.deepcopy(model.net)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.3,  # the Trainer clips before on_pre_optimizer_step: read before its clipping
+        fp16=True,  # the scaled gradient, divided by the accelerator's loss scale
+        learning_rate=0.2,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    cb = MultilaneCallback(runs_dir=tmp_path / "runs", name="hf", telemetry=False, health=HEALTH)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb])
+    # fp16's loss scaling as accelerate does it on a GPU (on the CPU it makes no scaler): the same
+    # GradScaler, handed to the optimizer it prepares; a float64 model stays float64 under autocast
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    trainer.accelerator.native_amp = True  # as on a GPU: it unscales before the Trainer's clipping
+    trainer.train()
+    assert trainer.accelerator.scaler.get_scale() == 1024.0  # every step was scaled (and none skipped)
+    assert not any(m._forward_hooks for m in model.modules())  # hooked on sampled steps only
+    assert "_clip_grad_norm" not in vars(trainer)  # the Trainer's own method again
+    steps = [model.seen[k : k + 2] for k in range(0, 6, 2)]
+    check(cb.run_dir, reference(start, steps, lr=0.2, clip=0.3))
+
+
+@pytest.mark.slow
+def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation(tmp_path):
+    args = ["--devices", "2", "--steps", "2", "--accumulate", "2", "--health-every", "2", "--dump", "2"]
+    run = run_script("lightning_script.py", tmp_path, *args)
+    # by hand: the script's model, each rank's two micro-batches of 16 at step 2, float64
+    grads, q = [], []
+    for rank in (0, 1):
+        d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
+        model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
+        micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
+        assert len(micro) == 2
+        (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 2).backward()
+        # DDP averages the ranks' gradients: this rank's part of the step's gradient is half its own
+        grads.append([p.grad / 2 for p in model.parameters()])
+        q.append(sum(len(x) / (2 * len(x) * 2) ** 2 for x, _ in micro))  # a sample weighs 1/(2·16·2)
+    h = [a + b for a, b in zip(*grads, strict=True)]
+    sq = [sum(g.square().sum().item() for g in gs) for gs in grads]
+    total = sum(g.square().sum().item() for g in h)
+    a = [0.5, 0.5]  # each rank's share of the step
+    g2 = (total - sum(sq)) / (sum(a) ** 2 - sum(x * x for x in a))
+    trace = (sum(sq) - sum(x * x for x in a) * g2) / sum(q)
+    (rec,) = [r for r in records(run, "train") if r["step"] == 2]
+    assert rec["noise"]["batch"] == 64 and rec["noise"]["unit"] == "samples"
+    assert rec["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
+    assert rec["noise"]["trace"] == pytest.approx(trace, rel=2e-3)
+    assert rec["noise"]["b_simple"] == pytest.approx(trace / g2, rel=2e-3)
+    # the layers' gradient norms are the combined gradient's
+    (health,) = records(run, "health")
+    assert health["rows"] == ["net.0", "net.2"] and health["step"] == 2
+    layers = [(h[0].square().sum() + h[1].square().sum()).sqrt(), (h[2].square().sum() + h[3].square().sum()).sqrt()]
+    assert health["grad_norm"] == pytest.approx([v.item() for v in layers], rel=2e-3)
+    assert not [r for r in records(run, "event") if r["event"] == "noise_scale"]  # measured: no note
