@@ -36,13 +36,11 @@ def cmd_train_hosts(args: argparse.Namespace) -> int:
 
 def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]], runs_dirs: list[str]) -> int:
     from multilane.engine.cli import remote
-    from multilane.engine.cli.train import _overrides, _run_config
+    from multilane.engine.cli.train import _overrides
     from multilane.engine.remote.multi_host import Node, launch_multi_host, node_counts, wait_nodes_ended
     from multilane.engine.remote.remote_runs import FINAL, remote_status
 
     hosts = [h for h, _ in pairs]
-    if args.resume:
-        raise UserError("--resume with several --host: resuming a run across hosts is not supported yet")
     if args.strategy == "fsdp":
         raise UserError(
             "several --host with --strategy fsdp: every rank writes its shards into the run folder, which these "
@@ -61,19 +59,19 @@ def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]],
     overrides = _overrides(args)
     overrides.pop("run.runs_dir", None)  # --runs-dir is where the mirror goes here
     overrides["devices.strategy"] = "ddp"
-    configs = []
-    for _, devices in pairs:  # each host's device list checked here, before anything starts anywhere
-        overrides["devices.use"] = devices
-        configs.append(_run_config(argparse.Namespace(**{**vars(args), "resume": None}), dict(overrides)))
-    config = configs[0]
+    config = None if args.resume else _configs(args, None, pairs, overrides)  # a resume's: once host 0 answers
     conns: list[Any] = []
     try:
         for host in hosts:  # every host answers before anything starts
             conns.append(remote.open_connection(args, host))
+        resume, base = _resumed(conns[0], args.resume) if args.resume else (None, None)
+        config = config or _configs(args, base, pairs, overrides)
         nodes = [
             Node(c, devices or "", runs_dirs[k] if len(runs_dirs) > 1 else (runs_dirs or [None])[0])
             for k, (c, (_, devices)) in enumerate(zip(conns, pairs, strict=True))
         ]
+        if resume is not None:
+            return _resume_across(args, conns[0], nodes, config.to_dict(), resume, overrides, (addr, port))
         launched = launch_multi_host(nodes, config.to_dict(), addr, port, args.rdzv_timeout)
         where = f"{launched.run.host}:{launched.run.path}"
         if args.detach:
@@ -92,6 +90,91 @@ def _train_across(args: argparse.Namespace, pairs: list[tuple[str, str | None]],
     finally:
         for c in conns:
             c.close()
+
+
+def _resumed(conn: Any, path: str) -> tuple[str, dict[str, Any]]:
+    """``--resume RUN`` across hosts: RUN, a run folder on the first host (its absolute path), and the
+    config it was started with (its ``config.json``), which the other nodes start from."""
+    import json
+
+    from multilane.engine.cli.terminal_text import printable
+    from multilane.engine.remote.launch import absolute_there
+    from multilane.engine.remote.remote_runs import refuse_live
+    from multilane.engine.rundir.runlog import CONFIG
+
+    folder = absolute_there(conn, path)
+    if folder is None:
+        raise UserError(f"--resume: {printable(conn.name)}:{printable(path)} is not a folder there (the first --host)")
+    refuse_live(conn, folder)
+    try:
+        with conn.lock, conn.sftp().open(f"{folder}/{CONFIG}", "r") as f:
+            base = json.loads(f.read(1 << 20))
+        conn.sftp().stat(f"{folder}/checkpoints/last.pt")
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"--resume: {printable(conn.name)}:{printable(folder)} is not a run with a checkpoint there "
+            f"({printable(str(e)) or type(e).__name__})"
+        ) from None
+    if not isinstance(base, dict):
+        raise UserError(f"--resume: {printable(conn.name)}:{printable(folder)}/{CONFIG} is not a run's config")
+    return folder, base
+
+
+def _configs(
+    args: argparse.Namespace, base: dict[str, Any] | None, pairs: list[tuple[str, str | None]], overrides: dict
+) -> Any:
+    """Host 0's config; every host's device list is checked here, before anything starts anywhere."""
+    configs = []
+    for _, devices in pairs:
+        overrides["devices.use"] = devices
+        configs.append(_node_config(args, base, dict(overrides)))
+    return configs[0]
+
+
+def _node_config(args: argparse.Namespace, base: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
+    """A node's config: the flags' (a new run), or the resumed run's config with the flags over it."""
+    from multilane.engine.cli.train import _run_config
+    from multilane.engine.config import build_config, merge
+
+    if base is None:
+        return _run_config(argparse.Namespace(**{**vars(args), "resume": None}), overrides)
+    overrides.pop("task.params", None)
+    return build_config(merge(base, overrides), "--resume config")
+
+
+def _resume_across(
+    args: argparse.Namespace, conn: Any, nodes: list[Any], config: dict[str, Any], folder: str,
+    overrides: dict[str, Any], endpoint: tuple[str | None, int | None],
+) -> int:  # fmt: skip
+    """The run in ``folder`` on host 0 continued across ``nodes`` and followed to its end, as
+    ``train --host H --resume`` follows one host's (the curves so far, then the new steps)."""
+    from multilane.engine.cli import remote
+    from multilane.engine.cli.terminal_text import printable
+    from multilane.engine.remote.mirror import mirror_folder
+    from multilane.engine.remote.multi_host import launch_multi_host, wait_nodes_ended
+    from multilane.engine.remote.remote_runs import FINAL, remote_status, resume_followed
+
+    flags = {k: v for k, v in overrides.items() if k not in ("task.params", "devices.use", "devices.strategy")}
+    launched: list[Any] = []
+
+    def start() -> Any:
+        launched.append(
+            launch_multi_host(
+                nodes, config, endpoint[0], endpoint[1], args.rdzv_timeout, resume=folder, overrides=flags
+            )
+        )
+        return launched[0].run
+
+    if args.detach:
+        print(printable(f"{conn.name}:{start().path}"))
+        return 0
+    local = mirror_folder(args.runs_dir or "runs", conn.spec.label, folder)
+    run, follower = resume_followed(conn, folder, local, start=start)
+    print(printable(f"resuming {conn.name}:{run.path} across {len(nodes)} hosts; Ctrl+C stops it"), file=sys.stderr)
+    code = remote._watch_remote(conn, folder, follower, getattr(args, "interval", 0.5))
+    if (remote_status(conn, folder) or {}).get("state") in FINAL:
+        wait_nodes_ended(launched[0].nodes, [n.conn for n in nodes])
+    return code
 
 
 def _endpoint(text: str | None) -> tuple[str | None, int | None]:

@@ -123,6 +123,14 @@ def launch_run(conn: Connection, config: dict[str, Any], runs_dir: str | None = 
     return RemoteRun(conn.name, folder, pid, conn.remote_command)
 
 
+def set_flags(overrides: dict[str, Any]) -> list[str]:
+    """``--set KEY=VALUE`` for each override, as the host's ``multilane train`` reads them back."""
+    out = []
+    for key, value in overrides.items():
+        out += ["--set", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return out
+
+
 def resume_run(conn: Connection, folder: str, overrides: dict[str, Any] | None = None) -> RemoteRun:
     """Continue the run in the host's ``folder`` from its last checkpoint (refused while it is live there:
     the launcher there would refuse it too, but only into its console.log, detached)."""
@@ -130,9 +138,7 @@ def resume_run(conn: Connection, folder: str, overrides: dict[str, Any] | None =
 
     conn.check_multilane()
     refuse_live(conn, folder)
-    args = ["--resume", folder]
-    for key, value in (overrides or {}).items():
-        args += ["--set", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    args = ["--resume", folder, *set_flags(overrides or {})]
     code, _, _ = conn.run(f"test -f {shlex.quote(posixpath.join(folder, 'checkpoints', 'last.pt'))}", login=False)
     if code != 0:
         raise RemoteError(f"{conn.name}: {folder} has no checkpoint to resume from")

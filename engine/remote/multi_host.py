@@ -34,6 +34,7 @@ from multilane.engine.remote.launch import (
     _start,
     make_run_folder,
     remote_runs_folder,
+    set_flags,
 )
 from multilane.engine.rundir.runlog import CONFIG
 
@@ -111,8 +112,15 @@ def launch_multi_host(
     rdzv_addr: str | None = None,
     rdzv_port: int | None = None,
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S,
+    resume: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> MultiHostRun:
-    """Start one ddp run of ``config`` (a ``RunConfig.to_dict()``) across ``nodes``; returns at once."""
+    """Start one ddp run of ``config`` (a ``RunConfig.to_dict()``) across ``nodes``; returns at once.
+
+    ``resume``: the run folder on host 0 to continue instead (``config``: its config, ``overrides``
+    applied). Node 0 resumes it there (``--resume``, ``overrides`` as ``--set``); the other nodes start
+    from ``config`` with their own devices and get rank 0's checkpoint when the ranks set up (they hold
+    no copy of the run folder)."""
     if len(nodes) < 2:
         raise RemoteError("a run across hosts needs at least two hosts")
     names = [n.conn.name for n in nodes]
@@ -135,7 +143,7 @@ def launch_multi_host(
     try:
         for k, (n, r) in enumerate(zip(nodes, runs, strict=True)):
             if k == 0:
-                n.folder = make_run_folder(n.conn, r, name)
+                n.folder = resume or make_run_folder(n.conn, r, name)
                 _write_nodes(n.conn, n.folder, nodes)
             else:
                 n.folder = posixpath.join(r, NODES_FOLDER, f"{rdzv_id}-node{k}")
@@ -147,20 +155,23 @@ def launch_multi_host(
                 "run": {**config["run"], "runs_dir": r},
                 "devices": {**config.get("devices", {}), "use": n.devices, "strategy": "ddp", "weights": []},
             }
-            cfg = posixpath.join(n.folder, CONFIG)
-            with n.conn.lock, n.conn.sftp().open(cfg, "w") as f:
-                f.write(json.dumps(node_config, indent=2) + "\n")
+            if k == 0 and resume:
+                start = ["--resume", n.folder, "--devices", n.devices, *set_flags(overrides or {})]
+            else:
+                start = ["--config", posixpath.join(n.folder, CONFIG)]
+                with n.conn.lock, n.conn.sftp().open(start[1], "w") as f:
+                    f.write(json.dumps(node_config, indent=2) + "\n")
             args = [
-                "--config", cfg, "--strategy", "ddp", "--nnodes", str(len(nodes)), "--node-rank", str(k),
+                *start, "--strategy", "ddp", "--nnodes", str(len(nodes)), "--node-rank", str(k),
                 "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--rdzv-timeout", f"{rdzv_timeout_s:g}",
             ]  # fmt: skip
             started.append(n)
-            n.pid = _start(n.conn, n.folder, " ".join(shlex.quote(a) for a in args), made=k == 0)
+            n.pid = _start(n.conn, n.folder, " ".join(shlex.quote(a) for a in args), made=k == 0 and not resume)
             if n.pid is None:
                 raise RemoteError(f"{n.conn.name}: the launcher started but gave no process id")
     except Exception as e:
         stop_nodes(started)
-        if nodes[0].folder:
+        if nodes[0].folder and not resume:  # never the run being resumed
             remove_unused_folder(nodes[0].conn, nodes[0].folder)
         if isinstance(e, RemoteError):
             raise

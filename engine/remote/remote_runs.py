@@ -173,7 +173,7 @@ def list_runs(conn: Connection, runs: str) -> list[RemoteRunRow]:
 
 
 def resume_followed(
-    conn: Connection, folder: str, local: Path, overrides: dict[str, Any] | None = None
+    conn: Connection, folder: str, local: Path, overrides: dict[str, Any] | None = None, start: Any = None
 ) -> tuple[Any, Any]:
     """Resume the host's run ``folder`` there and follow it through its mirror ``local``: (the
     ``RemoteRun``, a ``RemoteFollower``). The mirror is brought up to date first (every record: the
@@ -192,7 +192,7 @@ def resume_followed(
             mirror.sync()
         follower = RemoteFollower(mirror)
         follower.local.skip_status()
-        run = resume_run(conn, folder, overrides)
+        run = start() if start is not None else resume_run(conn, folder, overrides)  # start: across hosts
     except UserError:
         if made:
             shutil.rmtree(local, ignore_errors=True)

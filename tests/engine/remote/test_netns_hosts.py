@@ -83,7 +83,7 @@ LONG = ["--task", "linear", "--steps", "1000000", "--set", "train.log_every=5", 
 
 
 @pytest.mark.slow
-def test_a_link_cut_mid_run_stops_every_node_within_the_collective_timeout_and_names_the_lost_host(
+def test_a_link_cut_mid_run_stops_every_node_names_the_lost_host_and_resume_carries_on(
     sshd,
     netns_hosts,  # noqa: F811
     tmp_path,
@@ -126,6 +126,33 @@ def test_a_link_cut_mid_run_stops_every_node_within_the_collective_timeout_and_n
         assert time.monotonic() < deadline, status
         time.sleep(0.3)
     assert status["state"] == "failed", status
+    _nothing_left(h)
+    # The link restored: `--resume` carries on across both hosts from host 0's last checkpoint (host 1 holds
+    # no copy of the run folder: rank 0's checkpoint reaches its rank) and is followed to its end.
+    import torch
+
+    ck_step = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"]
+    again = [
+        *CLI, "train", "--host", f"{h.aliases[0]}=cpu:0", "--host", f"{h.aliases[1]}=cpu:0",
+        "--remote-command", h.commands[0], "--remote-runs-dir", str(h.runs[0]), "--remote-runs-dir", str(h.runs[1]),
+        "--rdzv-endpoint", f"{ADDRESSES[0]}:29402", "--runs-dir", str(local), "--resume", str(run),
+        "--steps", str(ck_step + 10),
+    ]  # fmt: skip
+    r = subprocess.run(again, env=sshd.env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"finished: step {ck_step + 10}/{ck_step + 10}" in r.stdout, r.stdout
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == ck_step + 10, status
+    train = [x for x in records(run / "metrics.jsonl") if x["kind"] == "train" and x["step"] > ck_step]
+    assert train[-1]["step"] == ck_step + 10 and sorted(k.split("/")[1] for k in train[-1]["device_loss"]) == [
+        "rank0",
+        "rank1",
+    ]
+    assert not [f for f in h.runs[1].iterdir() if not f.name.startswith(".")]  # host 1 made no run folder
+    _nothing_left(h)
+
+
+def _nothing_left(h) -> None:
     for k in (0, 1):  # every node stopped: nothing of the run is left on either host
         deadline = time.monotonic() + 30
         while (left := _run_pids(h, k)) and time.monotonic() < deadline:
