@@ -205,6 +205,11 @@ def test_bad_host_lists_are_one_line(sshd, two_hosts, tmp_path):
         (["--host", "testhost=cpu:0", "--host", "hostb", "--remote-runs-dir", "x", "--remote-runs-dir", "y",
           "--remote-runs-dir", "z"], "3 times for 2 hosts"),
         (["--host", "testhost=cpu:0", "--host", "hostb=cpu:0", "--nnodes", "3"], "the hosts are the nodes"),
+        # --resume across hosts: a folder that is not there, and one that is no run with a checkpoint
+        (["--host", "testhost=cpu:0", "--host", "hostb=cpu:0", "--resume", str(tmp_path / "nosuch")],
+         "is not a folder there (the first --host)"),
+        (["--host", "testhost=cpu:0", "--host", "hostb=cpu:0", "--resume", str(tmp_path)],
+         "is not a run with a checkpoint there"),
     ]  # fmt: skip
     for args, words in cases:
         p = cli(sshd.env(), "train", *args, "--remote-command", MULTILANE, *SMALL, timeout=120)
