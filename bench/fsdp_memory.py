@@ -23,7 +23,8 @@ records' ``memory`` and ``step_ms``), read from the run folders.
    both) against none on the charlm transformer (width 256, context 256, batch 32 unless told): each
    rank's peak resident memory (the kernel's ``VmHWM``: on CPU lanes a rank's memory is its process's)
    and the median step time, each as a ratio to the run without options, side by side (``--repeat``
-   rounds of the four runs, interleaved; each option's median over them).
+   rounds of the four runs, interleaved; each option's median over them, and its fastest round: on a
+   machine shared with other jobs the least disturbed).
 """
 
 from __future__ import annotations
@@ -225,12 +226,16 @@ def options_table(threads: int, steps: int, ranks: int, width: int, context: int
     print()
     print(
         f"{'option':<24} | {'peak RSS per rank MiB':>21} | {'ratio':>5} | {'step ms':>7} | {'ratio':>5} | "
-        f"{'shards per rank MiB':>19}"
+        f"{'fastest round ms':>16} | {'ratio':>5} | {'shards per rank MiB':>19}"
     )
     med = {name: [statistics.median(col) for col in zip(*rows, strict=True)] for name, rows in got.items()}
+    low = {name: min(ms for _, ms, _ in rows) for name, rows in got.items()}
     peak0, ms0, _ = med["off"]
     for name, (peak, ms, shards) in med.items():
-        print(f"{name:<24} | {peak:>21.0f} | {peak / peak0:>5.2f} | {ms:>7.1f} | {ms / ms0:>5.2f} | {shards:>19.2f}")
+        print(
+            f"{name:<24} | {peak:>21.0f} | {peak / peak0:>5.2f} | {ms:>7.1f} | {ms / ms0:>5.2f} | "
+            f"{low[name]:>16.1f} | {low[name] / low['off']:>5.2f} | {shards:>19.2f}"
+        )
 
 
 def peak_address_space(strategy: str, ranks: int, threads: int) -> int:
