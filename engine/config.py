@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_COUNT = 10**12  # steps, intervals: far past any real run, and safe in every int and float type
 MAX_DEPTH = 32  # tables and lists nested deeper than this are not a config
@@ -82,6 +82,24 @@ class DevicesSection(Section):
         description="BatchNorm statistics over the whole batch across devices (not each device's share): "
         "training then equals one device with the whole batch",
     )
+    fsdp_activation_checkpointing: bool = Field(
+        False,
+        description="fsdp: recompute each unit's forward in backward instead of keeping its activations "
+        "(less memory, about one more forward of time); units holding BatchNorm are not recomputed",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="fsdp: keep the parameter, gradient and optimizer-state shards in host memory (the optimizer "
+        "steps on the CPU), copying each unit to the GPU when it computes; on CPU lanes it moves nothing",
+    )
+
+    @field_validator("fsdp_activation_checkpointing", "fsdp_cpu_offload", mode="after")
+    @classmethod
+    def _fsdp_only(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and (strategy := info.data.get("strategy", "fsdp")) != "fsdp":
+            why = f"an fsdp option, and strategy = {strategy}: use strategy fsdp, or set it false"
+            raise ValueError(f"{why} (--set devices.{info.field_name}=false)")
+        return value
 
     @model_validator(mode="after")
     def _weights_sane(self) -> DevicesSection:

@@ -73,11 +73,17 @@ def process_group_backend(choice: str, devices_spec: str, device: Device) -> str
     return "gloo" if len(set(gpus)) < len(gpus) else "nccl"
 
 
-def init_process_group(info: RankInfo, timeout_s: float, backend: str = "auto", devices_spec: str = "auto") -> None:
-    """Join the run's process group (env:// from the launcher), on this rank's device."""
+def init_process_group(
+    info: RankInfo, timeout_s: float, backend: str = "auto", devices_spec: str = "auto", host_tensors: bool = False
+) -> None:
+    """Join the run's process group (env:// from the launcher), on this rank's device. ``host_tensors``
+    (fsdp's CPU offload: its gradients, and so grad clipping's norm, live in host memory): NCCL for
+    CUDA tensors and Gloo for CPU ones in the same group, as torchtitan does."""
     if info.device.is_cuda:
         torch.cuda.set_device(info.device.index)
     backend = process_group_backend(backend, devices_spec, info.device)
+    if backend == "nccl" and host_tensors:
+        backend = "cpu:gloo,cuda:nccl"
     # NCCL binds its communicator to the device at once; Gloo takes CUDA tensors without it.
     kwargs = {"device_id": info.device.torch_device()} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)

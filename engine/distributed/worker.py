@@ -48,7 +48,8 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         ck = RunDir.open_existing(resume_from, lock=False, in_use_ok=True).load_checkpoint()  # rank 0 locks it
         config = build_config(merge(ck["config"], overrides), "resume config")
     info = RankInfo.from_env(config.devices.use)
-    init_process_group(info, config.devices.collective_timeout_s, config.devices.ddp_backend, config.devices.use)
+    devices = config.devices
+    init_process_group(info, devices.collective_timeout_s, devices.ddp_backend, devices.use, devices.fsdp_cpu_offload)
     requests = RunControl()
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -12,7 +12,8 @@ random streams, the buffer merge, pause/stop agreement, telemetry, the log windo
   (``clip_grad_norm_`` on DTensor gradients reduces the norm across the ranks);
 - evaluation gathers the whole parameters once (``unshard``) and frees them after, so the ranks can
   each run their own slice and rank 0 the task's text sample without a collective per forward;
-- checkpoints are sharded (``sharded.py``).
+- checkpoints are sharded (``sharded.py``);
+- optionally each unit recomputed in backward, and the shards kept in host memory (``units.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +75,15 @@ class FsdpTrainer(DdpTrainer):
 
         dev = self._setup_rank()
         mesh = init_device_mesh(dev.type, (info.world,))
-        self.units = shard_model(self.model, choose_units(self.task, self.model), cfg.train.precision, mesh)
+        self.units = shard_model(
+            self.model,
+            choose_units(self.task, self.model),
+            cfg.train.precision,
+            mesh,
+            activation_checkpointing=cfg.devices.fsdp_activation_checkpointing,
+            cpu_offload=cfg.devices.fsdp_cpu_offload,
+            device=dev,
+        )
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)

@@ -10,6 +10,8 @@ which must all-gather the shared tensor once). The root is sharded last and hold
 
 Each unit's parameters are all-gathered just before its forward and freed after it (and again around
 its backward), so a device holds one unit's full parameters at a time, plus its shards of everything.
+Options (``devices.fsdp_activation_checkpointing``, ``devices.fsdp_cpu_offload``): each unit's forward
+recomputed in backward (``recomputed``), the shards kept in host memory (``offload_policy``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from multilane.engine.errors import UserError
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -87,8 +90,39 @@ def mixed_precision(precision: str) -> Any:
     )
 
 
-def shard_model(model: nn.Module, units: list[nn.Module], precision: str, mesh: Any = None) -> list[nn.Module]:
-    """``fully_shard`` each unit, then the root, in place; returns the units."""
+def recomputed(units: list[nn.Module]) -> list[nn.Module]:
+    """The units activation checkpointing recomputes: every unit but those holding BatchNorm, whose
+    running statistics a recompute in backward would update a second time."""
+    return [u for u in units if not any(isinstance(m, _BatchNorm) for m in u.modules())]
+
+
+def offload_policy(cpu_offload: bool, device: torch.device) -> Any:
+    """FSDP2's offload policy: ``CPUOffloadPolicy`` keeps the shards (parameters, gradients, optimizer
+    state) in host memory. Its default pins them, which needs an accelerator: torch refuses it on CPU
+    lanes ("Cannot access accelerator device when none is available"), where the shards already live in
+    host memory, so there they are not pinned and the policy moves nothing."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def shard_model(
+    model: nn.Module,
+    units: list[nn.Module],
+    precision: str,
+    mesh: Any = None,
+    *,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    device: torch.device | None = None,
+) -> list[nn.Module]:
+    """``fully_shard`` each unit, then the root, in place; returns the units. ``activation_checkpointing``:
+    torch's composable ``checkpoint`` on each unit of ``recomputed(units)`` first (non-reentrant; it keeps
+    the modules and their parameter names, so state dicts and checkpoints are unchanged); ``cpu_offload``:
+    ``offload_policy`` on every unit and the root."""
+    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision(precision)
@@ -98,6 +132,10 @@ def shard_model(model: nn.Module, units: list[nn.Module], precision: str, mesh: 
 
         root_mp = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, output_dtype=torch.float32)
     kwargs = {"mesh": mesh} if mesh is not None else {}
+    kwargs["offload_policy"] = offload_policy(cpu_offload, device or torch.device("cpu"))
+    if activation_checkpointing:
+        for u in recomputed(units):
+            checkpoint(u)
     for u in units:
         fully_shard(u, mp_policy=mp, **kwargs)
     fully_shard(model, mp_policy=root_mp, **kwargs)

@@ -8,7 +8,8 @@ Counted from the tensors themselves at log time (sizes only: no device sync), pe
   replica's parameters and gradients;
 - ddp: every rank a whole copy of all three;
 - fsdp: every rank its shards of all three (1/N each, plus one unit's gathered parameters while it
-  computes, which is part of the rest).
+  computes, which is part of the rest); with CPU offload on GPUs the shards are in host memory
+  (``"host": true``).
 
 The rest is what the device's allocator holds beyond those (activations, buffers, workspaces,
 communication buffers): known on GPUs (``torch.cuda.memory_allocated``), ``None`` on CPU lanes,
@@ -88,8 +89,13 @@ def lanes_memory(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: A
 
 
 def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer, key: str, device: torch.device) -> dict[str, Any]:
-    """One rank's split (ddp: whole copies; fsdp: its shards)."""
-    return with_rest({key: split(list(model.parameters()), optimizer)}, {key: device})
+    """One rank's split (ddp: whole copies; fsdp: its shards). Under fsdp's CPU offload on a GPU the
+    three live in host memory (``"host": true``) and the device's allocated bytes are all rest."""
+    params = list(model.parameters())
+    out = with_rest({key: split(params, optimizer)}, {key: device})
+    if device.type == "cuda" and any(_local(p).device.type == "cpu" for p in params):
+        out[key] = {**out[key], "rest": torch.cuda.memory_allocated(device), "host": True}
+    return out
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -106,9 +112,10 @@ def summary_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for name, m in memory.items():
         rest = "" if m.get("rest") is None else f" · rest {fmt_bytes(m['rest'])}"
+        host = " (in host memory)" if m.get("host") else ""
         lines.append(
             f"  memory {name}: params {fmt_bytes(m['params'])} · grads {fmt_bytes(m['grads'])}"
-            f" · optimizer {fmt_bytes(m['optimizer'])}{rest}"
+            f" · optimizer {fmt_bytes(m['optimizer'])}{host}{rest}"
         )
     return lines
 

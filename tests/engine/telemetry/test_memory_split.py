@@ -8,7 +8,7 @@ import pytest
 from multilane.engine.cli.progress import summary
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import read_metrics
-from multilane.engine.telemetry.memory_split import split, tensor_bytes
+from multilane.engine.telemetry.memory_split import split, summary_lines, tensor_bytes
 from torch import nn
 
 
@@ -22,6 +22,13 @@ def test_tied_parameters_count_once_and_adams_state_is_twice_the_parameters():
     m(torch.tensor([1, 2])).sum().backward()
     opt.step()
     assert split(list(m.parameters()), opt) == {"params": 160, "grads": 160, "optimizer": 320}
+
+
+def test_shards_offloaded_by_fsdp_are_said_to_be_in_host_memory():
+    mem = {"r0": {"params": 1 << 20, "grads": 1 << 20, "optimizer": 2 << 20, "rest": 3 << 20, "host": True}}
+    assert summary_lines(mem) == [
+        "  memory r0: params 1.0 MiB · grads 1.0 MiB · optimizer 2.0 MiB (in host memory) · rest 3.0 MiB"
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["replicate", "persistent"])
