@@ -99,9 +99,12 @@ def make_run_folder(conn: Connection, runs: str, name: str) -> str:
 def _start(conn: Connection, folder: str, train_args: str, made: bool) -> int | None:
     """``multilane train ARGS`` in its own session there; its pid."""
     q = shlex.quote(folder)
-    env = f"{RUN_DIR_ENV}={q} " if made else ""
+    env = f"env {RUN_DIR_ENV}={q} " if made else ""
+    # ``exec`` in the subshell: its pid ($!) becomes setsid, then the launcher, whose session and process
+    # group it leads. Without it bash (a host whose sh is bash) forks setsid as the subshell's child, and
+    # the group that stop and wait address (-$!) would not be the launcher's.
     line = (
-        f"cd -- {q} && {env}setsid {shlex.quote(conn.remote_command)} train {train_args}"
+        f"(cd -- {q} && exec {env}setsid {shlex.quote(conn.remote_command)} train {train_args})"
         f" < /dev/null >> {shlex.quote(posixpath.join(folder, CONSOLE))} 2>&1 & echo $!"
     )
     code, out, err = conn.run(line)

@@ -198,9 +198,16 @@ def stop_nodes(nodes: list[Node]) -> None:
     for n in nodes:
         if n.pid is None:
             continue
-        pg = shlex.quote(f"-{n.pid}")
+        # The launcher's group, or its pid alone while it is still the subshell that will become it (a stop
+        # right after the start can land before setsid): SIGTERM for a second, then SIGKILL, until neither is there.
+        pid, pg = int(n.pid), shlex.quote(f"-{int(n.pid)}")
+        kill = (
+            f"i=0; while kill -0 {pid} 2>/dev/null || kill -0 -- {pg} 2>/dev/null; do "
+            f"s=TERM; [ $i -ge 10 ] && s=KILL; kill -$s -- {pg} 2>/dev/null; kill -$s {pid} 2>/dev/null; "
+            f"i=$((i+1)); [ $i -ge 100 ] && break; sleep 0.1; done; true"
+        )
         with contextlib.suppress(RemoteError):
-            n.conn.run(f"kill -TERM -- {pg} 2>/dev/null; sleep 1; kill -KILL -- {pg} 2>/dev/null; true", login=False)
+            n.conn.run(kill, login=False, timeout_s=30)
 
 
 def wait_nodes_ended(nodes: list[RemoteRun], conns: list[Connection], timeout_s: float = 30.0) -> None:
@@ -212,8 +219,9 @@ def wait_nodes_ended(nodes: list[RemoteRun], conns: list[Connection], timeout_s:
     for n, conn in zip(nodes, conns, strict=False):
         if n.pid is None:
             continue
-        pg = shlex.quote(f"-{int(n.pid)}")
-        wait = f"i=0; while kill -0 -- {pg} 2>/dev/null; do [ $i -ge {rounds} ] && exit 0; i=$((i+1)); sleep 0.1; done"
+        pid, pg = int(n.pid), shlex.quote(f"-{int(n.pid)}")
+        alive = f"kill -0 {pid} 2>/dev/null || kill -0 -- {pg} 2>/dev/null"
+        wait = f"i=0; while {alive}; do [ $i -ge {rounds} ] && exit 0; i=$((i+1)); sleep 0.1; done"
         with contextlib.suppress(RemoteError):
             conn.run(wait, login=False, timeout_s=timeout_s + 15)
 

@@ -85,7 +85,20 @@ def wait_gone(alive, seconds: float) -> list[psutil.Process]:
     end = time.monotonic() + seconds
     while (left := alive()) and time.monotonic() < end:
         time.sleep(0.2)
-    return left
+    return [_Named(q) for q in left]
+
+
+class _Named:
+    """A process as an assertion shows it: its pid, parent, start time and command line."""
+
+    def __init__(self, q: psutil.Process) -> None:
+        self.q = q
+
+    def __repr__(self) -> str:
+        try:
+            return f"<pid {self.q.pid} ppid {self.q.ppid()} started {self.q.create_time():.1f}: {' '.join(self.q.cmdline())[:300]}>"
+        except psutil.Error:
+            return f"<pid {self.q.pid}: gone>"
 
 
 def rdzv_id_of(node_folder: Path) -> str:
