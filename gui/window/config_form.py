@@ -40,7 +40,11 @@ APPLIES = {
     "schedule.min_lr_ratio": ("schedule.kind", {"cosine"}),
     "schedule.step_size": ("schedule.kind", {"step"}),
     "schedule.gamma": ("schedule.kind", {"step"}),
+    "devices.fsdp_activation_checkpointing": ("devices.strategy", {"fsdp"}),
+    "devices.fsdp_cpu_offload": ("devices.strategy", {"fsdp"}),
 }
+# Labels shorter than the field's name, where the name would widen the whole form (its tooltip says all).
+LABELS = {"devices.fsdp_activation_checkpointing": "fsdp recompute", "devices.fsdp_cpu_offload": "fsdp CPU offload"}
 TITLES = {
     "devices": "Parallel strategy",
     "data": "Data",
@@ -114,7 +118,7 @@ class ConfigForm(QWidget):
                     continue
                 ed = FieldEditor(f"{section}.{name}", field, self._changed)
                 self.editors[ed.key] = ed
-                form.addRow(name.replace("_", " "), ed.row)
+                form.addRow(LABELS.get(ed.key, name.replace("_", " ")), ed.row)
             layout.addWidget(box)
         layout.addStretch(1)
         self._task_name = "digits"

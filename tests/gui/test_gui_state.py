@@ -279,3 +279,17 @@ def test_training_time_counts_training_only_not_set_up_pauses_or_the_time_betwee
     paused = TrainingClock.of(records[:4])
     assert paused.seconds(now=5000.0) == pytest.approx(6)  # a paused run's clock stands still
     assert [fmt_duration(s) for s in (4.25, 59.9, 61, 3725)] == ["4.2 s", "59.9 s", "1:01", "1:02:05"]
+
+
+def test_the_fsdp_options_are_short_labels_and_greyed_unless_the_strategy_is_fsdp(window):
+    form = window.form
+    box = form.sections["devices"]
+    labels = {box.labelForField(form.editors[k].row).text() for k in ("devices.fsdp_activation_checkpointing",
+                                                                     "devices.fsdp_cpu_offload")}  # fmt: skip
+    assert labels == {"fsdp recompute", "fsdp CPU offload"}  # the field names would widen the whole form
+    strategy = form.editors["devices.strategy"]
+    for choice, on in (("ddp", False), ("fsdp", True), ("replicate", False)):
+        strategy.set(choice)
+        form._changed()
+        for key in ("devices.fsdp_activation_checkpointing", "devices.fsdp_cpu_offload"):
+            assert form.editors[key].widget.isEnabled() is on, (choice, key)
