@@ -109,7 +109,7 @@ def _resumed(conn: Any, path: str) -> tuple[str, dict[str, Any]]:
     try:
         with conn.lock, conn.sftp().open(f"{folder}/{CONFIG}", "r") as f:
             base = json.loads(f.read(1 << 20))
-        conn.sftp().stat(f"{folder}/checkpoints/last.pt")
+            conn.sftp().stat(f"{folder}/checkpoints/last.pt")
     except (OSError, ValueError) as e:
         raise UserError(
             f"--resume: {printable(conn.name)}:{printable(folder)} is not a run with a checkpoint there "

@@ -289,11 +289,9 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
     """Replay steps ``kept.step + 1`` to ``last_step`` of trainer ``t`` with hooks; the first step where
     a non-finite value shows, or None (the replay stayed finite: not reproducible). ``t``'s state is
     put back as it was when called."""
-    bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        where = t.backend.lane_names[0]
-        detail = {"step": kept.step + 1, "weights": bad[:MAX_DETAIL]}
-        return Origin(kept.step + 1, "weights", bad[0], where, [], None, None, detail)
+    bad = weights_origin(kept, t.backend.lane_names[0])
+    if bad is not None:
+        return bad
     now = snapshot(t)
     saved = (t.loader, t.window, t.health.every, t.strategy.lane_grads, t.timer)
     accum = t.config.train.grad_accum
@@ -316,11 +314,8 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
             finally:
                 tracer.remove()
             t.step = step
-            rec = t.window.record(step=step)
-            loss = rec["loss"] if rec else math.nan
-            origin = origin_of(t, step, tracer, rec, accum, kept.step, t.backend.lane_names)
+            origin = origin_of(t, step, tracer, t.window.record(step=step), accum, kept.step, t.backend.lane_names)
             if origin is not None:
-                origin.loss = loss if not math.isfinite(loss) else None
                 return origin
         return None
     finally:
@@ -329,11 +324,23 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         restore(t, now)
 
 
+def weights_origin(kept: Kept, device: str) -> Origin | None:
+    """The weights the replay would start from, already non-finite (an earlier update made them so), or None."""
+    bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if not bad:
+        return None
+    detail = {"step": kept.step + 1, "weights": bad[:MAX_DETAIL]}
+    return Origin(kept.step + 1, "weights", bad[0], device, [], None, None, detail)
+
+
 def origin_of(
     t: Any, step: int, tracer: Any, rec: dict[str, Any] | None, accum: int, k0: int, names: list[str]
 ) -> Origin | None:
     """The origin a replayed step shows, from its findings per lane (``tracer``: ``inputs``, ``outputs``,
-    ``grads``; under ddp a rank is a lane) and its record, or None when every value stayed finite."""
+    ``grads``; under ddp a rank is a lane) and its record (its loss, when not finite, goes into the
+    origin's line), or None when every value stayed finite."""
+    loss = rec["loss"] if rec else math.nan
+    loss = None if math.isfinite(loss) else loss
     bad_lanes = [k for k, v in (rec or {}).get("device_loss", {}).items() if not math.isfinite(v)]
     first_in, first_out, first_grad = _first(tracer.inputs), _first(tracer.outputs), _first(tracer.grads)
     grad = (first_grad.where, names[first_grad.lane]) if first_grad is not None else None
@@ -352,13 +359,13 @@ def origin_of(
         "replayed_from_step": k0,
     }
     if first_in is not None:
-        return Origin(step, "input", "the input data", names[first_in.lane], samples, grad, None, detail)
+        return Origin(step, "input", "the input data", names[first_in.lane], samples, grad, loss, detail)
     if first_out is not None:
-        return Origin(step, "output", first_out.where, names[first_out.lane], samples, grad, None, detail)
+        return Origin(step, "output", first_out.where, names[first_out.lane], samples, grad, loss, detail)
     if bad_lanes:
-        return Origin(step, "loss", "the loss", bad_lanes[0], [], grad, None, detail)
+        return Origin(step, "loss", "the loss", bad_lanes[0], [], grad, loss, detail)
     assert first_grad is not None
-    return Origin(step, "gradient", first_grad.where, names[first_grad.lane], [], None, None, detail)
+    return Origin(step, "gradient", first_grad.where, names[first_grad.lane], [], None, loss, detail)
 
 
 def _samples(t: Trainer, micro: int, found: Finding) -> list[int]:

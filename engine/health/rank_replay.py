@@ -13,13 +13,11 @@ single-process rule, ranks standing for lanes. Afterwards each rank's state is p
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from multilane.engine.health.nan_origin import (
-    MAX_DETAIL,
     Finding,
     Kept,
     Origin,
@@ -28,6 +26,7 @@ from multilane.engine.health.nan_origin import (
     origin_of,
     restore,
     snapshot,
+    weights_origin,
 )
 from multilane.engine.parallel.replicas.lane_rng import _generators
 
@@ -81,10 +80,9 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
     from multilane.engine.distributed.window import ShardWindow, combine
 
     names = t.lane_names
-    bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:  # the same on every rank: DDP keeps the ranks' weights equal
-        detail = {"step": kept.step + 1, "weights": bad[:MAX_DETAIL]}
-        return Origin(kept.step + 1, "weights", bad[0], names[0], [], None, None, detail)
+    bad = weights_origin(kept, names[0])  # the same on every rank: DDP keeps the ranks' weights equal
+    if bad is not None:
+        return bad
     now = rank_snapshot(t)
     saved = (t.loader, t.window, t.health.every, t.timer)
     accum = t.config.train.grad_accum
@@ -114,8 +112,6 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
             rec = combine(windows, names, step=step) if all(w is not None for w in windows) else None
             origin = origin_of(t, step, _Gathered(everyone), rec, accum, kept.step, names)
             if origin is not None:
-                loss = rec["loss"] if rec else math.nan
-                origin.loss = loss if not math.isfinite(loss) else None
                 return origin
         return None
     finally:
