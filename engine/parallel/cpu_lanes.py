@@ -102,9 +102,10 @@ class CpuLanesBackend(Backend):
     def busy_backward(
         self, loss: torch.Tensor | None, lane_losses: Sequence[torch.Tensor], lanes: Sequence[int]
     ) -> AbstractContextManager[None]:
-        """Each lane's own nodes of the one backward, timed as they run (``busy.lane_backward``) on one
-        backward in ten, the others split at the shares measured (``busy.BackwardShares``); the sum of
-        the lanes' gradients (``LaneCopies``) and the gather are no lane's."""
+        """Each lane's own nodes of the one backward, timed as they run (``busy.lane_backward``) on the
+        first three backwards and one in ten after them, the others split at the median shares measured
+        (``busy.BackwardShares``); the sum of the lanes' gradients (``LaneCopies``) and the gather are no
+        lane's."""
         roots = [(lane, t.grad_fn) for lane, t in zip(lanes, lane_losses, strict=True)]
         return self.backward_shares.backward(None if loss is None else loss.grad_fn, roots, is_lane_copies)
 

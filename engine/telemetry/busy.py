@@ -10,15 +10,19 @@ graph in the calling thread, their nodes interleaved) is split by what runs: ``l
 every node of each lane's own graph, and the time from one node's start to the next node's is the
 lane's whose node it is — measured, never a share assumed from the lanes' batch sizes. The hooks cost
 about 10 µs a node (a 40-layer MLP's backward took 20 ms instead of 13), so ``BackwardShares``
-measures the first backward and one in ``every`` after it, and splits the ones between by the shares
-last measured on the same lanes (each lane's share of the backward's own wall time, so the lanes'
-shares never add up to more than the backward took).
+measures the first ``first`` backwards and one in ``every`` after them, and splits the ones between by
+each lane's median share over the last ``keep`` measured on the same lanes (a share is the lane's part
+of the backward's own wall time, so the lanes' shares never add up to more than the backward took).
+The median, not the last measure: on a busy machine the thread can be preempted inside one lane's node,
+and that one measure would credit that lane with the wait for the next ``every`` backwards.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -138,21 +142,29 @@ def lane_backward(
 
 class BackwardShares:
     """Each lane's part of one backward through several lanes' graphs, on ``clock``: measured node by
-    node (``lane_backward``) on the first backward and on one in ``every``; the backwards between are
-    credited to the lanes at the shares last measured for the same lanes, while they run."""
+    node (``lane_backward``) on the first ``first`` backwards and on one in ``every`` after them; the
+    backwards between are credited to the lanes at each lane's median share over the last ``keep``
+    measured for the same lanes, while they run (the module's docstring says why the median)."""
 
-    def __init__(self, clock: BusyClock, every: int = 10) -> None:
+    def __init__(self, clock: BusyClock, every: int = 10, first: int = 3, keep: int = 5) -> None:
         self.clock = clock
         self.every = every
+        self.first = first
         self.count = 0
-        self.shares: dict[tuple[int, ...], list[float]] = {}  # by the lanes that took part
+        self.history: dict[tuple[int, ...], deque[list[float]]] = {}  # by the lanes that took part
+        self.shares: dict[tuple[int, ...], list[float]] = {}  # the shares a backward not measured gets
+        self.keep = keep
         self.measured = 0  # backwards measured node by node (the tests read it)
+
+    def measures(self, count: int) -> bool:
+        """Whether the backward numbered ``count`` (from 0) is measured node by node."""
+        return count < self.first or count % self.every == 0
 
     @contextmanager
     def backward(self, root: Any, lane_roots: Sequence[tuple[int, Any]], stop: Callable[[Any], bool]) -> Iterator[None]:
         lanes = tuple(lane for lane, _ in lane_roots)
         shares = self.shares.get(lanes)
-        measure = shares is None or self.count % self.every == 0
+        measure = shares is None or self.measures(self.count)
         self.count += 1
         if measure:
             before, t0 = self.clock.seconds(), time.perf_counter()
@@ -160,7 +172,9 @@ class BackwardShares:
                 yield
             wall, after = time.perf_counter() - t0, self.clock.seconds()
             if wall > 0:
-                self.shares[lanes] = [min(1.0, (after[lane] - before[lane]) / wall) for lane in lanes]
+                history = self.history.setdefault(lanes, deque(maxlen=self.keep))
+                history.append([min(1.0, (after[lane] - before[lane]) / wall) for lane in lanes])
+                self.shares[lanes] = median_shares(history)
                 self.measured += 1
             return
         for lane, rate in zip(lanes, shares, strict=True):
@@ -170,3 +184,11 @@ class BackwardShares:
         finally:
             for lane in lanes:
                 self.clock.stop(lane)
+
+
+def median_shares(history: Sequence[Sequence[float]]) -> list[float]:
+    """Each lane's median share over ``history`` (one list of the lanes' shares per measured backward),
+    scaled down where the medians add up to more than 1 (they come from different backwards)."""
+    medians = [statistics.median(column) for column in zip(*history, strict=True)]
+    total = sum(medians)
+    return [m / total for m in medians] if total > 1.0 else medians

@@ -1,6 +1,6 @@
 """A lane's share of replicate's one backward counts as its busy time (issue 35): autograd walks every
 lane's graph in the calling thread, their nodes interleaved, and each lane is credited with the time its
-own nodes take, measured node by node on one backward in ten (the others split at the shares measured)
+own nodes take, measured node by node on the first three backwards and one in ten (the others split at the median share)
 — real torch on CPU lanes, no share assumed from batch sizes."""
 
 import statistics
@@ -11,7 +11,7 @@ import torch
 from multilane.engine.parallel.backend import make_backend
 from multilane.engine.parallel.strategies import make_strategy
 from multilane.engine.parallel.timing import PhaseTimer
-from multilane.engine.telemetry.busy import BusyClock, graph_owners, lane_backward
+from multilane.engine.telemetry.busy import BusyClock, graph_owners, lane_backward, median_shares
 from multilane.engine.telemetry.devices import parse_devices
 from torch import nn
 
@@ -48,8 +48,8 @@ def backward_shares(strategy: str, model: nn.Module, sizes: list[int], steps: in
                     assert 0.8 * shares[lane] * wall <= credit <= shares[lane] * wall, (shares, wall, credit)
     finally:
         backend.close()
-    # node by node on the first backward and one in ten: the hooks cost ~10 µs a node
-    assert backend.backward_shares.measured == (steps + 9) // 10
+    # node by node on the first three backwards and one in ten: the hooks cost ~10 µs a node
+    assert backend.backward_shares.measured == sum(k < 3 or k % 10 == 0 for k in range(steps))
     return rows[5:]  # the first steps warm the allocator up
 
 
@@ -67,6 +67,15 @@ def test_each_lane_is_credited_with_its_own_part_of_the_one_backward(strategy, d
     # quiet machine gives them 80 %, one loaded by other jobs a third at times)
     assert lane0 > 0 and lane1 > 0 and lane0 + lane1 >= 0.25 * wall, (wall, lane0, lane1)
     assert lane0 > 1.3 * lane1, (lane0, lane1)  # three times the rows: measured more work, not an equal share
+
+
+def test_one_preempted_measure_does_not_move_the_shares_a_lane_is_credited_at():
+    """A measure in which the thread waited inside lane 1's node (0.9 of the backward) among four that
+    agree: the lanes are credited at the median, not at the last measure; medians that add up to more
+    than the backward (from different backwards) are scaled to its wall time."""
+    history = [[0.6, 0.2], [0.62, 0.21], [0.58, 0.19], [0.61, 0.2], [0.05, 0.9]]
+    assert median_shares(history) == [0.6, 0.2]
+    assert median_shares([[0.7, 0.2], [0.2, 0.7], [0.7, 0.7]]) == pytest.approx([0.5, 0.5])
 
 
 def test_graph_owners_splits_the_nodes_by_lane_and_leaves_the_sum_to_no_lane():
