@@ -137,6 +137,12 @@ class FsdpTrainer(DdpTrainer):
         self._keys = keys
         self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
 
+    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
+            with self.health.no_activations():
+                return super()._forward(inputs, target, n)
+        return super()._forward(inputs, target, n)
+
     def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
         raise AssertionError("fsdp has no DDP to rebuild")
 

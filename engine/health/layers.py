@@ -39,10 +39,23 @@ def param_layers(model: nn.Module) -> tuple[list[str], list[int], list[nn.Parame
     return names, owner, params
 
 
+def module_kind(m: nn.Module) -> str:
+    """The module's class name; for a module ``fully_shard`` made a unit (its class becomes
+    ``FSDP<Class>``, a subclass of ``FSDPModule`` and the original), the original's."""
+    cls = type(m)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return cls.__name__
+    if isinstance(m, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
 def activation_modules(model: nn.Module, kinds: Sequence[str]) -> list[tuple[str, str]]:
     """``(path, kind)`` of every module whose class name is one of ``kinds``."""
     wanted = {k.strip() for k in kinds if k.strip()}
-    return [(n, type(m).__name__) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+    return [(n, module_kind(m)) for n, m in model.named_modules() if n and module_kind(m) in wanted]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +78,7 @@ class LayerSample:
         whose shards were empty still joins the ranks' sum with zeros)."""
         self.names, owner, self.params = param_layers(model)
         self.always_act = always_act
+        self.paused = False  # a forward that is not the batch's (a rank's stand-in for an empty shard)
         self.device = device
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
         self.index = {id(p): k for k, p in enumerate(self.params)}
@@ -125,7 +139,7 @@ class LayerSample:
         def hook(_module: nn.Module, _args: Any, out: Any) -> None:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
                 return
-            if torch._C._current_graph_task_id() != -1:
+            if self.paused or torch._C._current_graph_task_id() != -1:
                 return  # a forward recomputed inside backward (activation checkpointing): counted once already
             x = out.detach()
             n = x.numel()

@@ -10,9 +10,10 @@ and one ``health`` record per sampled step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +94,19 @@ class HealthMonitor:
         if replicas is not None:
             targets = [model, *[r for r in replicas if r is not model]]
             self._handles = self.layers.hook_activations(targets)
+
+    @contextlib.contextmanager
+    def no_activations(self) -> Iterator[None]:
+        """A forward whose outputs are not the batch's (a rank whose shard is empty runs the model on a
+        stand-in sample): its activations are not counted."""
+        if self.layers is None:
+            yield
+            return
+        self.layers.paused = True
+        try:
+            yield
+        finally:
+            self.layers.paused = False
 
     def micro(self, lane_units: Sequence[float], lanes: Sequence[int], accum: int, total: float | None = None) -> None:
         """One micro-batch: how many units (samples, or loss weight) each lane in ``lanes`` carried
