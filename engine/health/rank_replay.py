@@ -66,7 +66,10 @@ def unsharded_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for m in model.modules():
         state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; earlier: one group
+        if groups is None:
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
             for fp in group.fsdp_params:
                 name, unsharded = names.get(id(fp.sharded_param)), getattr(fp, "_unsharded_param", None)
                 if name is not None and unsharded is not None:
