@@ -31,6 +31,10 @@ from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
 from torch import nn
 
 SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
+SHARDED_NOISE = (
+    "the noise scale is not measured under {}: FSDP combines each rank's gradient inside its backward "
+    "(reduce-scatter), where no hook sees the rank's own"
+)
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
 
 
@@ -68,6 +72,16 @@ class LoopHealth:
         self.monitor.every = 0
         self.note = reason
 
+    def attach_sharded(self, model: nn.Module, strategy: str) -> None:
+        """Under FSDP2 (``DTensor`` parameters): per-layer health from each rank's shards, summed over
+        the ranks (sharded.py); no noise scale, ``note`` says why."""
+        if not self.every:
+            return
+        from multilane.integrations.sharded import ShardedLayerSample
+
+        self.monitor.layers = ShardedLayerSample(model, self.monitor.kinds, self.device, self.world)
+        self.note = SHARDED_NOISE.format(strategy)
+
     def attach_ddp(self, ddp: Any) -> None:
         """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls
         it, before the first backward). A DDP with a communication hook of its own keeps it: then no
@@ -96,7 +110,8 @@ class LoopHealth:
         """One micro-batch of ``samples`` on this rank. Under DDP every rank's loss is its own batch's
         mean and the ranks' gradients are averaged: each sample weighs ``1 / (world · samples · accum)``."""
         if self.monitor.on and samples > 0:
-            self.monitor.micro([float(samples)], [self.rank if self.world > 1 else 0], self.accum, samples * self.world)
+            lane = self.rank if self.monitor.lanes > 1 else 0  # one lane: no noise scale, the shares unused
+            self.monitor.micro([float(samples)], [lane], self.accum, samples * self.world)
 
     def gradients(self, model: nn.Module, scale: torch.Tensor | float | None = None, lane_scale: Any = None) -> None:
         """``model``'s ``.grad`` is the step's gradient (every micro-batch's, the ranks' combined).

@@ -32,6 +32,7 @@ except MissingExtra:
 from multilane.engine.config import HealthSection
 from multilane.integrations.health import SHARDED, LoopHealth, health_section
 from multilane.integrations.recorder import RunRecorder
+from multilane.integrations.sharded import is_sharded
 
 __all__ = ["MultilaneCallback"]
 
@@ -102,6 +103,8 @@ class MultilaneCallback(pl.Callback):
         optimizer = (type(opt).__name__.lower(), float(opt.param_groups[0]["lr"])) if opt is not None else None
         steps = trainer.estimated_stepping_batches
         self._done_step = trainer.global_step
+        kind = type(trainer.strategy).__name__
+        sharded = trainer.world_size > 1 and is_sharded(pl_module)  # FSDP2 (ModelParallelStrategy)
         self.recorder.open(
             "lightning",
             type(pl_module).__name__,
@@ -115,12 +118,14 @@ class MultilaneCallback(pl.Callback):
                 "max_epochs": trainer.max_epochs,
             },
             health=self.health_config.model_dump(mode="json"),
+            strategy="fsdp" if sharded else None,
         )
         rec = self.recorder
         self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)
         ddp = getattr(trainer.strategy, "model", None)
-        kind = type(trainer.strategy).__name__
-        if self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
+        if self.health.every and sharded:  # each rank's shards, summed over the ranks
+            self.health.attach_sharded(pl_module, kind)
+        elif self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
             self.health.switch_off(SHARDED.format(kind))
             rec.event("health_off", message=self.health.note)
         elif rec.world > 1 and hasattr(ddp, "register_comm_hook"):  # DistributedDataParallel

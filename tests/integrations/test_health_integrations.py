@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from integration_runs import records, run_script
+from integration_runs import logged, records, run_script
 from multilane.engine.rundir.runlog import read_json
 from torch import nn
 
@@ -184,6 +184,16 @@ def test_hugging_face_records_per_layer_health_of_the_accumulated_step_before_it
     check(cb.run_dir, reference(start, steps, lr=0.2, clip=0.3))
 
 
+def rank_dump(tmp_path, rank: int) -> tuple[nn.Sequential, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The script's model at the dumped step's start and that rank's two micro-batches, in float64."""
+    d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
+    model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
+    micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
+    assert len(micro) == 2
+    return model, micro
+
+
 @pytest.mark.slow
 def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation(tmp_path):
     args = ["--devices", "2", "--steps", "2", "--accumulate", "2", "--health-every", "2", "--dump", "2"]
@@ -191,11 +201,7 @@ def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_comp
     # by hand: the script's model, each rank's two micro-batches of 16 at step 2, float64
     grads, q = [], []
     for rank in (0, 1):
-        d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
-        model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
-        micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
-        assert len(micro) == 2
+        model, micro = rank_dump(tmp_path, rank)
         (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 2).backward()
         # DDP averages the ranks' gradients: this rank's part of the step's gradient is half its own
         grads.append([p.grad / 2 for p in model.parameters()])
@@ -217,3 +223,46 @@ def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_comp
     layers = [(h[0].square().sum() + h[1].square().sum()).sqrt(), (h[2].square().sum() + h[3].square().sum()).sqrt()]
     assert health["grad_norm"] == pytest.approx([v.item() for v in layers], rel=2e-3)
     assert not [r for r in records(run, "event") if r["event"] == "noise_scale"]  # measured: no note
+
+
+@pytest.mark.slow
+def test_lightning_fsdp2_health_is_the_whole_layers_from_every_ranks_shards_as_a_hand_computation(tmp_path):
+    # Lightning's ModelParallelStrategy, FSDP2 on each Linear and the net: net.2's weight (1 x 16) and
+    # bias (1) are one row over two ranks, so rank 1's shards are empty (FSDP2 pads them): the rows
+    # must be the whole layer's, never a rank's part or the padding's.
+    args = ["--devices", "2", "--strategy", "fsdp2", "--steps", "2", "--accumulate", "2", "--health-every", "2"]
+    run = run_script("lightning_script.py", tmp_path, *args, "--dump", "2")
+    model, micro = rank_dump(tmp_path, 0)
+    micro += rank_dump(tmp_path, 1)[1]
+    assert torch.equal(flat(model), flat(rank_dump(tmp_path, 1)[0]))  # both ranks start from the same weights
+    acts: list[torch.Tensor] = []
+    model[1].register_forward_hook(lambda _m, _a, o: acts.append(o.detach()))
+    # each rank's loss is the mean of its two micro-batches; FSDP averages the two ranks' gradients
+    (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 4).backward()
+    layers = [model[0], model[2]]
+    grads = [torch.cat([p.grad.reshape(-1) for p in k.parameters()]).norm().item() for k in layers]
+    before = [flat(k).clone() for k in layers]
+    after = [
+        b - 0.05 * torch.cat([p.grad.reshape(-1) for p in k.parameters()]) for b, k in zip(before, layers, strict=True)
+    ]
+    a = torch.cat(acts)
+    (health,) = records(run, "health")
+    assert health["step"] == 2 and health["rows"] == ["net.0", "net.2"] and health["act_rows"] == ["net.1 (Tanh)"]
+    assert health["grad_norm"] == pytest.approx(grads, rel=1e-3)
+    assert health["weight_norm"] == pytest.approx([w.norm().item() for w in after], rel=1e-3)
+    ratios = [((w - b).norm() / w.norm()).item() for w, b in zip(after, before, strict=True)]
+    assert health["update_ratio"] == pytest.approx(ratios, rel=1e-3)
+    assert health["act_mean"] == pytest.approx([a.mean().item()], rel=1e-3)  # every rank's micro-batches
+    assert health["act_std"] == pytest.approx([a.std(unbiased=False).item()], rel=1e-3)
+    # each rank's loss and their mean, as under ddp; the run says fsdp and why no noise scale
+    train = records(run, "train")
+    for rank in (0, 1):
+        mine = [m["loss"] for m in logged(tmp_path, rank) if m["step"] == 2]
+        (key,) = [k for k in train[-1]["device_loss"] if f"/rank{rank}/" in k]
+        assert train[-1]["device_loss"][key] == pytest.approx(sum(mine) / 2, rel=1e-6)
+    assert train[-1]["loss"] == pytest.approx(sum(train[-1]["device_loss"].values()) / 2, rel=1e-12)
+    assert read_json(run / "config.json")["devices"]["strategy"] == "fsdp"
+    (note,) = [r for r in records(run, "event") if r["event"] == "noise_scale"]
+    assert "ModelParallelStrategy" in note["message"] and not any("noise" in r for r in train)
+    assert not [r for r in records(run, "event") if r["event"] == "health_off"]
+    assert any("/rank0/cpu:0" in k for r in records(run, "telemetry") for k in r["devices"])  # the engine's sampler
