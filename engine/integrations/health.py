@@ -38,6 +38,18 @@ SHARDED_NOISE = (
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
 
 
+def batch_size(batch: Any) -> int:
+    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        n = batch_size(item)
+        if n:
+            return n
+    return 0
+
+
 def health_section(health: HealthSection | dict[str, Any] | None) -> HealthSection:
     """The run's ``health`` section: as given, from a dict of its keys, or the defaults (on)."""
     if isinstance(health, HealthSection):
@@ -70,6 +82,18 @@ class LoopHealth:
     def switch_off(self, reason: str) -> None:
         """No health in this run (a sharded strategy: a process's ``.grad`` is not the layer's)."""
         self.monitor.every = 0
+        self.note = reason
+
+    @property
+    def measures_noise(self) -> bool:
+        """The noise scale is measured (each rank's gradient caught before the ranks combine them)."""
+        return self.monitor.probe is not None and self.world > 1
+
+    def drop_noise(self, reason: str) -> None:
+        """No noise scale from here on (before the step's first backward; every rank alike)."""
+        if self.monitor.probe is not None:
+            self.monitor.probe.disarm()
+            self.monitor.probe = None
         self.note = reason
 
     def attach_sharded(self, model: nn.Module, strategy: str) -> None:

@@ -30,7 +30,7 @@ except MissingExtra:
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection
-from multilane.integrations.health import SHARDED, LoopHealth, health_section
+from multilane.integrations.health import SHARDED, LoopHealth, batch_size, health_section
 from multilane.integrations.recorder import RunRecorder
 from multilane.integrations.sharded import is_sharded
 
@@ -53,18 +53,6 @@ def split_validation(metrics: dict[str, Any]) -> tuple[float | None, dict[str, f
     names = names or [k for k in vals if "loss" in k.lower()]
     val_loss = vals.pop(names[0]) if names else None
     return val_loss, vals
-
-
-def batch_size(batch: Any) -> int:
-    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
-    if hasattr(batch, "shape") and len(batch.shape) > 0:
-        return int(batch.shape[0])
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        n = batch_size(item)
-        if n:
-            return n
-    return 0
 
 
 class MultilaneCallback(pl.Callback):
