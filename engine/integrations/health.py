@@ -16,7 +16,9 @@ loop's hooks onto its calls, for both integrations:
 The noise scale needs each rank's own gradient before the ranks' gradients are combined: under DDP a
 communication hook (``engine/health/lane_grads.py``'s ``ddp_comm_hook``, the engine's own) sees this
 rank's buckets before torch's all-reduce; ``attach_ddp`` registers it. One process, or a DDP that
-already has another communication hook: the noise scale is not measured, and ``noise_note`` says why.
+already has another communication hook: the noise scale is not measured, and ``note`` says why.
+Under FSDP2 (``DTensor`` parameters) ``attach_sharded`` computes the per-layer values from each rank's
+shards, summed over the ranks (sharded.py); no noise scale there.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class MultilaneCallback(pl.Callback):
                 "max_epochs": trainer.max_epochs,
             },
             health=self.health_config.model_dump(mode="json"),
-            strategy="fsdp" if sharded else None,
+            strategy="fsdp" if sharded or "fsdp" in kind.lower() else None,
         )
         rec = self.recorder
         self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)

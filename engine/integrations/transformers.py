@@ -12,6 +12,8 @@ trainer's ``MultilaneCallback`` ``failed`` with its traceback (Ctrl+C: ``stopped
 before; under ddp the rank that failed first is named (recorder.py). Every ``health.every`` steps,
 per-layer health as the engine's own runs record it (health.py): the gradient is read where the
 Trainer clips it (before clipping, unscaled), or at ``on_pre_optimizer_step`` when it does not clip.
+Under ddp the gradient noise scale, from each rank's gradient before DDP's all-reduce, where the
+Trainer weighs each rank's loss per sample (``per_sample_weighting``; else an event says why).
 Needs the ``[transformers]`` extra; this module is the only one that imports transformers.
 """
 
@@ -100,6 +102,8 @@ class MultilaneCallback(hf.TrainerCallback):
         world = max(1, int(getattr(args, "world_size", 1) or 1))
         # nominal: the Trainer hands no batch to the step hooks (an epoch's last batch may be smaller)
         self._samples_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
+        kind = str(getattr(kind, "value", kind))  # what accelerate runs (on CPU never FSDP: docs/integrations.md)
         self.recorder.open(
             "transformers",
             type(model).__name__ if model is not None else "model",
@@ -113,12 +117,11 @@ class MultilaneCallback(hf.TrainerCallback):
                 "logging_steps": args.logging_steps,
             },
             health=self.health_config.model_dump(mode="json"),
+            strategy="fsdp" if kind.upper() == "FSDP" else None,
         )
         rec = self.recorder
         self.health = LoopHealth(self.health_config, args.device, rec.rank, rec.world)
         self._model = model
-        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
-        kind = str(getattr(kind, "value", kind))
         wrapped = getattr(self._trainer, "model_wrapped", None)
         if self.health.every and kind.upper() in ("FSDP", "DEEPSPEED"):
             self.health.switch_off(SHARDED.format(kind))
