@@ -34,8 +34,8 @@ from torch import nn
 
 SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
 SHARDED_NOISE = (
-    "the noise scale is not measured under {}: FSDP combines each rank's gradient inside its backward "
-    "(reduce-scatter), where no hook sees the rank's own"
+    "the noise scale is not measured under {}: FSDP reduce-scatters each rank's gradient inside its backward, "
+    "at every micro-batch, so the rank's own gradient of the step never exists whole"
 )
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
 
