@@ -34,8 +34,8 @@ from torch import nn
 
 SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
 SHARDED_NOISE = (
-    "the noise scale is not measured under {}: FSDP reduce-scatters each rank's gradient inside its backward, "
-    "at every micro-batch, so the rank's own gradient of the step never exists whole"
+    "the noise scale is not measured under {} with gradient accumulation: FSDP reduce-scatters each rank's "
+    "gradient at every micro-batch, so the rank's own gradient of the step never exists whole"
 )
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
 
@@ -98,15 +98,29 @@ class LoopHealth:
             self.monitor.probe = None
         self.note = reason
 
-    def attach_sharded(self, model: nn.Module, strategy: str) -> None:
+    def attach_sharded(self, model: nn.Module, strategy: str, accum: int) -> None:
         """Under FSDP2 (``DTensor`` parameters): per-layer health from each rank's shards, summed over
-        the ranks (sharded.py); no noise scale, ``note`` says why."""
+        the ranks, and with one micro-batch per step the noise scale from each rank's gradient as
+        FSDP's reduce-scatter receives it (sharded.py); else ``note`` says why not. Every rank calls
+        it, before the first backward."""
         if not self.every:
             return
-        from multilane.integrations.sharded import ShardedLayerSample
+        import torch.distributed as dist
+        from multilane.integrations.sharded import ShardedLayerSample, ShardedMonitor, probe_reduce_scatter
 
-        self.monitor.layers = ShardedLayerSample(model, self.monitor.kinds, self.device, self.world)
-        self.note = SHARDED_NOISE.format(strategy)
+        layers = ShardedLayerSample(model, self.monitor.kinds, self.device, self.world)
+        self.monitor.layers = layers
+        if accum > 1:
+            self.note = SHARDED_NOISE.format(strategy)
+            return
+        monitor = ShardedMonitor(self.cfg, self.world, self.device, exchange=dist.all_reduce)
+        assert monitor.probe is not None
+        why = probe_reduce_scatter(model, monitor.probe, self.rank, self.world)
+        if why is not None:
+            self.note = f"the noise scale is not measured under {strategy}: {why}"
+            return
+        monitor.layers = layers
+        self.monitor, self.note = monitor, None
 
     def attach_ddp(self, ddp: Any) -> None:
         """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls

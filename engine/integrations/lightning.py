@@ -112,7 +112,7 @@ class MultilaneCallback(pl.Callback):
         self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)
         ddp = getattr(trainer.strategy, "model", None)
         if self.health.every and sharded:  # each rank's shards, summed over the ranks
-            self.health.attach_sharded(pl_module, kind)
+            self.health.attach_sharded(pl_module, kind, trainer.accumulate_grad_batches)
         elif self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
             self.health.switch_off(SHARDED.format(kind))
             rec.event("health_off", message=self.health.note)

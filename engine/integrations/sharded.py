@@ -10,15 +10,27 @@ A parameter replicated over a mesh dimension (``Replicate``, or a plain tensor F
 is held whole by several ranks: its squares count once (divided by its number of copies). The
 activations' sums (sum, sum of squares, zeros, count) are summed in the same all-reduce: the
 activation statistics of the whole step's batch, every rank's micro-batches.
+
+The noise scale needs each rank's own gradient before FSDP combines them: FSDP2's reduce-scatter
+(``FSDPModule.set_custom_reduce_scatter``, one call per module's parameter group in each backward)
+is handed this rank's whole, padded gradient of the group (padding zeros add nothing). A step of one
+micro-batch per rank is one backward: the squares of those inputs over every group are the rank's
+``|h_r|²``. With accumulation FSDP reduce-scatters at every micro-batch (Lightning keeps ``no_sync``
+for DDP), so the rank's gradient of the step never exists whole: no noise scale then.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from multilane.engine.health.lane_grads import LaneGradProbe
 from multilane.engine.health.layers import LayerSample
+from multilane.engine.health.monitor import HealthMonitor
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -107,3 +119,72 @@ class ShardedLayerSample(LayerSample):
                 out[key] = pack[at : at + size].reshape(acts, 4) if key == "act" else pack[at : at + size]
             at += size
         return out
+
+
+class ShardedMonitor(HealthMonitor):
+    """The engine's monitor on a sharded model: the step's ``|h|²`` for the noise scale is the sum of
+    the layers' gradient squares, already summed over the ranks (``ShardedLayerSample.tensors``)."""
+
+    _EMPTY = nn.Module()
+
+    def after_reduce(self, model: nn.Module, scale: Any, lane_scale: Any = None) -> None:
+        # an empty model: the monitor's own total would read the DTensor gradients as whole tensors
+        super().after_reduce(self._EMPTY, scale, lane_scale)
+
+    def after_update(self) -> None:
+        sampled = self.on
+        super().after_update()
+        if sampled and self._pending:
+            tensors = self._pending[-1][1]
+            if "lane_sq" in tensors and "grad_sq" in tensors:
+                tensors["total_sq"] = tensors["grad_sq"].sum().reshape(1)
+            else:
+                tensors.pop("lane_sq", None)
+                tensors.pop("total_sq", None)
+
+
+class ProbingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, ``|input|²`` into ``probe`` first while it is armed: this rank's part
+    of the averaged gradient is its gradient over the world size (FSDP's ``AVG``; another reduction,
+    as fp16's pre-divided ``SUM``, leaves the step unmeasured: NaN)."""
+
+    def __init__(self, probe: LaneGradProbe, rank: int, world: int) -> None:
+        self.probe, self.rank, self.world = probe, rank, world
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        import torch.distributed as dist
+
+        if self.probe.armed:
+            scale = 1.0 / self.world if op == dist.ReduceOp.AVG else math.nan
+            self.probe.add_bucket(self.rank, input_tensor, scale)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def probe_reduce_scatter(model: nn.Module, probe: LaneGradProbe, rank: int, world: int) -> str | None:
+    """Every FSDP2 module of ``model`` reduce-scatters through ``ProbingReduceScatter``; None, or why not."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        return "no module is FSDP2's (fully_shard)"
+    for m in fsdp:  # a reduce-scatter of the user's own stays theirs
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:  # another torch's internals: nothing to tell
+            break
+        for g in groups:
+            comm = getattr(g, "_reduce_scatter_comm", None)
+            if comm is not None and type(comm).__name__ != "DefaultReduceScatter":
+                return f"the model's FSDP already reduce-scatters through its own {type(comm).__name__}"
+    comm = ProbingReduceScatter(probe, rank, world)
+    try:
+        for m in fsdp:
+            m.set_custom_reduce_scatter(comm)
+    except (ValueError, RuntimeError, AttributeError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
