@@ -17,8 +17,9 @@ The noise scale needs each rank's own gradient before the ranks' gradients are c
 communication hook (``engine/health/lane_grads.py``'s ``ddp_comm_hook``, the engine's own) sees this
 rank's buckets before torch's all-reduce; ``attach_ddp`` registers it. One process, or a DDP that
 already has another communication hook: the noise scale is not measured, and ``note`` says why.
-Under FSDP2 (``DTensor`` parameters) ``attach_sharded`` computes the per-layer values from each rank's
-shards, summed over the ranks (sharded.py); no noise scale there.
+Under FSDP2 (``DTensor`` parameters) ``attach_sharded`` uses the engine's sharded monitor: the
+per-layer values from each rank's shards, summed over the ranks, and with one micro-batch per step
+the noise scale from each rank's gradient at FSDP's reduce-scatter (sharded.py).
 """
 
 from __future__ import annotations
@@ -100,27 +101,25 @@ class LoopHealth:
 
     def attach_sharded(self, model: nn.Module, strategy: str, accum: int) -> None:
         """Under FSDP2 (``DTensor`` parameters): per-layer health from each rank's shards, summed over
-        the ranks, and with one micro-batch per step the noise scale from each rank's gradient as
-        FSDP's reduce-scatter receives it (sharded.py); else ``note`` says why not. Every rank calls
-        it, before the first backward."""
+        the ranks (the engine's sharded monitor), and with one micro-batch per step the noise scale
+        from each rank's gradient as FSDP's reduce-scatter receives it (sharded.py); else ``note`` says
+        why not. Every rank calls it, before the first backward."""
         if not self.every:
             return
         import torch.distributed as dist
-        from multilane.integrations.sharded import ShardedLayerSample, ShardedMonitor, probe_reduce_scatter
+        from multilane.integrations.sharded import probe_reduce_scatter
 
-        layers = ShardedLayerSample(model, self.monitor.kinds, self.device, self.world)
-        self.monitor.layers = layers
+        lanes = self.world if accum == 1 else 1  # one lane: no probe, the per-layer sums only
+        monitor = HealthMonitor(self.cfg, lanes, self.device, exchange=dist.all_reduce, sharded=True)
+        self.monitor, self.note = monitor, None
         if accum > 1:
             self.note = SHARDED_NOISE.format(strategy)
             return
-        monitor = ShardedMonitor(self.cfg, self.world, self.device, exchange=dist.all_reduce)
         assert monitor.probe is not None
         why = probe_reduce_scatter(model, monitor.probe, self.rank, self.world)
         if why is not None:
+            monitor.probe = None
             self.note = f"the noise scale is not measured under {strategy}: {why}"
-            return
-        monitor.layers = layers
-        self.monitor, self.note = monitor, None
 
     def attach_ddp(self, ddp: Any) -> None:
         """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls

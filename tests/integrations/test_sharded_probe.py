@@ -1,5 +1,5 @@
-"""The FSDP2 noise-scale probe (engine/integrations/sharded.py) takes FSDP's reduce-scatter over only
-where the model's is FSDP's own: a real ``fully_shard`` on a one-process gloo group, in this process.
+"""The FSDP2 noise-scale probe (engine/integrations/sharded.py, the engine's ``fsdp_reduce_scatter``)
+takes FSDP's reduce-scatter over only where the model's is FSDP's own (or an earlier run's probe): a real ``fully_shard`` on a one-process gloo group, in this process.
 The numbers themselves are checked on two processes in test_health_integrations.py."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def comms(model: nn.Module) -> list[str]:
 
 
 def test_the_probe_replaces_fsdps_own_reduce_scatter_and_leaves_a_users_own(group):
-    from multilane.integrations.sharded import ProbingReduceScatter, is_sharded, probe_reduce_scatter
+    from multilane.engine.health.lane_grads import fsdp_reduce_scatter
+    from multilane.integrations.sharded import is_sharded, probe_reduce_scatter
 
     probe = LaneGradProbe(2, torch.device("cpu"), always=True)
     plain = nn.Sequential(nn.Linear(4, 2))
@@ -51,15 +52,16 @@ def test_the_probe_replaces_fsdps_own_reduce_scatter_and_leaves_a_users_own(grou
     model = sharded_mlp()
     assert is_sharded(model) and comms(model) == ["DefaultReduceScatter"] * 2  # the root holds no parameter
     assert probe_reduce_scatter(model, probe, 0, 2) is None
-    assert comms(model) == ["ProbingReduceScatter"] * 2
+    assert comms(model) == ["ProbeReduceScatter"] * 2  # the engine's
+    assert probe_reduce_scatter(model, probe, 0, 2) is None  # a second run on the same model: replaced
     model(torch.randn(3, 4)).sum().backward()  # one process: FSDP copies, no reduce-scatter to probe
     assert all(p.grad is not None for p in model.parameters())
 
-    class Mine(ProbingReduceScatter):  # a user's own reduce-scatter
+    class Mine(type(fsdp_reduce_scatter(probe, 0, 2))):  # a user's own reduce-scatter
         pass
 
     theirs = sharded_mlp()
-    theirs[0].set_custom_reduce_scatter(Mine(probe, 0, 2))
+    theirs[0].set_custom_reduce_scatter(Mine())
     why = probe_reduce_scatter(theirs, probe, 0, 2)
     assert why == "the model's FSDP already reduce-scatters through its own Mine"
     assert comms(theirs) == ["Mine", "DefaultReduceScatter"]  # nothing replaced
