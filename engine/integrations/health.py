@@ -33,7 +33,14 @@ from multilane.engine.health.lane_grads import ddp_comm_hook
 from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
 from torch import nn
 
-SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
+SHARDED = (
+    "per-layer health is not recorded under {}: each process holds flat shards of several layers' parameters; "
+    "it is under FSDP2 (fully_shard), whose parameters keep their layers"
+)
+HF_SHARDED = (
+    "per-layer health is not recorded under the Trainer's {}: not supported yet (accelerate makes FSDP "
+    "on accelerators only, so it was not tested)"
+)
 SHARDED_NOISE = (
     "the noise scale is not measured under {} with gradient accumulation: FSDP reduce-scatters each rank's "
     "gradient at every micro-batch, so the rank's own gradient of the step never exists whole"

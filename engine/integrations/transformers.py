@@ -31,7 +31,7 @@ hf = require("transformers", "transformers", "multilane.integrations.transformer
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection  # noqa: E402
-from multilane.integrations.health import SHARDED, LoopHealth, batch_size, health_section  # noqa: E402
+from multilane.integrations.health import HF_SHARDED, LoopHealth, batch_size, health_section  # noqa: E402
 from multilane.integrations.recorder import RunRecorder  # noqa: E402
 
 __all__ = ["MultilaneCallback"]
@@ -124,7 +124,7 @@ class MultilaneCallback(hf.TrainerCallback):
         self._model = model
         wrapped = getattr(self._trainer, "model_wrapped", None)
         if self.health.every and kind.upper() in ("FSDP", "DEEPSPEED"):
-            self.health.switch_off(SHARDED.format(kind))
+            self.health.switch_off(HF_SHARDED.format(kind))
             rec.event("health_off", message=self.health.note)
         elif rec.world > 1 and self.health.every and hasattr(wrapped, "register_comm_hook"):  # DDP
             self.health.attach_ddp(wrapped)  # each rank's gradient before the all-reduce
