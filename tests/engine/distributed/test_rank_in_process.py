@@ -1,53 +1,52 @@
-"""A ddp or fsdp rank run in the test's own process, on a process group of one (issue 30: the fast tier
-runs every module at least once). The launches of several ranks (test_ddp_exact, test_fsdp_exact,
-test_nan_origin_ddp) are slow: each starts processes. Here ``rank_main`` — the rank's entry point, as
-the launcher's forked rank calls it — trains on a Gloo group of one on 127.0.0.1, so the rank's trainer,
-its loader slice, its log window, its evaluation, its telemetry and its NaN replay run in seconds, and
-must give what the single-process engine gives on one lane, in float64: every logged loss and
-validation loss, the final parameters, where a NaN began."""
+"""A ddp or fsdp rank on a process group of one (issue 30: the fast tier runs every module at least once).
+The launches of several ranks (test_ddp_exact, test_fsdp_exact, test_nan_origin_ddp) are slow: each starts
+a launcher and its ranks. Here ``rank_main`` — the rank's entry point, as the launcher's forked rank calls
+it — trains on a Gloo group of one on 127.0.0.1 in one process forked from the suite's pre-imported
+server (rank_of_one.py; about a second), so the rank's trainer, its loader slice, its log window, its
+evaluation, its telemetry and its NaN replay run, and must give what the single-process engine gives on
+one lane, in float64: every logged loss and validation loss, the final parameters, where a NaN began.
+
+Not in the test's own process: a process group leaves Gloo's and the TCP store's threads behind when it
+is destroyed, and a DataLoader worker forked after them hung (3 runs in 8 under load) — a hazard for
+every later test of the same pytest worker."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import TASK_FILES
 from multilane.engine.config import build_config
-from multilane.engine.distributed.worker import rank_main
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import read_metrics
 from multilane.engine.tasks import make_task
 
+HERE = Path(__file__).resolve().parent
 FLOAT64 = str(TASK_FILES / "float64_dataset.py")
 NAN = str(TASK_FILES / "nan_sources.py")
 
 
-@pytest.fixture
-def group_of_one(monkeypatch):
-    """The environment torch's launcher gives rank 0 of 1; the signal handlers and the process group
-    are back as they were after the test."""
+def run_rank(tmp_path: Path, cfg: dict) -> int:
+    """``rank_main`` of rank 0 of 1 on ``cfg``, in a process of its own; its exit status."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-    for k in ("MULTILANE_RUN_DIR", "MULTILANE_NODE_FILE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(k, raising=False)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads = torch.get_num_threads()
-    yield
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    torch.set_num_threads(threads)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    env = {k: v for k, v in os.environ.items() if k not in ("MULTILANE_RUN_DIR", "MULTILANE_NODE_FILE")}
+    env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    path = tmp_path / "rank.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, str(HERE / "rank_of_one.py"), str(path)], env=env, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r.returncode
 
 
 def settings(tmp_path: Path, name: str, task: str, params: dict, strategy: str | None, **train) -> dict:
@@ -73,14 +72,14 @@ def losses(records: list[dict]) -> list[tuple]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_rank_of_one_trains_as_the_single_process_engine_on_one_lane(tmp_path, group_of_one, strategy):
+def test_a_rank_of_one_trains_as_the_single_process_engine_on_one_lane(tmp_path, strategy):
     params = {"kind": "map"}
     ref_cfg = settings(tmp_path, "ref", FLOAT64, params, None)
     ref = Trainer(build_config(ref_cfg), task=make_task(FLOAT64, params))
     result = ref.run()
     assert result.status == "finished", result.message
 
-    assert rank_main(build_config(settings(tmp_path, "rank", FLOAT64, params, strategy)), None, {}) == 0
+    assert run_rank(tmp_path, settings(tmp_path, "rank", FLOAT64, params, strategy)) == 0
     run = the_run(tmp_path / "rank")
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     got, want = losses(read_metrics(run)), losses(read_metrics(result.run_dir))
@@ -95,7 +94,7 @@ def test_a_rank_of_one_trains_as_the_single_process_engine_on_one_lane(tmp_path,
             assert torch.allclose(saved["model"][k], v, rtol=0, atol=1e-10), k
 
 
-def test_a_nan_on_a_rank_of_one_is_traced_to_the_module_and_samples_the_one_lane_names(tmp_path, group_of_one):
+def test_a_nan_on_a_rank_of_one_is_traced_to_the_module_and_samples_the_one_lane_names(tmp_path):
     params = {"how": "zero_input", "bad": 61}
     ref = settings(tmp_path, "ref", NAN, params, None, steps=10, log_every=10, eval_every=0)
     ref["data"]["val_fraction"] = 0.0
@@ -108,7 +107,7 @@ def test_a_nan_on_a_rank_of_one_is_traced_to_the_module_and_samples_the_one_lane
         "devices": {"use": "cpu:0", "strategy": "ddp"},
         "run": {"runs_dir": str(tmp_path / "rank"), "name": "r"},
     }
-    assert rank_main(build_config(cfg), None, {}) == 0  # stopped, not failed: the run ends on the NaN
+    assert run_rank(tmp_path, cfg) == 0  # stopped, not failed: the run ends on the NaN
     run = the_run(tmp_path / "rank")
     status = json.loads((run / "status.json").read_text())
     want = json.loads((result.run_dir / "nan_origin.json").read_text())
