@@ -33,6 +33,7 @@ from multilane.engine.fsdp.units import choose_units, shard_model
 from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.health.run_health import RunHealth
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.optim import build_optimizer
 from multilane.engine.run.run_spec import planned_steps
@@ -73,6 +74,7 @@ class FsdpTrainer(DdpTrainer):
         cfg, info = self.config, self.info
         from torch.distributed.device_mesh import init_device_mesh
 
+        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
         dev = self._setup_rank()
         mesh = init_device_mesh(dev.type, (info.world,))
         self.units = shard_model(

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
-from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.plan import measure
 from multilane.engine.run.optim import build_optimizer
@@ -48,6 +47,8 @@ class MemoryLine:
     """ddp on CPU lanes: the processes (one per lane) whose needs add up in this memory."""
     data_batch: int | None = None
     """The batch a step really takes where the training data holds fewer samples than the run's batch."""
+    shards: list[int] | None = None
+    """fsdp: [the bytes of parameters, gradients and optimizer state rank 0 holds, one device's whole]."""
 
     @property
     def per_sample(self) -> float:
@@ -107,13 +108,12 @@ def _kept_random_state(devices: list[Device]) -> Any:
 
 def probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool = True) -> list[MemoryLine]:
     """Measure the run's memory lines (one per memory the run uses); see the module docstring. Where the
-    training data holds fewer samples than the batch, the lines' ``data_batch`` says so. fsdp is refused
-    in one line: the probe measures whole replicas, which are what fsdp exists not to hold."""
+    training data holds fewer samples than the batch, the lines' ``data_batch`` says so. fsdp, whose
+    ranks hold no whole replica, is probed as one of its ranks (fsdp_probe.py)."""
     if config.devices.strategy == "fsdp":
-        raise UserError(
-            "plan: the memory forecast does not cover the fsdp strategy yet (it measures whole replicas; "
-            "fsdp shards them across the devices): see docs/fsdp.md"
-        )
+        from multilane.engine.plan.fsdp_probe import probe_fsdp
+
+        return probe_fsdp(config, task, devices)
     with _kept_random_state(devices):
         return _probe(config, task, devices, ddp_group)
 
