@@ -48,18 +48,18 @@ FSDP_PHASES = ("setup", "forward", "backward", "optimizer")
 
 
 def probe_fsdp(config: RunConfig, task: Any, devices: list[Device]) -> list[MemoryLine]:
-    """Each memory's line for an fsdp run on ``devices`` (one rank each): a GPU's own line per rank, or
-    one line for the RAM every CPU rank shares (``ranks``: N)."""
+    """Each memory's line for an fsdp run on ``devices`` (one rank each): each GPU's, or the RAM's every CPU
+    rank shares, ``ranks`` being the ranks whose needs add up in it."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         raise UserError("plan: the fsdp forecast simulates a rank in its own process group; this process has one")
     with _kept_random_state(devices), _fake_group(len(devices)):
         phases, data_batch, shards = _probe(config, task, devices)
-    if devices[0].is_cuda:
-        lines = [MemoryLine(d.name, [i], phases) for i, d in enumerate(devices)]
-    else:
-        lines = [MemoryLine("cpu", list(range(len(devices))), phases, ranks=len(devices))]
+    by_memory: dict[str, list[int]] = {}  # each GPU's ranks (two ranks may share one), or the RAM's
+    for i, d in enumerate(devices):
+        by_memory.setdefault(d.name if d.is_cuda else "cpu", []).append(i)
+    lines = [MemoryLine(name, lanes, phases, ranks=len(lanes)) for name, lanes in by_memory.items()]
     for line in lines:
         line.data_batch, line.shards = data_batch, shards
     return lines

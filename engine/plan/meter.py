@@ -9,6 +9,8 @@
   optimizer had any: steps 2 and 3 alone measured 11 % under the run's true peak on digits at batch 64).
   Steps of the same shapes hold the same memory, so these stand for every full step; counting every
   step would cost an aten-op hook on all of them.
+- fsdp ranks (``RankPeakMeter``): each rank measures its own process (or GPU) at the same steps, against
+  the forecast its launcher passed in ``MULTILANE_FORECAST``; rank 0's summary has a row per rank.
 """
 
 from __future__ import annotations
