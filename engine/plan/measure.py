@@ -20,7 +20,7 @@
   A storage can also change size without an op: FSDP frees a gathered parameter by
   ``untyped_storage().resize_(0)`` and gathers it again into the same storage (``resize_(size)``),
   which no dispatch mode sees. At each phase's start the count re-reads the size of every storage it
-  holds; one found resized is watched from then on, its size re-read at every op.
+  holds; one found resized (or found empty) is watched from then on, its size re-read at every op.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class StorageCount:
                 return
             self._live[key] = nbytes
             self._refs[key] = weakref.ref(storage)
+            if nbytes == 0:  # only a resize can give it bytes (FSDP's freed parameters, found by add_live)
+                self._watch.add(key)
             self.current += nbytes
             self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key)

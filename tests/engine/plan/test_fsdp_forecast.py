@@ -48,6 +48,17 @@ def test_the_cpu_measure_follows_a_storage_resized_in_place_and_the_tensors_insi
         b = torch.zeros(10)  # any op: the watched storage's size is re-read
         assert count.current == 4040 and count.peak == 4040
         del a, b
+    # Found empty when counting starts (a meter's add_live between FSDP's steps): watched at once.
+    later = measure.StorageCount()
+    c = torch.ones(100)
+    c.untyped_storage().resize_(0)
+    later.add_live()  # every tensor alive in this process: c's storage at 0 bytes among them
+    before = later.current
+    with measure.CpuCounting(later, None):
+        c.untyped_storage().resize_(400)
+        d = torch.zeros(1)
+        assert later.current == before + 404
+        del c, d
 
 
 def test_a_tiny_peak_is_compared_in_bytes_a_large_one_in_percent():
