@@ -3,13 +3,14 @@
     python bench/memory_forecast.py                              # two CPU lanes (the RAM they share)
     python bench/memory_forecast.py --devices cuda:0,cuda:1      # on a GPU machine: each GPU's own line
     python bench/memory_forecast.py --strategies fsdp            # fsdp on 2 processes: each rank's peak
+    python bench/memory_forecast.py --strategies ddp             # ddp, the same way
 
 For three models (the MLP, the digits CNN, the charlm Transformer: built-in tasks) at two batch sizes
 each, and every strategy given (default: replicate and persistent), it trains a few steps with the fit
 check on and prints, per memory: the forecast made by the probe before the run (engine/plan/probe.py),
 the peak the run itself measured (CUDA: max_memory_allocated; CPU lanes: live tensor storage, during
 its 2nd and 3rd steps), the error, the batches the probe took and the probe's wall time. Goal: every
-error within 10 %. fsdp runs through the CLI (one process per device): its launcher forecasts, each
+error within 10 %. fsdp and ddp run through the CLI (one process per device): its launcher forecasts, each
 rank measures its own peak, and the rows are the run folder's ``memory`` event, one per rank.
 """
 
@@ -63,12 +64,12 @@ def one(task: str, batch: int, devices: str, strategy: str, runs: str) -> list[l
     return rows
 
 
-def one_fsdp(task: str, batch: int, devices: str, runs: str, sets: list[str]) -> list[list[str]]:
-    """An fsdp run: ``multilane train`` (its launcher forecasts, each rank measures its own peak), the
-    rows from the run folder's ``memory`` event (one per rank) and the probe's batches from ``plan``."""
-    args = ["--task", task, "--devices", devices, "--strategy", "fsdp", "--batch-size", str(batch)]
+def one_ranks(task: str, batch: int, devices: str, strategy: str, runs: str, sets: list[str]) -> list[list[str]]:
+    """An fsdp or ddp run: ``multilane train`` (its launcher forecasts, each rank measures its own peak),
+    the rows from the run folder's ``memory`` event (one per rank) and the probe's batches from ``plan``."""
+    args = ["--task", task, "--devices", devices, "--strategy", strategy, "--batch-size", str(batch)]
     args += [x for kv in sets for x in ("--set", kv)]
-    label = "fsdp" + "".join(f" {kv.split('.')[-1]}" for kv in sets)
+    label = strategy + "".join(f" {kv.split('.')[-1]}" for kv in sets)
     plan = subprocess.run([*CLI, "plan", *args, "--json"], capture_output=True, text=True, timeout=900)
     lines = json.loads(plan.stdout.splitlines()[-1])["lines"] if plan.returncode == 0 else []
     probed = ",".join(str(s) for s, _ in lines[0]["phases"]["forward"]) if lines else "-"
@@ -101,15 +102,15 @@ def main() -> int:
     ap.add_argument("--devices", default="cpu:0,cpu:1")
     ap.add_argument("--strategies", default="replicate,persistent")
     ap.add_argument("--tasks", default="mlp,digits,charlm", help="which of the three models")
-    ap.add_argument("--set", action="append", default=[], help="fsdp: a setting for every run (KEY=VALUE)")
+    ap.add_argument("--set", action="append", default=[], help="fsdp, ddp: a setting for every run (KEY=VALUE)")
     args = ap.parse_args()
     head = ["task", "batch", "strategy", "memory", "forecast", "measured", "error", "probe samples", "run wall"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-forecast-") as runs:
         for task, batch in [c for c in CASES if c[0] in args.tasks.split(",")]:
             for strategy in args.strategies.split(","):
-                if strategy == "fsdp":
-                    rows += one_fsdp(task, batch, args.devices, runs, args.set)
+                if strategy in ("fsdp", "ddp"):
+                    rows += one_ranks(task, batch, args.devices, strategy, runs, args.set)
                 else:
                     rows += one(task, batch, args.devices, strategy, runs)
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)

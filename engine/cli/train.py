@@ -124,7 +124,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
             os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
             forecast = check_fit(config, task, parse_devices(config.devices.use))
-            if forecast is not None and config.devices.strategy == "fsdp":  # each rank sets its peak beside it
+            if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
                 os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank

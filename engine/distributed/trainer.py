@@ -44,6 +44,7 @@ from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
@@ -117,6 +118,7 @@ class DdpTrainer(Trainer):
 
     def _setup(self) -> None:
         cfg, info = self.config, self.info
+        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
         dev = self._setup_rank()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum

@@ -162,10 +162,11 @@ def test_an_fsdp_run_that_will_not_fit_gets_one_line_naming_the_largest_batch_an
 
 
 @pytest.mark.slow
-def test_an_fsdp_run_sets_each_ranks_measured_peak_beside_its_forecast(tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_process_run_sets_each_ranks_measured_peak_beside_its_forecast(tmp_path, strategy):
     runs = tmp_path / "runs"
     r = subprocess.run(
-        [*CLI, "train", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", "fsdp", "--batch-size", "256",
+        [*CLI, "train", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", strategy, "--batch-size", "256",
          "--steps", "3", "--runs-dir", str(runs), "--set", "train.log_every=1", "--set", "train.eval_every=0"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "MULTILANE_FIT_CHECK": "1"},
     )  # fmt: skip
