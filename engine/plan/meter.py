@@ -9,7 +9,7 @@
   optimizer had any: steps 2 and 3 alone measured 11 % under the run's true peak on digits at batch 64).
   Steps of the same shapes hold the same memory, so these stand for every full step; counting every
   step would cost an aten-op hook on all of them.
-- fsdp ranks (``RankPeakMeter``): each rank measures its own process (or GPU) at the same steps, against
+- ddp and fsdp ranks (``RankPeakMeter``): each rank measures its own process (or GPU) at the same steps, against
   the forecast its launcher passed in ``MULTILANE_FORECAST``; rank 0's summary has a row per rank.
 """
 
@@ -26,7 +26,7 @@ from multilane.engine.telemetry.devices import Device
 
 CPU_STEPS = (2, 3)
 FORECAST_ENV = "MULTILANE_FORECAST"
-"""An fsdp launch: the forecast its launcher made (JSON), for each rank to measure its own peak beside it."""
+"""A ddp or fsdp launch: the forecast its launcher made (JSON), for each rank to set its own peak beside."""
 
 
 class PeakMeter:
@@ -80,7 +80,7 @@ class PeakMeter:
 
 
 class RankPeakMeter(PeakMeter):
-    """One fsdp rank's peak, by the same measures (this process's tensors on CPU lanes; its GPU's
+    """One ddp or fsdp rank's peak, by the same measures (this process's tensors on CPU lanes; its GPU's
     ``max_memory_allocated``), set beside the forecast for its share of the batch. Every rank measures the
     same steps; after the last of them the ranks' peaks are gathered (``all_gather_object``), so rank 0's
     summary has one row per rank."""
