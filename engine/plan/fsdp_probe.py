@@ -35,6 +35,7 @@ from multilane.engine.plan.probe import (
     PROBE_SHARE,
     MemoryLine,
     _along,
+    _dominant,
     _kept_random_state,
     _settled,
     probe_batches,
@@ -126,14 +127,6 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
 
 def _need(points: dict[str, list[tuple[int, int]]], b: int) -> int:
     return max(_along(points[p], b) for p in FSDP_PHASES[1:])
-
-
-def _dominant(pts: list[tuple[int, int]]) -> bool:
-    """Whether the batch's part of the last point's peak is at least half of it. Until it is, the peak sits
-    where the fixed bytes are (a unit's gathered parameters and gradients, the reduce-scatter's buffers),
-    whose slope is below the activations' (the MLP at batch 4,096 read -34 % from batches 4 to 16)."""
-    (s0, m0), (s1, m1) = pts[-2], pts[-1]
-    return 2 * (m1 - m0) / (s1 - s0) * s1 >= m1
 
 
 class _RankStepper:
