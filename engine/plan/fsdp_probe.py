@@ -91,8 +91,9 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
         inputs, target, size = loader.next()
     finally:
         loader.close()
-    # The data holds fewer samples than the run's batch: every step takes all there is, shared out.
-    data_batch = size * n if size < batches[-1] and size * n < config.data.batch_size else None
+    # Data that holds fewer samples than a rank's share: the line is extended to the share (as ddp's probe
+    # does), a forecast above what such a run takes.
+    data_batch = None
     batches = sorted({min(b, size) for b in batches})
     dev = devices[0].torch_device()
     count = measure.StorageCount()
