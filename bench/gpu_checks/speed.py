@@ -137,8 +137,12 @@ def engine(strategy_name: str, devices: str, build: Callable[[], nn.Module], x, 
     return step, lambda: (strategy.close(), backend.close())
 
 
-def _ddp_rank(rank: int, device: str, backend: str, port: int, model: str, mode: str, steps: int, q) -> None:
-    """One DDP rank: its half of the batch, the same model and optimizer as the in-process loops."""
+def _ddp_rank(
+    rank: int, device: str, backend: str, port: int, model: str, mode: str, steps: int, q, kind: str = "ddp"
+) -> None:
+    """One rank of torch's DDP (``kind`` "ddp") or FSDP2 (``kind`` "fsdp": ``fully_shard`` on each layer
+    with parameters, then the root, as the engine's default units): its half of the batch, the same
+    model and optimizer as the in-process loops."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -149,7 +153,16 @@ def _ddp_rank(rank: int, device: str, backend: str, port: int, model: str, mode:
         build, shape, batch = MODELS[mode][model]
         torch.manual_seed(0)
         net = build().to(dev)
-        ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+        if kind == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in [
+                m for m in net.modules() if m is not net and next(m.parameters(recurse=False), None) is not None
+            ]:
+                fully_shard(layer)
+            ddp = fully_shard(net)
+        else:
+            ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index] if dev.type == "cuda" else None)
         opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         x, y = data_for(shape, batch, dev)
         x, y = x.chunk(2)[rank], y.chunk(2)[rank]
@@ -173,8 +186,11 @@ def _ddp_rank(rank: int, device: str, backend: str, port: int, model: str, mode:
         dist.destroy_process_group()
 
 
-def ddp_time(ctx: Context, model: str, backend: str, steps: int, deadline_s: float = 120) -> float | str:
-    """Median step of torch's DDP in two processes on ``ctx.two``'s devices, or why it did not run."""
+def ddp_time(
+    ctx: Context, model: str, backend: str, steps: int, deadline_s: float = 120, kind: str = "ddp"
+) -> float | str:
+    """Median step of torch's DDP (or FSDP2: ``kind``) in two processes on ``ctx.two``'s devices, or why
+    it did not run."""
     from multilane.engine.distributed.launcher import free_port
 
     mode = "dry" if ctx.dry_run else "gpu"
@@ -183,7 +199,8 @@ def ddp_time(ctx: Context, model: str, backend: str, steps: int, deadline_s: flo
     q = mpc.Queue()
     port = free_port()
     procs = [
-        mpc.Process(target=_ddp_rank, args=(r, devices[r], backend, port, model, mode, steps, q)) for r in range(2)
+        mpc.Process(target=_ddp_rank, args=(r, devices[r], backend, port, model, mode, steps, q, kind))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
@@ -260,7 +277,9 @@ def time_loops(ctx: Context, model: str, devices: str) -> dict[str, float | str]
 
 def add_row(ctx: Context, case: str, t: float | str, ref: float | None, batch: int, flops, peak, ceiling) -> None:
     if isinstance(t, str):
-        ctx.add(Row("speed", case, t, "", INFO if "NCCL" in case else "fail"))
+        # NCCL refusing two ranks on one GPU, and FSDP2 over Gloo on GPU tensors, are torch's limits: told, not failed
+        told = "NCCL" in case or ("FSDP2 (Gloo" in case and "on one GPU" in case)
+        ctx.add(Row("speed", case, t, "", INFO if told else "fail"))
         return
     measured = f"{t * 1e3:.2f} ms, {batch / t:,.0f} samples/s"
     data: dict[str, float] = {"step_s": t, "samples_per_s": batch / t}
@@ -286,16 +305,26 @@ NCCL_REFUSED: list[str] = []  # once NCCL has refused two ranks on one GPU, it i
 
 
 def ddp_rows(ctx: Context, model: str) -> dict[str, float | str]:
+    """torch's DDP and FSDP2 on the same job, side by side (issue 36: fsdp's step against ddp's, on
+    Gloo in the dry run and on NCCL on a GPU machine)."""
     steps = 3 if ctx.dry_run else 10  # Gloo moves the MLP's 1 GB of gradients through the host every step
     if ctx.dry_run:
-        return {"DDP (Gloo, 2 processes)": ddp_time(ctx, model, "gloo", steps)}
+        return {
+            "DDP (Gloo, 2 processes)": ddp_time(ctx, model, "gloo", steps),
+            "FSDP2 (Gloo, 2 processes)": ddp_time(ctx, model, "gloo", steps, kind="fsdp"),
+        }
     nccl = NCCL_REFUSED[0] if NCCL_REFUSED else ddp_time(ctx, model, "nccl", steps, deadline_s=45)
     if isinstance(nccl, float):
-        return {"DDP (NCCL, 2 processes on one GPU)": nccl}
+        return {
+            "DDP (NCCL, 2 processes on one GPU)": nccl,
+            "FSDP2 (NCCL, 2 processes on one GPU)": ddp_time(ctx, model, "nccl", steps, deadline_s=45, kind="fsdp"),
+        }
     NCCL_REFUSED.append(nccl)
     return {
         "DDP (NCCL, 2 processes on one GPU)": f"NCCL did not run two ranks on one GPU: {nccl}",
         "DDP (Gloo, 2 processes on one GPU)": ddp_time(ctx, model, "gloo", steps),
+        "FSDP2 (NCCL, 2 processes on one GPU)": "not run: NCCL refused two ranks on one GPU (above)",
+        "FSDP2 (Gloo, 2 processes on one GPU)": ddp_time(ctx, model, "gloo", steps, kind="fsdp"),
     }
 
 

@@ -13,7 +13,9 @@ random streams, the buffer merge, pause/stop agreement, telemetry, the log windo
 - evaluation gathers the whole parameters once (``unshard``) and frees them after, so the ranks can
   each run their own slice and rank 0 the task's text sample without a collective per forward;
 - checkpoints are sharded (``sharded.py``);
-- optionally each unit recomputed in backward, and the shards kept in host memory (``units.py``).
+- optionally each unit recomputed in backward, and the shards kept in host memory (``units.py``);
+- run health sums each rank's shards (engine/health, ``sharded``) and reads each rank's gradient at
+  the reduce-scatter (``probe_reduce_scatter``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import choose_units, shard_model
+from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
-from multilane.engine.health.run_health import RunHealth
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
@@ -63,6 +66,22 @@ class _FsdpWindow(ShardWindow):
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         full = getattr(norm, "full_tensor", None)  # a DTensor: the norm over every rank's shards
         super().add_grad_norm(full() if full is not None else norm)
+
+
+def probe_reduce_scatter(health: HealthMonitor, model: nn.Module, rank: int, world: int) -> None:
+    """Every FSDP unit's reduce-scatter shows ``health``'s probe this rank's gradient first (the noise
+    scale); where this torch has no such hook, no noise scale, and the run says why."""
+    if health.probe is None:
+        return
+    try:
+        comm = fsdp_reduce_scatter(health.probe, rank, world)
+    except ImportError as e:
+        health.probe = None
+        health.off_note = f"the noise scale is not available under fsdp with this torch: {e}"
+        return
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(comm)  # type: ignore[operator]
 
 
 class FsdpTrainer(DdpTrainer):
@@ -107,10 +126,11 @@ class FsdpTrainer(DdpTrainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
-        # Per-layer health and the noise scale read whole parameters and each rank's own gradient before
-        # the reduce, which fsdp's shards do not hold: off under fsdp for now (docs/fsdp.md), no replay.
-        self.health = HealthMonitor(cfg.health.model_copy(update={"enabled": False}), info.world, dev)
-        self.run_health = RunHealth(replay=False)
+        # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
+        # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
+        self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce, sharded=True)
+        probe_reduce_scatter(self.health, self.model, info.rank, info.world)
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
         self._due_at: float | None = None
         self.ddp = _Sharded(self.model)  # type: ignore[assignment]
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
@@ -118,6 +138,12 @@ class FsdpTrainer(DdpTrainer):
         dist.all_gather_object(keys, info.key)
         self._keys = keys
         self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
+
+    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
+            with self.health.no_activations():
+                return super()._forward(inputs, target, n)
+        return super()._forward(inputs, target, n)
 
     def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
         raise AssertionError("fsdp has no DDP to rebuild")

@@ -7,7 +7,10 @@
   micro-batches) until ``reduce_gradients`` sums them into the model's (``take_lanes``, called there;
   on GPUs a sampled step sums after backward, not in buckets while it runs);
 - ``ddp``: a DDP communication hook sees each bucket of this rank's gradient before the all-reduce
-  (``ddp_hook``).
+  (``ddp_hook``);
+- ``fsdp``: a custom reduce-scatter on every FSDP unit sees this rank's gradient of the unit, whole
+  (every rank computes the whole unit's gradient of its own samples), just before the reduce-scatter
+  (``fsdp_reduce_scatter``): no extra memory, one norm per unit on a sampled step.
 
 Norms stay on the device; ``read()`` returns them all at log time in one transfer.
 """
@@ -110,3 +113,25 @@ def ddp_comm_hook(probe: LaneGradProbe, rank: int, world: int) -> Callable[[Any,
         return allreduce_hook(state, bucket)
 
     return hook
+
+
+def fsdp_reduce_scatter(probe: LaneGradProbe, rank: int, world: int) -> Any:
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) that first adds this rank's
+    ``|·|²`` of the flat input into ``probe`` (while it is armed), then runs torch's own. The input is
+    this rank's gradient of one unit's parameters, accumulated over the step's micro-batches, before the
+    ranks' are combined: FSDP's dim-0 padding is zeros (adds nothing), and FSDP has divided it by its
+    pre-divide factor in place (float64/fp16 reduce in two halves: torch's own rule gives the factor)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultReduceScatter,
+        _get_gradient_divide_factors,
+    )
+
+    class ProbeReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # torch's signature
+            if probe.armed:
+                pre = _get_gradient_divide_factors(group, None, input_tensor.dtype, input_tensor.device.type)[0]
+                # The rank's loss is its shard's part of the batch's times ``world`` (FSDP averages).
+                probe.add_bucket(rank, input_tensor, (pre or 1.0) / world)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return ProbeReduceScatter()

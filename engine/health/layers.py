@@ -4,6 +4,10 @@ parameterized module, and mean, std and fraction of exact zeros of chosen module
 Every value is computed on the device with ``_foreach`` kernels and per-module sums (``index_add``),
 and read once, at log time (``LayerSample.read``). A layer is a module with parameters of its own
 (``recurse=False``), named by its path in the model; its norms are over those parameters together.
+
+Under fsdp a parameter and its gradient are DTensors sharded on dim 0: every sum here is then over this
+rank's own shard (``to_local()``: the shard without FSDP's dim-0 padding, so no element counts twice),
+and the monitor adds the ranks' sums with one all-reduce at log time (monitor.py, ``sharded``).
 """
 
 from __future__ import annotations
@@ -35,10 +39,29 @@ def param_layers(model: nn.Module) -> tuple[list[str], list[int], list[nn.Parame
     return names, owner, params
 
 
+def module_kind(m: nn.Module) -> str:
+    """The module's class name; for a module ``fully_shard`` made a unit (its class becomes
+    ``FSDP<Class>``, a subclass of ``FSDPModule`` and the original), the original's."""
+    cls = type(m)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return cls.__name__
+    if isinstance(m, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
 def activation_modules(model: nn.Module, kinds: Sequence[str]) -> list[tuple[str, str]]:
     """``(path, kind)`` of every module whose class name is one of ``kinds``."""
     wanted = {k.strip() for k in kinds if k.strip()}
-    return [(n, type(m).__name__) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+    return [(n, module_kind(m)) for n, m in model.named_modules() if n and module_kind(m) in wanted]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of ``t``: a DTensor's local shard (no collective), any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _group_sq(norms: list[torch.Tensor], owner: torch.Tensor, n: int) -> torch.Tensor:
@@ -50,8 +73,12 @@ def _group_sq(norms: list[torch.Tensor], owner: torch.Tensor, n: int) -> torch.T
 class LayerSample:
     """One sampled step's per-layer values, as device tensors until ``read``."""
 
-    def __init__(self, model: nn.Module, kinds: Sequence[str], device: torch.device) -> None:
+    def __init__(self, model: nn.Module, kinds: Sequence[str], device: torch.device, always_act: bool = False) -> None:
+        """``always_act``: a sampled step's ``act`` sums exist even if no hooked output was seen (a rank
+        whose shards were empty still joins the ranks' sum with zeros)."""
         self.names, owner, self.params = param_layers(model)
+        self.always_act = always_act
+        self.paused = False  # a forward that is not the batch's (a rank's stand-in for an empty shard)
         self.device = device
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
         self.index = {id(p): k for k, p in enumerate(self.params)}
@@ -75,20 +102,20 @@ class LayerSample:
         grads = [(k, p.grad) for k, p in enumerate(self.params) if p.grad is not None]
         if not grads or not n:
             return
-        norms = torch._foreach_norm([g.detach() for _, g in grads])
+        norms = torch._foreach_norm([local(g.detach()) for _, g in grads])
         owner = self.owner[torch.tensor([k for k, _ in grads], device=self.device)]
         sq = _group_sq(list(norms), owner, n)
         self.grad_sq = sq if scale is None else sq / scale.to(sq).square()
 
     def before_update(self) -> None:
         """Keep the weights before the optimizer step (a copy, on sampled steps only)."""
-        self._before = torch._foreach_mul([p.detach() for p in self.params], 1.0)
+        self._before = torch._foreach_mul([local(p.detach()) for p in self.params], 1.0)
 
     def after_update(self) -> None:
         """The weight norms and ``|Δw|²`` of the step the optimizer just took."""
         if not self.params:
             return
-        now = [p.detach() for p in self.params]
+        now = [local(p.detach()) for p in self.params]
         self.weight_sq = _group_sq(list(torch._foreach_norm(now)), self.owner, len(self.names))
         if self._before is not None:
             torch._foreach_sub_(self._before, now)
@@ -112,6 +139,8 @@ class LayerSample:
         def hook(_module: nn.Module, _args: Any, out: Any) -> None:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
                 return
+            if self.paused or torch._C._current_graph_task_id() != -1:
+                return  # a forward recomputed inside backward (activation checkpointing): counted once already
             x = out.detach()
             n = x.numel()
             var, mean = torch.var_mean(x, correction=0)  # one pass; the lanes' sums are formed from it
@@ -131,11 +160,13 @@ class LayerSample:
         for key, t in (("grad_sq", self.grad_sq), ("weight_sq", self.weight_sq), ("update_sq", self.update_sq)):
             if t is not None:
                 out[key] = t
-        if self._act:
+        if self._act or (self.always_act and self.act_names):
             n = len(self.act_names)
-            rows = torch.stack(self._act)
-            idx = torch.tensor(self._act_of, dtype=torch.long, device=self.device)
-            out["act"] = torch.zeros(n, 4, dtype=torch.float64, device=self.device).index_add_(0, idx, rows)
+            act = torch.zeros(n, 4, dtype=torch.float64, device=self.device)
+            if self._act:
+                idx = torch.tensor(self._act_of, dtype=torch.long, device=self.device)
+                act.index_add_(0, idx, torch.stack(self._act))
+            out["act"] = act
         return out
 
 

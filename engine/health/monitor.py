@@ -10,18 +10,21 @@ and one ``health`` record per sampled step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from multilane.engine.health.groups import add_by_group, group_rows
 from multilane.engine.health.lane_grads import LaneGradProbe, squared_norm
-from multilane.engine.health.layers import LayerSample, activation_values, layer_values
+from multilane.engine.health.layers import LayerSample, activation_values, layer_values, local
 from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate
 from torch import nn
 
+SHARDED_SUMS = ("act", "grad_sq", "total_sq", "update_sq", "weight_sq")
+"""A sampled step's sums that fsdp's ranks each hold a part of (their own shards, their own samples)."""
 ONE_DEVICE = "the noise scale needs two or more devices: it compares each device's gradient with the combined one"
 
 
@@ -42,8 +45,12 @@ class HealthMonitor:
         device: torch.device,
         unit: str = "samples",
         exchange: Callable[[torch.Tensor], None] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.sharded = sharded
+        """fsdp: each rank's per-layer sums are over its own shards (and its activations over its own
+        part of the batch): ``exchange`` adds them over the ranks at log time, with the lanes' entries."""
         self.every = cfg.every if cfg.enabled else 0
         self.lanes = lanes
         self.device = device
@@ -62,6 +69,7 @@ class HealthMonitor:
         self._handles: list[Any] = []
         self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]] = []
         self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
+        self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
 
     @property
     def noise_note(self) -> str | None:
@@ -77,7 +85,7 @@ class HealthMonitor:
             return
         self.on, self._step = True, step
         if self.layers is None:
-            self.layers = LayerSample(model, self.kinds, self.device)
+            self.layers = LayerSample(model, self.kinds, self.device, always_act=self.sharded)
         self.layers.reset()
         self._shares = LaneShares.empty(self.lanes)
         if self.probe is not None:
@@ -86,6 +94,19 @@ class HealthMonitor:
         if replicas is not None:
             targets = [model, *[r for r in replicas if r is not model]]
             self._handles = self.layers.hook_activations(targets)
+
+    @contextlib.contextmanager
+    def no_activations(self) -> Iterator[None]:
+        """A forward whose outputs are not the batch's (a rank whose shard is empty runs the model on a
+        stand-in sample): its activations are not counted."""
+        if self.layers is None:
+            yield
+            return
+        self.layers.paused = True
+        try:
+            yield
+        finally:
+            self.layers.paused = False
 
     def micro(self, lane_units: Sequence[float], lanes: Sequence[int], accum: int, total: float | None = None) -> None:
         """One micro-batch: how many units (samples, or loss weight) each lane in ``lanes`` carried
@@ -111,7 +132,7 @@ class HealthMonitor:
         if self.probe is not None:
             lane_sq = self.probe.lane_squares()
             if lane_sq is not None:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
                 total = squared_norm(grads, self.device)
                 if scale is not None:
                     total = total / scale.to(self.device, torch.float64).square()
@@ -178,10 +199,13 @@ class HealthMonitor:
         return self._noise_value(), records
 
     def _exchange(self, pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]]) -> None:
-        """ddp: every rank's lane entries and shares summed over the ranks (one collective)."""
+        """ddp, fsdp: every rank's lane entries and shares (and under fsdp its sums over its own shards)
+        summed over the ranks (one collective)."""
         n = self.lanes
+        summed = SHARDED_SUMS if self.sharded else ()
         parts = []
         for _, t, sh in pending:
+            parts += [t[k].reshape(-1).to(self.device, torch.float64) for k in sorted(t) if k in summed]
             if "lane_sq" in t:
                 parts += [t["lane_sq"], torch.tensor([*sh.a, *sh.q, sh.units], dtype=torch.float64, device=self.device)]
         if not parts:
@@ -190,6 +214,10 @@ class HealthMonitor:
         self.exchange(pack)
         at = 0
         for _, t, sh in pending:
+            for k in [k for k in sorted(t) if k in summed]:
+                size = t[k].numel()
+                t[k] = pack[at : at + size].reshape(t[k].shape)
+                at += size
             if "lane_sq" in t:
                 t["lane_sq"] = pack[at : at + n]
                 vals = pack[at + n : at + 3 * n + 1].tolist()

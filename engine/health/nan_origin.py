@@ -209,6 +209,13 @@ class Tracer:
         for lane, lane_params in zip(lanes, params, strict=True):
             self._param_hooks(lane_params, lane)
 
+    def watch_named(self, params: list[tuple[str, torch.Tensor]], lane: int) -> None:
+        """Hooks on other tensors that receive a parameter's gradient (fsdp: each unit's unsharded
+        parameter, this rank's own gradient before the reduce-scatter), each named by its parameter."""
+        for name, p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._grad_hook(name, lane)))
+
     def take_lanes(self, params: Any) -> None:
         """(persistent's reduce: its replicas' gradients are watched by hooks already)"""
 
@@ -324,9 +331,11 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         restore(t, now)
 
 
-def weights_origin(kept: Kept, device: str) -> Origin | None:
-    """The weights the replay would start from, already non-finite (an earlier update made them so), or None."""
-    bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+def weights_origin(kept: Kept, device: str, bad: list[str] | None = None) -> Origin | None:
+    """The weights the replay would start from, already non-finite (an earlier update made them so), or None.
+    ``bad``: those non-finite, where the caller found them (fsdp: over every rank's shards)."""
+    if bad is None:
+        bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if not bad:
         return None
     detail = {"step": kept.step + 1, "weights": bad[:MAX_DETAIL]}

@@ -9,6 +9,11 @@ reads its shards of the window's micro-batches again and replays the steps throu
 gradients' all-reduce included) with the same hooks (``Tracer``) on its module; after each replayed
 step the ranks gather their findings (one small collective) and all pick the same origin by the
 single-process rule, ranks standing for lanes. Afterwards each rank's state is put back as it was.
+
+Under fsdp the same, with each rank's own shards: the kept state is this rank's shards of the model and
+the optimizer (1/N of them, a DTensor copy: no collective), the weights' check adds the ranks' findings,
+and the gradient hooks sit on each unit's unsharded parameters, whose gradient is this rank's own
+before the reduce-scatter (``unsharded_params``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from multilane.engine.health.layers import local
 from multilane.engine.health.nan_origin import (
     Finding,
     Kept,
@@ -29,6 +35,7 @@ from multilane.engine.health.nan_origin import (
     weights_origin,
 )
 from multilane.engine.parallel.replicas.lane_rng import _generators
+from torch import nn
 
 if TYPE_CHECKING:
     from multilane.engine.distributed.trainer import DdpTrainer
@@ -49,6 +56,34 @@ def rank_restore(t: DdpTrainer, k: Kept) -> None:
             g.set_state(s)
 
     restore(t, k, put)
+
+
+def unsharded_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """fsdp: each parameter's unsharded tensor (named as the parameter), whose gradient is this rank's
+    own before the reduce-scatter; FSDP2 makes it at a unit's first all-gather and keeps it (its storage
+    freed between uses). Empty for a model that FSDP does not shard."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; earlier: one group
+        if groups is None:
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            for fp in group.fsdp_params:
+                name, unsharded = names.get(id(fp.sharded_param)), getattr(fp, "_unsharded_param", None)
+                if name is not None and unsharded is not None:
+                    out.append((name, unsharded))
+    return out
+
+
+def _bad_weights(t: DdpTrainer, kept: Kept) -> list[str]:
+    """The kept weights that are not finite on any rank (fsdp: each rank holds its own shards; one small
+    collective), in the model's order."""
+    mine = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(local(v)).all())]
+    everyone: list[Any] = [None] * t.info.world
+    dist.all_gather_object(everyone, mine, group=t._control_group)
+    return [n for n in kept.model if any(n in e for e in everyone)]
 
 
 class RankKeeper(StepKeeper):
@@ -77,14 +112,15 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
     where a non-finite value shows on any rank (the same answer on every rank), or None."""
     from multilane.engine.data.loader import build_loader
     from multilane.engine.distributed.shards import RankLoader
-    from multilane.engine.distributed.window import ShardWindow, combine
+    from multilane.engine.distributed.window import combine
 
     names = t.lane_names
-    bad = weights_origin(kept, names[0])  # the same on every rank: DDP keeps the ranks' weights equal
+    bad = weights_origin(kept, names[0], _bad_weights(t, kept))  # the same answer on every rank
     if bad is not None:
         return bad
     now = rank_snapshot(t)
     saved = (t.loader, t.window, t.health.every, t.timer)
+    window = type(t.window)  # fsdp's reads the DTensor norm of its clipping
     accum = t.config.train.grad_accum
     dev = t.info.device
     loader = RankLoader(build_loader(t.task, t.config, dev.torch_device() if dev.is_cuda else None), t._my_slice)
@@ -93,8 +129,9 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
         loader.start(kept.step * accum, last_step * accum)
         t.loader, t.health.every = loader, 0
         for step in range(kept.step + 1, last_step + 1):
-            t.window = ShardWindow()
+            t.window = window()
             tracer = Tracer(t.model, [], single=True)
+            tracer.watch_named(unsharded_params(t.model), 0)  # fsdp: this rank's gradient (ddp: none)
             try:
                 t._train_step(accum)
             finally:

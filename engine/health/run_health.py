@@ -19,9 +19,9 @@ NAN_ORIGIN = "nan_origin.json"
 """The run folder's detail of where a non-finite loss began (the replay's findings)."""
 
 
-def make_monitor(t: Trainer, lanes: int, device: Any, exchange: Any = None) -> HealthMonitor:
+def make_monitor(t: Trainer, lanes: int, device: Any, exchange: Any = None, sharded: bool = False) -> HealthMonitor:
     unit = "samples" if t._loss_weight is None else "loss weight"
-    return HealthMonitor(t.config.health, lanes, device, unit, exchange)
+    return HealthMonitor(t.config.health, lanes, device, unit, exchange, sharded)
 
 
 def strategy_replicas(strategy: Any, lanes: int) -> list[Any] | None:
@@ -50,6 +50,9 @@ class RunHealth:
 
     def report(self, t: Trainer, rec: dict[str, Any]) -> None:
         """The log window's sampled health: its records first, the noise scale into ``rec``."""
+        note, t.health.off_note = t.health.off_note, None
+        if note is not None:  # once, at the first log (the run folder exists by then)
+            t._event("noise_scale", message=note)
         noise, records = t.health.at_log(rec.get("wall_time"))
         if noise is not None:
             rec["noise"] = noise

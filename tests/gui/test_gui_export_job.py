@@ -84,7 +84,7 @@ def test_cancel_stops_the_export_process_and_leaves_the_folder_as_it_was(qtbot, 
     assert "cancelled" in window.note_label.toolTip()
 
 
-@pytest.mark.slow
+# fast (~1 s): the fast tier's run of gui/export/export_job.py
 def test_an_export_that_cannot_write_says_so_in_one_line(qtbot, make_window, tmp_path):
     window = make_window()
     window.plots.reset(big_run(50))
