@@ -37,6 +37,7 @@ from multilane.engine.plan.probe import (
     _along,
     _dominant,
     _kept_random_state,
+    _replay_copy,
     _settled,
     probe_batches,
 )
@@ -104,6 +105,9 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
     with counting:
         step = _RankStepper(config, task, dev, n, count)  # measures the setup phase
         step.run(inputs, target, batches[0])  # creates the optimizer's state
+        # Each rank's NaN replay copy of its shards and optimizer state (engine/health/rank_replay.py),
+        # held for the whole run when it is on: made here too, so every peak holds it.
+        replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
         free = measure.free_bytes(devices[0].name)
         for b in batches:
             if free is not None and len(points["forward"]) >= 2 and _need(points, b) > PROBE_SHARE * free:
@@ -120,7 +124,7 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
                 break
         points["setup"] = [(batches[0], step.setup_peak)]
         shards = step.shards
-        del step
+        del step, replay_copy
     if devices[0].is_cuda:
         torch.cuda.empty_cache()
     return points, data_batch, shards
