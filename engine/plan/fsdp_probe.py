@@ -101,7 +101,8 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
     if not devices[0].is_cuda:
         count.baseline()
     points: dict[str, list[tuple[int, int]]] = {p: [] for p in FSDP_PHASES}
-    counting = measure.CpuCounting(count, None) if not devices[0].is_cuda else contextlib.nullcontext()
+    # FSDP places a rank on the current CUDA device (as the rank's own process has set it)
+    counting = measure.CpuCounting(count, None) if not devices[0].is_cuda else torch.cuda.device(dev)
     with counting:
         step = _RankStepper(config, task, dev, n, count)  # measures the setup phase
         step.run(inputs, target, batches[0])  # creates the optimizer's state
