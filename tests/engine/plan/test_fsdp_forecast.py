@@ -18,6 +18,7 @@ from helpers import CLI
 from multilane.engine.cli.main import main
 from multilane.engine.plan import measure
 from multilane.engine.plan.forecast import small_difference
+from multilane.engine.plan.meter import memory_lines
 from multilane.engine.plan.shards import rows, shard_bytes
 from torch import nn
 
@@ -65,6 +66,11 @@ def test_a_tiny_peak_is_compared_in_bytes_a_large_one_in_percent():
     assert small_difference(3_789, 30_413) == "-26.0 KiB"
     assert small_difference(600_000, 500_000) == "+97.7 KiB"
     assert small_difference(3 << 20, 2 << 20) is None
+    rows = {"cpu": {"forecast": 3_789, "measured": 30_413}, "cuda:0": {"forecast": 3 << 30, "measured": 3 << 30}}
+    assert memory_lines(rows) == [
+        "memory peak cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)",
+        "memory peak cuda:0: 3.00 GiB measured, 3.00 GiB forecast (+0.0 %)",
+    ]
 
 
 def _free_port() -> int:
