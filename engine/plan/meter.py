@@ -123,7 +123,11 @@ def rank_meter(device: Device, rank: int, world: int, weights: list[float] | Non
     text = os.environ.get(FORECAST_ENV)
     if not text:
         return None
-    return RankPeakMeter(device, Forecast.from_dict(json.loads(text)), rank, world, weights)
+    forecast = Forecast.from_dict(json.loads(text))
+    # Several nodes: each launcher forecast its own node's devices, not this world's shares.
+    if forecast.n_devices != world or not any(x["name"] in (device.name, "cpu") for x in forecast.lines):
+        return None
+    return RankPeakMeter(device, forecast, rank, world, weights)
 
 
 def memory_lines(rows: dict[str, Any] | None) -> list[str]:
