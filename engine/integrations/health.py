@@ -16,7 +16,10 @@ loop's hooks onto its calls, for both integrations:
 The noise scale needs each rank's own gradient before the ranks' gradients are combined: under DDP a
 communication hook (``engine/health/lane_grads.py``'s ``ddp_comm_hook``, the engine's own) sees this
 rank's buckets before torch's all-reduce; ``attach_ddp`` registers it. One process, or a DDP that
-already has another communication hook: the noise scale is not measured, and ``noise_note`` says why.
+already has another communication hook: the noise scale is not measured, and ``note`` says why.
+Under FSDP2 (``DTensor`` parameters) ``attach_sharded`` uses the engine's sharded monitor: the
+per-layer values from each rank's shards, summed over the ranks, and with one micro-batch per step
+the noise scale from each rank's gradient at FSDP's reduce-scatter (sharded.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,31 @@ from multilane.engine.health.lane_grads import ddp_comm_hook
 from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
 from torch import nn
 
-SHARDED = "per-layer health is not recorded under {}: each process holds a shard of the parameters and their gradients"
+SHARDED = (
+    "per-layer health is not recorded under {}: each process holds flat shards of several layers' parameters; "
+    "it is under FSDP2 (fully_shard), whose parameters keep their layers"
+)
+HF_SHARDED = (
+    "per-layer health is not recorded under the Trainer's {}: not supported yet (accelerate makes FSDP "
+    "on accelerators only, so it was not tested)"
+)
+SHARDED_NOISE = (
+    "the noise scale is not measured under {} with gradient accumulation: FSDP reduce-scatters each rank's "
+    "gradient at every micro-batch, so the rank's own gradient of the step never exists whole"
+)
 HOOK_TAKEN = "the noise scale is not measured: the DDP model already has a communication hook of its own ({})"
+
+
+def batch_size(batch: Any) -> int:
+    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        n = batch_size(item)
+        if n:
+            return n
+    return 0
 
 
 def health_section(health: HealthSection | dict[str, Any] | None) -> HealthSection:
@@ -68,6 +94,40 @@ class LoopHealth:
         self.monitor.every = 0
         self.note = reason
 
+    @property
+    def measures_noise(self) -> bool:
+        """The noise scale is measured (each rank's gradient caught before the ranks combine them)."""
+        return self.monitor.probe is not None and self.world > 1
+
+    def drop_noise(self, reason: str) -> None:
+        """No noise scale from here on (before the step's first backward; every rank alike)."""
+        if self.monitor.probe is not None:
+            self.monitor.probe.disarm()
+            self.monitor.probe = None
+        self.note = reason
+
+    def attach_sharded(self, model: nn.Module, strategy: str, accum: int) -> None:
+        """Under FSDP2 (``DTensor`` parameters): per-layer health from each rank's shards, summed over
+        the ranks (the engine's sharded monitor), and with one micro-batch per step the noise scale
+        from each rank's gradient as FSDP's reduce-scatter receives it (sharded.py); else ``note`` says
+        why not. Every rank calls it, before the first backward."""
+        if not self.every:
+            return
+        import torch.distributed as dist
+        from multilane.integrations.sharded import probe_reduce_scatter
+
+        lanes = self.world if accum == 1 else 1  # one lane: no probe, the per-layer sums only
+        monitor = HealthMonitor(self.cfg, lanes, self.device, exchange=dist.all_reduce, sharded=True)
+        self.monitor, self.note = monitor, None
+        if accum > 1:
+            self.note = SHARDED_NOISE.format(strategy)
+            return
+        assert monitor.probe is not None
+        why = probe_reduce_scatter(model, monitor.probe, self.rank, self.world)
+        if why is not None:
+            monitor.probe = None
+            self.note = f"the noise scale is not measured under {strategy}: {why}"
+
     def attach_ddp(self, ddp: Any) -> None:
         """Under ddp: this rank's gradient, before the all-reduce, for the noise scale (every rank calls
         it, before the first backward). A DDP with a communication hook of its own keeps it: then no
@@ -96,7 +156,8 @@ class LoopHealth:
         """One micro-batch of ``samples`` on this rank. Under DDP every rank's loss is its own batch's
         mean and the ranks' gradients are averaged: each sample weighs ``1 / (world · samples · accum)``."""
         if self.monitor.on and samples > 0:
-            self.monitor.micro([float(samples)], [self.rank if self.world > 1 else 0], self.accum, samples * self.world)
+            lane = self.rank if self.monitor.lanes > 1 else 0  # one lane: no noise scale, the shares unused
+            self.monitor.micro([float(samples)], [lane], self.accum, samples * self.world)
 
     def gradients(self, model: nn.Module, scale: torch.Tensor | float | None = None, lane_scale: Any = None) -> None:
         """``model``'s ``.grad`` is the step's gradient (every micro-batch's, the ranks' combined).

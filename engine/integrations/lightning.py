@@ -30,8 +30,9 @@ except MissingExtra:
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection
-from multilane.integrations.health import SHARDED, LoopHealth, health_section
+from multilane.integrations.health import SHARDED, LoopHealth, batch_size, health_section
 from multilane.integrations.recorder import RunRecorder
+from multilane.integrations.sharded import is_sharded
 
 __all__ = ["MultilaneCallback"]
 
@@ -52,18 +53,6 @@ def split_validation(metrics: dict[str, Any]) -> tuple[float | None, dict[str, f
     names = names or [k for k in vals if "loss" in k.lower()]
     val_loss = vals.pop(names[0]) if names else None
     return val_loss, vals
-
-
-def batch_size(batch: Any) -> int:
-    """The samples in a batch: the leading size of its first tensor (0 when it has none)."""
-    if hasattr(batch, "shape") and len(batch.shape) > 0:
-        return int(batch.shape[0])
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        n = batch_size(item)
-        if n:
-            return n
-    return 0
 
 
 class MultilaneCallback(pl.Callback):
@@ -102,6 +91,8 @@ class MultilaneCallback(pl.Callback):
         optimizer = (type(opt).__name__.lower(), float(opt.param_groups[0]["lr"])) if opt is not None else None
         steps = trainer.estimated_stepping_batches
         self._done_step = trainer.global_step
+        kind = type(trainer.strategy).__name__
+        sharded = trainer.world_size > 1 and is_sharded(pl_module)  # FSDP2 (ModelParallelStrategy)
         self.recorder.open(
             "lightning",
             type(pl_module).__name__,
@@ -115,12 +106,14 @@ class MultilaneCallback(pl.Callback):
                 "max_epochs": trainer.max_epochs,
             },
             health=self.health_config.model_dump(mode="json"),
+            strategy="fsdp" if sharded or "fsdp" in kind.lower() else None,
         )
         rec = self.recorder
         self.health = LoopHealth(self.health_config, pl_module.device, rec.rank, rec.world)
         ddp = getattr(trainer.strategy, "model", None)
-        kind = type(trainer.strategy).__name__
-        if self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
+        if self.health.every and sharded:  # each rank's shards, summed over the ranks
+            self.health.attach_sharded(pl_module, kind, trainer.accumulate_grad_batches)
+        elif self.health.every and any(s in kind.lower() for s in ("fsdp", "deepspeed")):
             self.health.switch_off(SHARDED.format(kind))
             rec.event("health_off", message=self.health.note)
         elif rec.world > 1 and hasattr(ddp, "register_comm_hook"):  # DistributedDataParallel

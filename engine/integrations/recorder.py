@@ -118,9 +118,12 @@ class RunRecorder:
         optimizer: tuple[str, float] | None = None,
         extra: dict[str, Any] | None = None,
         health: dict[str, Any] | None = None,
+        strategy: str | None = None,
     ) -> None:
         """Start the run: on rank 0 the folder, config.json, environment.json, status and "started";
-        on every rank the telemetry of its own device. Under ddp a collective (every rank calls it)."""
+        on every rank the telemetry of its own device. Under ddp a collective (every rank calls it).
+        ``strategy``: config.json's ``devices.strategy`` (by default ``ddp`` over several processes,
+        else ``single``)."""
         dist = _dist()
         local_rank = 0
         if dist is not None:
@@ -139,7 +142,7 @@ class RunRecorder:
             self.rd = RunDir.create(self.runs_dir, self.name)
             config: dict[str, Any] = {
                 "task": {"name": f"{library}:{task}"},
-                "devices": {"use": ",".join(keys), "strategy": "ddp" if dist is not None else "single"},
+                "devices": {"use": ",".join(keys), "strategy": strategy or ("ddp" if dist is not None else "single")},
                 "run": {"name": self.name, "runs_dir": str(self.runs_dir)},
                 "integration": {"library": library, **(extra or {})},
             }

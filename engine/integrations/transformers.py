@@ -12,6 +12,8 @@ trainer's ``MultilaneCallback`` ``failed`` with its traceback (Ctrl+C: ``stopped
 before; under ddp the rank that failed first is named (recorder.py). Every ``health.every`` steps,
 per-layer health as the engine's own runs record it (health.py): the gradient is read where the
 Trainer clips it (before clipping, unscaled), or at ``on_pre_optimizer_step`` when it does not clip.
+Under ddp the gradient noise scale, from each rank's gradient before DDP's all-reduce, where the
+Trainer weighs each rank's loss per sample (``per_sample_weighting``; else an event says why).
 Needs the ``[transformers]`` extra; this module is the only one that imports transformers.
 """
 
@@ -29,7 +31,7 @@ hf = require("transformers", "transformers", "multilane.integrations.transformer
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection  # noqa: E402
-from multilane.integrations.health import SHARDED, LoopHealth, health_section  # noqa: E402
+from multilane.integrations.health import HF_SHARDED, LoopHealth, batch_size, health_section  # noqa: E402
 from multilane.integrations.recorder import RunRecorder  # noqa: E402
 
 __all__ = ["MultilaneCallback"]
@@ -37,10 +39,32 @@ __all__ = ["MultilaneCallback"]
 # Evaluation log entries that time the evaluation, not the model: not metrics.
 _TIMING = ("runtime", "samples_per_second", "steps_per_second")
 
-NO_DDP_NOISE = (
-    "the noise scale is not measured under the Hugging Face Trainer's ddp: how it weighs each rank's loss "
-    "(samples, or tokens averaged across devices) depends on the model, which its hooks do not say"
-)
+NOT_PER_SAMPLE = "the noise scale is not measured under this Hugging Face Trainer's ddp: {}"
+
+
+def per_sample_weighting(trainer: Any, num_items_in_batch: Any) -> str | None:
+    """None where each rank's loss is what the model returns for its micro-batch (taken as the mean
+    over its samples) divided by the step's accumulation steps, DDP averaging the ranks: the
+    Trainer's own rule in ``training_step`` (transformers 5.x). Else why the weighting is another."""
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        return "several GPUs in one process (DataParallel) average their losses unweighted"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func weighs the loss, in a way the Trainer's hooks do not say"
+    if getattr(trainer, "label_smoother", None) is not None:
+        return "label smoothing averages the loss over tokens"
+    state = getattr(getattr(trainer, "accelerator", None), "gradient_state", None)
+    if getattr(state, "plugin_kwargs", {}).get("sync_each_batch", False):
+        return "sync_each_batch all-reduces every micro-batch, not the step's gradient once"
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) and num_items_in_batch is not None
+    if scaled:
+        return (
+            "the model takes num_items_in_batch: its loss is summed over the tokens it counts and divided by "
+            "the step's token count (over every device with average_tokens_across_devices); which tokens "
+            "count is the model's own rule"
+        )
+    return None
 
 
 def _num(v: Any) -> float | None:
@@ -78,6 +102,8 @@ class MultilaneCallback(hf.TrainerCallback):
         world = max(1, int(getattr(args, "world_size", 1) or 1))
         # nominal: the Trainer hands no batch to the step hooks (an epoch's last batch may be smaller)
         self._samples_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
+        kind = str(getattr(kind, "value", kind))  # what accelerate runs (on CPU never FSDP: docs/integrations.md)
         self.recorder.open(
             "transformers",
             type(model).__name__ if model is not None else "model",
@@ -91,21 +117,47 @@ class MultilaneCallback(hf.TrainerCallback):
                 "logging_steps": args.logging_steps,
             },
             health=self.health_config.model_dump(mode="json"),
+            strategy="fsdp" if kind.upper() == "FSDP" else None,
         )
         rec = self.recorder
         self.health = LoopHealth(self.health_config, args.device, rec.rank, rec.world)
         self._model = model
-        kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
-        kind = str(getattr(kind, "value", kind))
+        wrapped = getattr(self._trainer, "model_wrapped", None)
         if self.health.every and kind.upper() in ("FSDP", "DEEPSPEED"):
-            self.health.switch_off(SHARDED.format(kind))
+            self.health.switch_off(HF_SHARDED.format(kind))
             rec.event("health_off", message=self.health.note)
+        elif rec.world > 1 and self.health.every and hasattr(wrapped, "register_comm_hook"):  # DDP
+            self.health.attach_ddp(wrapped)  # each rank's gradient before the all-reduce
         elif rec.world > 1 and self.health.every:
-            self.health.note = NO_DDP_NOISE
+            self.health.note = f"the noise scale is measured under ddp only, not {kind}"
+        if self.health.note and self.health.every and rec.world > 1:  # one device: the view says why
             rec.event("noise_scale", message=self.health.note)
         clip = getattr(self._trainer, "_clip_grad_norm", None)
         if self.health.every and callable(clip) and (args.max_grad_norm or 0) > 0:
             self._trainer._clip_grad_norm = self._before_clipping(clip)
+        step = getattr(self._trainer, "training_step", None)
+        if self.health.every and callable(step):
+            self._trainer.training_step = self._each_micro_batch(step)
+
+    def _each_micro_batch(self, training_step: Any) -> Any:
+        """The Trainer's ``training_step`` (this Trainer only): a sampled step's micro-batch sizes, and
+        under ddp whether its loss weighting is the one the noise scale takes (else no noise scale)."""
+
+        @functools.wraps(training_step)
+        def wrapped(model: Any, inputs: Any, num_items_in_batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+            h = self.health
+            if h is not None and h.measures_noise:
+                why = per_sample_weighting(self._trainer, num_items_in_batch)
+                if why is not None:  # every rank: the same arguments and batches' shapes
+                    h.drop_noise(NOT_PER_SAMPLE.format(why))
+                    self.recorder.event("noise_scale", message=h.note)
+            if h is not None and h.on:
+                h.accum = max(1, int(getattr(self._trainer, "current_gradient_accumulation_steps", h.accum)))
+                h.micro(batch_size(inputs))
+            return training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+
+        wrapped.multilane_health = True
+        return wrapped
 
     def _before_clipping(self, clip: Any) -> Any:
         """The Trainer's clipping (this Trainer only), reading a sampled step's gradient first: the
@@ -133,7 +185,10 @@ class MultilaneCallback(hf.TrainerCallback):
         """After clipping (read before it, where the Trainer clips) and before the optimizer's step."""
         h = self.health
         if h is not None and h.on:
-            h.gradients(self._model)  # unscaled here; a no-op when read before clipping
+            # unscaled here (the Trainer's grad-norm reading unscales it); the ddp hook saw it scaled
+            scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
+            lane_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+            h.gradients(self._model, None, lane_scale)  # a no-op when read before clipping
             h.before_update()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -210,10 +265,11 @@ if not getattr(hf.Trainer.train, "multilane_records_failures", False):
 
 
 def _unwrap_clipping(trainer: Any) -> None:
-    """The Trainer's own clipping again (health's reading wrapped it for one ``train()``)."""
-    mine = getattr(trainer, "__dict__", {}).get("_clip_grad_norm")
-    if getattr(mine, "multilane_health", False):
-        del trainer._clip_grad_norm
+    """The Trainer's own clipping and training step again (health wrapped them for one ``train()``)."""
+    for name in ("_clip_grad_norm", "training_step"):
+        mine = getattr(trainer, "__dict__", {}).get(name)
+        if getattr(mine, "multilane_health", False):
+            delattr(trainer, name)
 
 
 def _finite(v: float | None) -> float | None:

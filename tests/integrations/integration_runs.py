@@ -13,17 +13,23 @@ from multilane.engine.rundir.runlog import load_metrics
 HERE = Path(__file__).resolve().parent
 
 
-def start_script(script: str, tmp_path: Path, *args: str) -> subprocess.Popen:
-    """``python <script> --runs-dir tmp/runs --out tmp/out ARGS`` (ddp on 127.0.0.1, a free port)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, str(HERE / script), "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+def start_script(script: str, tmp_path: Path, *args: str, procs: int = 0) -> subprocess.Popen:
+    """``python <script> --runs-dir tmp/runs --out tmp/out ARGS`` (ddp on 127.0.0.1, a free port);
+    ``procs``: that many processes under torch's launcher (torchrun), as a Hugging Face user starts ddp."""
+    port = str(free_port())
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONWARNINGS": "ignore"}
+    launch = [sys.executable]
+    if procs:
+        rdzv = ["--master_addr", "127.0.0.1", "--master_port", port]
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(procs), *rdzv]
+    cmd = [*launch, str(HERE / script), "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
     log = open(tmp_path / "script.log", "wb")  # noqa: SIM115 (the process holds it)
     return subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def run_script(script: str, tmp_path: Path, *args: str, timeout: float = 240, rc: int = 0) -> Path:
+def run_script(script: str, tmp_path: Path, *args: str, timeout: float = 240, rc: int = 0, procs: int = 0) -> Path:
     """Run it to the end (exit status ``rc``); its one run folder."""
-    proc = start_script(script, tmp_path, *args)
+    proc = start_script(script, tmp_path, *args, procs=procs)
     code = proc.wait(timeout=timeout)
     assert code == rc, (tmp_path / "script.log").read_text(errors="replace")[-3000:]
     return run_folder(tmp_path)

@@ -20,12 +20,24 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, out: Path, sleep_s: float, crash: tuple[int, int] | None = None, dump: int = 0) -> None:
+    def __init__(
+        self, out: Path, sleep_s: float, crash: tuple[int, int] | None = None, dump: int = 0, fsdp2: bool = False
+    ) -> None:
         super().__init__()
         self.dump = dump  # at this step, each rank saves its batch and the weights it starts from
+        self.fsdp2 = fsdp2  # shard every Linear and the whole net with FSDP2 (ModelParallelStrategy)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.out, self.sleep_s, self.logged = out, sleep_s, []
         self.crash = crash  # (step, rank): that rank's training_step raises at that step
+
+    def configure_model(self):
+        if self.fsdp2:  # as Lightning's docs do it: each layer, then the root
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -33,7 +45,10 @@ class Regression(pl.LightningModule):
             raise ValueError(f"the user's bug at step {self.global_step + 1} on rank {self.global_rank}")
         if self.global_step + 1 == self.dump:  # every micro-batch of the step; the weights at its first
             path = self.out / f"step{self.dump}-rank{self.global_rank}.pt"
-            state = {k: v.clone() for k, v in self.net.state_dict().items()}
+            state = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                for k, v in self.net.state_dict().items()
+            }
             d = torch.load(path) if path.exists() else {"micro": [], "state": state}
             d["micro"].append((x, y))
             torch.save(d, path)
@@ -78,16 +93,22 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--crash", default=None, help="STEP:RANK: that rank raises at that step")
     p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"], help="with --devices > 1")
     p.add_argument("--dump", type=int, default=0, help="each rank saves its batch and weights at this step")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    strategy = "ddp" if a.devices > 1 else "auto"
+    if a.devices > 1 and a.strategy == "fsdp2":  # FSDP2; Lightning's strategy="fsdp" (FSDP1) needs a GPU
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=a.devices, tensor_parallel_size=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=a.devices,
-        strategy="ddp" if a.devices > 1 else "auto",
+        strategy=strategy,
         max_steps=a.steps,
         accumulate_grad_batches=a.accumulate,
         val_check_interval=4,
@@ -106,7 +127,9 @@ def main() -> None:
         ],
     )
     trainer.fit(
-        Regression(out, a.sleep, tuple(map(int, a.crash.split(":"))) if a.crash else None, a.dump),
+        Regression(
+            out, a.sleep, tuple(map(int, a.crash.split(":"))) if a.crash else None, a.dump, a.strategy == "fsdp2"
+        ),
         DataLoader(data(256, 0), batch_size=16, shuffle=True),
         DataLoader(data(64, 1), batch_size=32),
     )

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from integration_runs import records, run_script
+from integration_runs import logged, records, run_script
 from multilane.engine.rundir.runlog import read_json
 from torch import nn
 
@@ -184,28 +184,39 @@ def test_hugging_face_records_per_layer_health_of_the_accumulated_step_before_it
     check(cb.run_dir, reference(start, steps, lr=0.2, clip=0.3))
 
 
-@pytest.mark.slow
-def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation(tmp_path):
-    args = ["--devices", "2", "--steps", "2", "--accumulate", "2", "--health-every", "2", "--dump", "2"]
-    run = run_script("lightning_script.py", tmp_path, *args)
-    # by hand: the script's model, each rank's two micro-batches of 16 at step 2, float64
+def rank_dump(tmp_path, rank: int, accum: int) -> tuple[nn.Sequential, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The script's model at the dumped step's start and that rank's micro-batches, in float64."""
+    d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
+    model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
+    micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
+    assert len(micro) == accum
+    return model, micro
+
+
+def noise_by_hand(tmp_path, accum: int) -> tuple[float, float, list[torch.Tensor]]:
+    """``(|G|², tr Σ, the step's gradient)`` of the dumped step from the two ranks' micro-batches: each
+    rank's loss is the mean of its micro-batches' means, the ranks' gradients averaged (DDP and FSDP
+    alike), so a sample weighs 1/(2·16·accum); the unbiased estimates of engine/health/noise_scale.py."""
     grads, q = [], []
     for rank in (0, 1):
-        d = torch.load(tmp_path / "out" / f"step2-rank{rank}.pt")
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(F64)
-        model.load_state_dict({k: v.to(F64) for k, v in d["state"].items()})
-        micro = [(x.to(F64), y.to(F64)) for x, y in d["micro"]]
-        assert len(micro) == 2
-        (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 2).backward()
-        # DDP averages the ranks' gradients: this rank's part of the step's gradient is half its own
-        grads.append([p.grad / 2 for p in model.parameters()])
-        q.append(sum(len(x) / (2 * len(x) * 2) ** 2 for x, _ in micro))  # a sample weighs 1/(2·16·2)
+        model, micro = rank_dump(tmp_path, rank, accum)
+        (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / accum).backward()
+        grads.append([p.grad / 2 for p in model.parameters()])  # this rank's part: half its own
+        q.append(sum(len(x) / (2 * len(x) * accum) ** 2 for x, _ in micro))
     h = [a + b for a, b in zip(*grads, strict=True)]
     sq = [sum(g.square().sum().item() for g in gs) for gs in grads]
     total = sum(g.square().sum().item() for g in h)
     a = [0.5, 0.5]  # each rank's share of the step
     g2 = (total - sum(sq)) / (sum(a) ** 2 - sum(x * x for x in a))
-    trace = (sum(sq) - sum(x * x for x in a) * g2) / sum(q)
+    return g2, (sum(sq) - sum(x * x for x in a) * g2) / sum(q), h
+
+
+@pytest.mark.slow
+def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation(tmp_path):
+    args = ["--devices", "2", "--steps", "2", "--accumulate", "2", "--health-every", "2", "--dump", "2"]
+    run = run_script("lightning_script.py", tmp_path, *args)
+    g2, trace, h = noise_by_hand(tmp_path, 2)  # each rank's two micro-batches of 16 at step 2
     (rec,) = [r for r in records(run, "train") if r["step"] == 2]
     assert rec["noise"]["batch"] == 64 and rec["noise"]["unit"] == "samples"
     assert rec["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
@@ -217,3 +228,49 @@ def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_comp
     layers = [(h[0].square().sum() + h[1].square().sum()).sqrt(), (h[2].square().sum() + h[3].square().sum()).sqrt()]
     assert health["grad_norm"] == pytest.approx([v.item() for v in layers], rel=2e-3)
     assert not [r for r in records(run, "event") if r["event"] == "noise_scale"]  # measured: no note
+
+
+@pytest.mark.slow
+def test_lightning_fsdp2_health_is_the_whole_layers_from_every_ranks_shards_as_a_hand_computation(tmp_path):
+    # Lightning's ModelParallelStrategy, FSDP2 on each Linear and the net: net.2's weight (1 x 16) and
+    # bias (1) are one row over two ranks, so rank 1's shards are empty (FSDP2 pads them): the rows
+    # must be the whole layer's, never a rank's part or the padding's. One micro-batch a step: the
+    # noise scale from each rank's gradient as FSDP's reduce-scatter receives it.
+    args = ["--devices", "2", "--strategy", "fsdp2", "--steps", "2", "--health-every", "2"]
+    run = run_script("lightning_script.py", tmp_path, *args, "--dump", "2")
+    model, micro = rank_dump(tmp_path, 0, 1)
+    micro += rank_dump(tmp_path, 1, 1)[1]
+    assert torch.equal(flat(model), flat(rank_dump(tmp_path, 1, 1)[0]))  # both ranks start from the same weights
+    acts: list[torch.Tensor] = []
+    model[1].register_forward_hook(lambda _m, _a, o: acts.append(o.detach()))
+    # each rank's loss is its batch's mean; FSDP averages the two ranks' gradients
+    (sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / 2).backward()
+    layers = [model[0], model[2]]
+    grads = [torch.cat([p.grad.reshape(-1) for p in k.parameters()]).norm().item() for k in layers]
+    before = [flat(k).clone() for k in layers]
+    after = [
+        b - 0.05 * torch.cat([p.grad.reshape(-1) for p in k.parameters()]) for b, k in zip(before, layers, strict=True)
+    ]
+    a = torch.cat(acts)
+    (health,) = records(run, "health")
+    assert health["step"] == 2 and health["rows"] == ["net.0", "net.2"] and health["act_rows"] == ["net.1 (Tanh)"]
+    assert health["grad_norm"] == pytest.approx(grads, rel=1e-3)
+    assert health["weight_norm"] == pytest.approx([w.norm().item() for w in after], rel=1e-3)
+    ratios = [((w - b).norm() / w.norm()).item() for w, b in zip(after, before, strict=True)]
+    assert health["update_ratio"] == pytest.approx(ratios, rel=1e-3)
+    assert health["act_mean"] == pytest.approx([a.mean().item()], rel=1e-3)  # every rank's micro-batches
+    assert health["act_std"] == pytest.approx([a.std(unbiased=False).item()], rel=1e-3)
+    # each rank's loss and their mean, as under ddp; the run says fsdp and why no noise scale
+    train = records(run, "train")
+    for rank in (0, 1):
+        (mine,) = [m["loss"] for m in logged(tmp_path, rank) if m["step"] == 2]
+        (key,) = [k for k in train[-1]["device_loss"] if f"/rank{rank}/" in k]
+        assert train[-1]["device_loss"][key] == mine
+    assert train[-1]["loss"] == pytest.approx(sum(train[-1]["device_loss"].values()) / 2, rel=1e-12)
+    assert read_json(run / "config.json")["devices"]["strategy"] == "fsdp"
+    g2, trace, _ = noise_by_hand(tmp_path, 1)
+    assert train[-1]["noise"]["batch"] == 32 and train[-1]["noise"]["unit"] == "samples"
+    assert train[-1]["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
+    assert train[-1]["noise"]["trace"] == pytest.approx(trace, rel=2e-3)
+    assert [r["event"] for r in records(run, "event")] == ["started", "finished"]  # no health_off, no note
+    assert any("/rank0/cpu:0" in k for r in records(run, "telemetry") for k in r["devices"])  # the engine's sampler

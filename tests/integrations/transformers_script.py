@@ -10,6 +10,7 @@ from multilane.integrations.transformers import MultilaneCallback  # isort: skip
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,28 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Regression(torch.nn.Module):
+    """An MLP whose forward takes no loss kwargs: the Trainer averages its loss per device (per sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # every training micro-batch, in order
+
+    def forward(self, x, y):
+        if self.training:
+            self.seen.append((x.detach().clone(), y.detach().clone()))
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+
+def rows(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+    return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
 class Slow(transformers.TrainerCallback):
     def __init__(self, seconds: float, out: Path, crash_at: int, ours: MultilaneCallback) -> None:
         self.seconds, self.out, self.crash_at, self.ours = seconds, out, crash_at, ours
@@ -39,6 +62,8 @@ class Slow(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         (self.out / "steps.txt").write_text(str(state.global_step))
+        if self.ours.run_dir is None:  # under ddp, ranks other than 0
+            return
         status = json.loads(
             (self.ours.run_dir / "status.json").read_text()
         )  # what a reader of status.json sees meanwhile
@@ -57,21 +82,31 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--crash-at", type=int, default=0, help="raise in this step (0: never)")
     p.add_argument("--catch", action="store_true", help="the script catches the exception and carries on")
+    p.add_argument("--model", default="gpt2", choices=["gpt2", "mlp"])
+    p.add_argument("--samples", type=int, default=44, help="--model mlp: the training set's size")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    mlp = a.model == "mlp"  # plain SGD, no clipping: a test replays it by hand
     args = transformers.TrainingArguments(
         output_dir=str(out / "hf"),
         max_steps=a.steps,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8 if mlp else 4,
         per_device_eval_batch_size=8,
-        learning_rate=1e-3,
-        lr_scheduler_type="linear",
+        gradient_accumulation_steps=a.accumulate,
+        learning_rate=0.2 if mlp else 1e-3,
+        lr_scheduler_type="constant" if mlp else "linear",
+        optim="sgd" if mlp else "adamw_torch",
+        max_grad_norm=0.0 if mlp else 1.0,
         logging_steps=1,
-        eval_strategy="steps",
+        eval_strategy="no" if mlp else "steps",
+        # mlp: each rank takes whole batches in turn, an epoch's last one short (not topped up from the start)
+        accelerator_config={"even_batches": not mlp},
         eval_steps=4,
         save_strategy="no",
         report_to=[],
@@ -79,12 +114,14 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    ours = MultilaneCallback(runs_dir=a.runs_dir, name="hf")
+    health = {"every": a.health_every} if a.health_every else None
+    ours = MultilaneCallback(runs_dir=a.runs_dir, name="hf", health=health)
+    model = Regression() if mlp else transformers.GPT2LMHeadModel(config)
     trainer = transformers.Trainer(
-        model=transformers.GPT2LMHeadModel(config),
+        model=model,
         args=args,
-        train_dataset=Tokens(64, 0),
-        eval_dataset=Tokens(16, 1),
+        train_dataset=rows(a.samples) if mlp else Tokens(64, 0),
+        eval_dataset=None if mlp else Tokens(16, 1),
         callbacks=[ours, Slow(a.sleep, out, a.crash_at, ours)],
     )
     try:
@@ -93,7 +130,11 @@ def main() -> None:
         if not a.catch:
             raise
         (out / "caught.txt").write_text(str(e))
-    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    if mlp:
+        torch.save(model.seen, out / f"seen-rank{rank}.pt")
 
 
 if __name__ == "__main__":
