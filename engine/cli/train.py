@@ -117,12 +117,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             from multilane.engine.fsdp.units import mixed_precision
 
             mixed_precision(config.train.precision)
-        elif not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts; the
-            # forecast measures whole replicas, so it does not judge fsdp, whose point is not to hold one
+        if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
             from multilane.engine.plan.fit import check_fit
+            from multilane.engine.plan.meter import FORECAST_ENV
             from multilane.engine.telemetry.devices import parse_devices
 
-            check_fit(config, task, parse_devices(config.devices.use))
+            os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
+            forecast = check_fit(config, task, parse_devices(config.devices.use))
+            if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
+                os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )

@@ -44,6 +44,7 @@ from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
@@ -105,6 +106,8 @@ class DdpTrainer(Trainer):
             torch.set_num_threads(cpu_threads_per_rank(info.local_world))
         dev = info.device.torch_device()
         self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
+        if getattr(self, "memory", None) is not None:  # the rank's peak meter: the data is not counted
+            self.memory.before_model()
         self.model = self.task.build_model().to(dev)
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
         # group: no device sync per step on GPUs.
@@ -115,6 +118,7 @@ class DdpTrainer(Trainer):
 
     def _setup(self) -> None:
         cfg, info = self.config, self.info
+        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
         dev = self._setup_rank()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         accum = cfg.train.grad_accum

@@ -36,6 +36,7 @@ from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
+from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.optim import build_optimizer
 from multilane.engine.run.run_spec import planned_steps
@@ -92,6 +93,7 @@ class FsdpTrainer(DdpTrainer):
         cfg, info = self.config, self.info
         from torch.distributed.device_mesh import init_device_mesh
 
+        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
         dev = self._setup_rank()
         mesh = init_device_mesh(dev.type, (info.world,))
         self.units = shard_model(

@@ -8,7 +8,7 @@ import os
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.errors import UserError
-from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at
+from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at, per_rank_at
 from multilane.engine.plan.measure import free_bytes
 from multilane.engine.plan.probe import MemoryLine, probe
 from multilane.engine.tasks import Task
@@ -44,7 +44,10 @@ def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecas
     weights = config.devices.weights or None
     batch = min([config.data.batch_size, *[x.data_batch for x in lines if x.data_batch]])
     free = [free_bytes(line.name) for line in lines]
-    needs = [Need(line.name, b, f) for line, b, f in zip(lines, needs_at(lines, batch, n, weights), free, strict=True)]
+    needs = []
+    for line, b, f in zip(lines, needs_at(lines, batch, n, weights), free, strict=True):
+        per_rank = per_rank_at(line, batch, n, weights) if line.ranks > 1 else None
+        needs.append(Need(line.name, b, f, line.ranks, per_rank, line.shards))
 
     def fits(b: int) -> bool:
         return all(f is None or x <= USABLE * f for x, f in zip(needs_at(lines, b, n, weights), free, strict=True))

@@ -26,6 +26,12 @@ class Need:
     """Bytes at the step's peak (the forecast)."""
     free: int | None
     """Bytes free on that memory now (GPU: free device memory; CPU: available RAM), None if unknown."""
+    ranks: int = 1
+    """ddp and fsdp on CPU lanes: the processes whose needs add up in this memory (``need``)."""
+    per_rank: int | None = None
+    """With ``ranks`` > 1: the largest one process's need."""
+    shards: list[int] | None = None
+    """fsdp: [parameter + gradient + optimizer-state bytes a rank holds, one device's whole]."""
 
     @property
     def fits(self) -> bool:
@@ -81,9 +87,30 @@ class Forecast:
             verdict = "fits" if n.fits else "WILL NOT FIT"
             share = f" ({n.need / n.free:.0%})" if n.free else ""
             out.append(f"  {n.name:<8} needs {gib(n.need):>10} · {what} {free}{share} · {verdict}")
+            if n.per_rank is not None:
+                out.append(f"           {n.ranks} processes, each up to {gib(n.per_rank)}")
+            if n.shards:
+                out.append(
+                    f"           shards per device {gib(n.shards[0])} (parameters, gradients, optimizer state; "
+                    f"one device whole: {gib(n.shards[1])})"
+                )
         if self.largest_batch is not None:
             out.append(f"  the largest batch that fits: {self.largest_batch:,}")
         return out
+
+
+SMALL_PEAK = 1 << 20
+"""Below this peak (forecast and measured both), the end-of-run comparison gives the difference in bytes,
+not in percent: at KiB scale a step's fixed few allocations (the loss, a scalar per parameter, the
+optimizer's step counters) are most of the peak, so "-87.5 %" would alarm about a few KiB."""
+
+
+def small_difference(forecast: float, measured: float) -> str | None:
+    """ "-26.0 KiB" where both peaks are under ``SMALL_PEAK``, else None (the caller gives a percent)."""
+    if max(forecast, measured) >= SMALL_PEAK:
+        return None
+    d = forecast - measured
+    return f"{'-' if d < 0 else '+'}{gib(abs(d))}"
 
 
 def gib(nbytes: float) -> str:
@@ -96,6 +123,12 @@ def gib(nbytes: float) -> str:
     if nbytes < 1 << 30:
         return f"{nbytes / (1 << 20):,.1f} MiB"
     return f"{nbytes / (1 << 30):,.2f} GiB"
+
+
+def per_rank_at(line: Any, batch: int, n: int, weights: list[float] | None) -> int:
+    """The largest one process's need on a line of several (``ranks``) at global ``batch``."""
+    shares = chunk_sizes(batch, n, weights or None)
+    return max(line.need(shares[i]) for i in line.lanes)
 
 
 def needs_at(lines: list[Any], batch: int, n: int, weights: list[float] | None) -> list[int]:

@@ -15,7 +15,12 @@
   parameters' ``.grad`` (held in C++) are added through their parameters. The dispatch mode is
   thread-local, so it is entered in the calling thread and, through the backend's ``parallel_apply``,
   in every lane's thread for the duration. Tensors that existed before the count's ``baseline`` (the
-  task's data, held by the loader) are not counted: the forecast is what training adds.
+  task's data, held by the loader) are not counted: the forecast is what training adds. A tensor
+  subclass that wraps others (fsdp's ``DTensor``) is counted by the tensors inside it.
+  A storage can also change size without an op: FSDP frees a gathered parameter by
+  ``untyped_storage().resize_(0)`` and gathers it again into the same storage (``resize_(size)``),
+  which no dispatch mode sees. At each phase's start the count re-reads the size of every storage it
+  holds; one found resized (or found empty) is watched from then on, its size re-read at every op.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -40,6 +45,8 @@ class StorageCount:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # id of a storage object -> its bytes
+        self._refs: dict[int, Any] = {}  # id -> a weak reference to the storage, to re-read its size
+        self._watch: set[int] = set()  # storages seen resized in place (FSDP's gathered parameters)
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self.current = 0
         self.peak = 0
@@ -53,6 +60,10 @@ class StorageCount:
     def add_tensor(self, t: Any) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
             return
+        if is_traceable_wrapper_subclass(t):  # a DTensor (fsdp's shards): its local tensor holds the bytes
+            for name in t.__tensor_flatten__()[0]:
+                self.add_tensor(getattr(t, name))
+            return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a sparse or otherwise storage-less tensor
@@ -65,6 +76,9 @@ class StorageCount:
             if key in self._live:
                 return
             self._live[key] = nbytes
+            self._refs[key] = weakref.ref(storage)
+            if nbytes == 0:  # only a resize can give it bytes (FSDP's freed parameters, found by add_live)
+                self._watch.add(key)
             self.current += nbytes
             self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key)
@@ -72,6 +86,28 @@ class StorageCount:
     def _free(self, key: int) -> None:
         with self._lock:
             self.current -= self._live.pop(key, 0)
+            self._refs.pop(key, None)
+            self._watch.discard(key)
+
+    def _resized(self, keys: Any, watch: bool) -> None:
+        """Take in the size of each storage of ``keys`` that changed in place (``watch``: and watch it)."""
+        with self._lock:
+            for key in list(keys):
+                storage = self._refs.get(key, lambda: None)()
+                if storage is None:
+                    continue
+                nbytes = storage.nbytes()
+                if nbytes != self._live[key]:
+                    self.current += nbytes - self._live[key]
+                    self._live[key] = nbytes
+                    if watch:
+                        self._watch.add(key)
+            self.peak = max(self.peak, self.current)
+
+    def check_watched(self) -> None:
+        """Re-read the size of the storages seen resized in place (at every op while counting)."""
+        if self._watch:
+            self._resized(self._watch, False)
 
     def add_live(self) -> None:
         """Count every tensor alive now (and every parameter's gradient), except the baseline's."""
@@ -81,6 +117,7 @@ class StorageCount:
                 self.add_tensor(storage_owner.grad)
 
     def reset_peak(self) -> None:
+        self._resized(list(self._refs), True)
         with self._lock:
             self.peak = self.current
 
@@ -111,7 +148,9 @@ class _CountOutputs(TorchDispatchMode):
         self.count = count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count.check_watched()
         out = func(*args, **(kwargs or {}))
+        self.count.check_watched()
         for t in tree_leaves(out):
             self.count.add_tensor(t)
         return out

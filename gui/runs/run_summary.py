@@ -190,7 +190,10 @@ def memory_lines(peaks: Any) -> list[str]:
         m, f = (r.get(k) if isinstance(r, dict) else None for k in ("measured", "forecast"))
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e18 for v in (m, f)):
             continue
-        out.append(f"memory peak {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({(f - m) / m:+.1%})")
+        from multilane.engine.plan.forecast import small_difference  # under 1 MiB: in bytes, as the CLI's
+
+        err = small_difference(f, m) or f"{(f - m) / m:+.1%}"
+        out.append(f"memory peak {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({err})")
     return out
 
 

@@ -222,6 +222,10 @@ class DevicePicker(QWidget):
                 tip = f"forecast peak at batch {forecast['batch']:,}: {fmt_bytes(n['need'])}; {free} {where}" + (
                     " — will not fit" if bad else ""
                 )
+                if n.get("per_rank") is not None:  # ddp/fsdp on CPU lanes: one process per lane in this RAM
+                    tip += f"\n{n.get('ranks')} processes, each up to {fmt_bytes(n['per_rank'])}"
+                if n.get("shards"):  # fsdp: what each device keeps of the model
+                    tip += f"\nshards per device {fmt_bytes(n['shards'][0])} (whole: {fmt_bytes(n['shards'][1])})"
                 first_cpu = first_cpu and d.is_cuda
             item.setText(NEEDS, text)
             item.setToolTip(NEEDS, tip or 'Press "Will it fit?" to measure what the run needs on each device')

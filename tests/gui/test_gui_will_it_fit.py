@@ -47,6 +47,10 @@ def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
     s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": peaks}])
     assert s.memory == ["memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
     assert "<br>memory peak cpu: 5.5 MiB measured" in summary_html(s, "run")
+    # A tiny model's peaks (under 1 MiB): the difference in bytes, as the CLI's summary gives it.
+    tiny = {"cpu": {"forecast": 3_789, "measured": 30_413}}
+    s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": tiny}])
+    assert s.memory == ["memory peak cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)"]
 
 
 def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbot, tmp_path):
@@ -76,3 +80,26 @@ def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbo
 
     junk = {"cpu:0": {"params": "x", "grads": 1, "optimizer": 1}, "cpu:1": [1], "cpu:2": dict(recorded["cpu:0"])}
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in split_lines(junk)] == ["memory cpu:2"]
+
+
+@pytest.mark.slow
+def test_the_picker_shows_an_fsdp_runs_forecast_per_process_and_its_shards(qtbot, make_window, monkeypatch):
+    """fsdp (issue 36 item 4): one process per lane; the RAM they share needs all of them, each one's
+    need and the shards it keeps are in the tooltip."""
+    from PySide6.QtCore import Qt
+
+    monkeypatch.setenv("MULTILANE_FIT_CHECK", "1")
+    w = make_window(("cpu:0", "cpu:1"))
+    cfg = {"task": {"name": "mlp"}, "data": {"batch_size": 64}, "devices": {"strategy": "fsdp"}}
+    w.set_config(build_config(cfg), keep_runs_dir=True)
+    w.devices.set_checked(["cpu:0", "cpu:1"])
+    rows = {d.name: item for item, _, d in w.devices.items}
+    qtbot.mouseClick(w.fit.button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: w.fit.forecast is not None or "⚠" in w.fit.verdict.text(), timeout=240_000)
+    assert w.fit.forecast["strategy"] == "fsdp" and w.fit.verdict.text() == "fits at batch 64"
+    need = w.fit.forecast["needs"][0]
+    assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} · {share_of(need['need'], need['free'])}"
+    tip = rows["cpu:0"].toolTip(NEEDS)
+    assert f"2 processes, each up to {gib(need['per_rank'])}" in tip
+    assert f"shards per device {gib(need['shards'][0])} (whole: {gib(need['shards'][1])})" in tip
+    assert rows["cpu:1"].text(NEEDS) == "shared"
