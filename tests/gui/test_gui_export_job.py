@@ -91,7 +91,8 @@ def test_an_export_that_cannot_write_says_so_in_one_line(qtbot, make_window, tmp
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     job = window.export_in_background(str(blocker / "out"), ["csv"])
-    qtbot.waitUntil(lambda: job.result is not None, timeout=60_000)
+    # the job's own slot sets its result, the window's (queued after it) shows the box: wait for both
+    qtbot.waitUntil(lambda: job.result is not None and hasattr(window, "error_box"), timeout=60_000)
     assert job.result["status"] == "error" and "\n" not in job.result["message"], job.result
     assert str(blocker) in window.error_box.text() and window.error_box.isVisible()
     window.error_box.close()
