@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from multilane.engine.config import RunConfig
-from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.plan import measure
@@ -39,6 +38,7 @@ from multilane.engine.plan.probe import (
     _kept_random_state,
     _replay_copy,
     _settled,
+    first_batch,
     probe_batches,
 )
 from multilane.engine.plan.shards import shard_bytes
@@ -83,15 +83,7 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
     n = len(devices)
     share = max(chunk_sizes(config.data.batch_size, n, config.devices.weights or None))
     batches = probe_batches(share, 1)
-    probe_cfg = config.model_copy(deep=True)
-    probe_cfg.data.batch_size = batches[-1]
-    probe_cfg.data.workers = 0
-    loader = build_loader(task, probe_cfg, None)
-    try:
-        loader.start(0, 1)
-        inputs, target, size = loader.next()
-    finally:
-        loader.close()
+    inputs, target, size = first_batch(config, task, batches[-1])
     # Data that holds fewer samples than a rank's share: the line is extended to the share (as ddp's probe
     # does), a forecast above what such a run takes.
     data_batch = None

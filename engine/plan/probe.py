@@ -61,6 +61,20 @@ class MemoryLine:
         return max(_along(pts, samples) for pts in self.phases.values())
 
 
+def first_batch(config: RunConfig, task: Any, batch: int) -> tuple[Any, Any, int]:
+    """The run's first batch of ``batch`` samples (inputs, target, how many the data gave), read in this
+    process (no loader workers): the largest batch a probe may take."""
+    probe_cfg = config.model_copy(deep=True)
+    probe_cfg.data.batch_size = batch
+    probe_cfg.data.workers = 0
+    loader = build_loader(task, probe_cfg, None)
+    try:
+        loader.start(0, 1)
+        return loader.next()
+    finally:
+        loader.close()
+
+
 def _along(pts: list[tuple[int, int]], samples: int) -> int:
     """The broken line through ``pts`` at ``samples``: interpolated between points, extended past the last."""
     if len(pts) == 1:
@@ -128,15 +142,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
         batches = probe_batches(max(chunk_sizes(config.data.batch_size, len(devices), weights)), 1)
     else:
         batches = probe_batches(config.data.batch_size, len(devices))
-    probe_cfg = config.model_copy(deep=True)
-    probe_cfg.data.batch_size = batches[-1]
-    probe_cfg.data.workers = 0
-    loader = build_loader(task, probe_cfg, None)
-    try:
-        loader.start(0, 1)
-        inputs, target, size = loader.next()  # the largest batch the probe may take (the data may hold fewer)
-    finally:
-        loader.close()
+    inputs, target, size = first_batch(config, task, batches[-1])  # the data may hold fewer
     data_batch = size if size < batches[-1] and not ddp else None  # every step takes all the data there is
     batches = sorted({min(b, size) for b in batches})
 
