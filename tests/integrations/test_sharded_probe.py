@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multilane.engine.distributed.launcher import free_port
 from multilane.engine.health.lane_grads import LaneGradProbe
 from torch import nn
 
 
 @pytest.fixture
-def group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+def group(tmp_path):
+    # a file store, as the other in-process groups of one (test_fsdp_options, test_fsdp_health): no TCP
+    # store's thread is left in the pytest worker (test_rank_in_process.py says why that matters)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         yield
     finally:
