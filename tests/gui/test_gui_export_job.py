@@ -96,3 +96,27 @@ def test_an_export_that_cannot_write_says_so_in_one_line(qtbot, make_window, tmp
     assert job.result["status"] == "error" and "\n" not in job.result["message"], job.result
     assert str(blocker) in window.error_box.text() and window.error_box.isVisible()
     window.error_box.close()
+
+
+# fast (~1 s): the fast tier's run of gui/export/export_dialog.py
+def test_the_export_dialog_asks_once_and_the_export_writes_only_what_was_chosen(
+    qtbot, make_window, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    window = make_window()
+    window.plots.reset(big_run(50))
+    window.settings.setValue("export_width", 900)  # the width chosen last time
+    dialog = window.export_dialog()
+    assert dialog.isVisible() and dialog.windowTitle() == "Export figures and metrics"
+    assert dialog.folder.text() == str(tmp_path / "runs" / "export")  # no run folder shown: the runs folder's
+    assert dialog.width.value() == 900 and dialog.chosen_formats() == ["png", "svg", "pdf", "csv"]
+    for name in ("png", "svg", "pdf"):
+        dialog.formats[name].setChecked(False)
+    dialog.folder.setText("~/chosen")
+    dialog.width.setValue(1200)
+    dialog.accept()
+    qtbot.waitUntil(lambda: "Exported" in window.note_label.text(), timeout=60_000)
+    out = tmp_path / "chosen"
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.csv"]
+    assert len((out / "metrics.csv").read_text().splitlines()) == 1 + 50
+    assert window.settings.value("export_width", type=int) == 1200  # asked once: remembered for next time

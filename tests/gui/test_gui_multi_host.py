@@ -76,3 +76,24 @@ def test_picks_on_two_hosts_make_one_ddp_run_across_them(ssh_home, sshd, make_wi
     assert train[-1]["step"] == 6 and len(train[-1]["device_loss"]) == 3  # three ranks on two hosts
     assert json.loads((run / "config.json").read_text())["devices"]["strategy"] == "ddp"
     assert not [p for p in a.iterdir() if not p.name.startswith(".")]  # testhost: no run folder of its own
+
+
+def test_a_run_across_hosts_starts_nothing_when_one_host_refuses(ssh_home, sshd, qtbot, tmp_path):
+    # fast tier (issue 30: every module): gui/runs/multi_host_follow.py's connect. Every host must answer
+    # before anything starts: here the second refuses the key; the first one's connection is closed,
+    # no launcher started there, and the window gets one line naming the host that refused.
+    from multilane.gui.runs.multi_host_follow import MultiHostFollowWorker
+
+    a, b = tmp_path / "host-a", tmp_path / "host-b"
+    a.mkdir()
+    b.mkdir()
+    sessions = len(sshd.session_processes())
+    config = {"task": {"name": "linear"}, "train": {"steps": 4}}
+    nodes = [("testhost", "cpu:0", MULTILANE, str(a)), ("wrongkey", "cpu:0", MULTILANE, str(b))]
+    worker = MultiHostFollowWorker(nodes, tmp_path / "local", config)
+    result = worker._loop()  # what the worker's thread runs first
+    assert result["status"] == "rejected" and result["step"] == 0 and result["run_dir"] == ""
+    assert "wrongkey" in result["message"] and "authentication failed" in result["message"]
+    assert "\n" not in result["message"]
+    assert not any(a.iterdir()) and not any(b.iterdir()) and not (tmp_path / "local").exists()
+    qtbot.waitUntil(lambda: len(sshd.session_processes()) <= sessions, timeout=10_000)  # testhost's closed

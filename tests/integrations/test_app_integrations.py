@@ -69,6 +69,38 @@ def test_open_a_tensorboard_logdir_follow_it_and_export_it_without_writing_into_
     assert window.shown_run_dir is None
 
 
+def test_a_tensorboard_logdir_s_later_scalars_reach_the_plots_until_another_run_is_shown(qtbot, window, tmp_path):
+    # fast tier (issue 30: every module): the view's poll (gui/runs/tensorboard_view.py) called as its
+    # timer calls it, without waiting a second for the timer; the test above lets the timer drive it
+    from multilane.gui.runs.run_data import RunData
+
+    logdir = tmp_path / "tb" / "run1"
+    w = SummaryWriter(str(logdir))
+    for step in range(3):
+        w.add_scalar("train_loss", 1.0 / (step + 1), step)
+    w.flush()
+    assert window.open_tensorboard(str(logdir))
+    view = window.tensorboard_view
+    assert view.timer.isActive() and window.plots.data is view.data
+    # the last step read waits one poll (another of its tags may still come): then it is drawn
+    assert window.plots.data.train.rows == 2 and view.poll() == 1 and window.plots.data.train.rows == 3
+    assert view.poll() == 0  # nothing new
+    for step in range(3, 7):
+        w.add_scalar("train_loss", 1.0 / (step + 1), step)
+        w.add_scalar("val_loss", 2.0 / (step + 1), step)
+    w.flush()
+    assert view.poll() == 6 and view.poll() == 2  # steps 3-5 (train and eval each), then step 6
+    assert window.plots.data.train.get("loss").tolist() == pytest.approx([1 / (s + 1) for s in range(7)], rel=1e-6)
+    assert window.plots.data.eval.rows == 4
+    xs, ys = window.plots.loss.listDataItems()[0].getData()
+    assert len(xs) == 7 and ys[-1] == pytest.approx(1 / 7, rel=1e-6)  # the curve on screen has the new points
+    window.plots.reset(RunData("another"))  # the window shows something else: the view lets go
+    w.add_scalar("train_loss", 0.01, 7)
+    w.close()
+    assert view.poll() == 0 and not view.timer.isActive()
+    assert window.plots.data.train.rows == 0
+
+
 def test_a_folder_without_event_files_is_refused_with_one_line(qtbot, window, tmp_path):
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication

@@ -87,7 +87,8 @@ def check(run, expect: list[dict]) -> None:
     assert [r["event"] for r in records(run, "event")] == ["started", "finished"]
 
 
-@pytest.mark.slow
+# fast tier (issue 30: every module): its one run of the Lightning callback (lightning.py) in its own
+# process; ~4.5 s, of which importing Lightning is ~2 s.
 def test_lightning_records_per_layer_health_of_the_accumulated_unscaled_unclipped_step(tmp_path):
     from multilane.integrations.lightning import MultilaneCallback  # isort: skip
 

@@ -147,6 +147,34 @@ def test_plan_under_fsdp_needs_less_per_device_than_replicate_when_the_state_dom
     assert shards < fsdp["per_rank"] < 0.75 * replicate["need"], (fsdp, replicate)  # shards + gathered units
 
 
+def test_plan_under_fsdp_in_its_own_process_holds_rank_0s_padded_shards_and_counts_both_ranks():
+    """The fast tier's run of the fsdp probe (fsdp_probe.py): ``plan --strategy fsdp`` as the user runs it, in a
+    process of its own (the probe's fake process group leaves a thread behind in the process). The shards
+    are FSDP2's rule, counted here by hand: rank 0 holds ceil(rows / 2) rows of every parameter and of its
+    gradient and Adam's two moments, and one 4-byte step counter per parameter; the 2 CPU ranks share one
+    RAM, so it needs both ranks' peaks; each rank's peak holds its shards and more (gathered units,
+    activations), and grows with the batch."""
+    from multilane.engine.tasks import make_task
+
+    r = subprocess.run(
+        [*CLI, "plan", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", "fsdp", "--batch-size", "8",
+         "--set", "task.params.width=255", "--set", "task.params.features=7", "--json"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "MULTILANE_FIT_CHECK": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    plan = json.loads(r.stdout.splitlines()[-1])
+    assert (plan["strategy"], plan["n_devices"], plan["batch"]) == ("fsdp", 2, 8)
+    params = list(make_task("mlp", {"width": 255, "features": 7}).build_model().parameters())
+    rank0 = sum(4 * 4 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) + 4 for p in params)
+    whole = sum(4 * 4 * p.numel() + 4 for p in params)
+    (need,) = plan["needs"]
+    assert need["shards"] == [rank0, whole] and rank0 > whole / 2  # 255 rows: rank 0 holds 128 of them
+    assert need["ranks"] == 2 and need["need"] == 2 * need["per_rank"] and need["per_rank"] > rank0
+    (line,) = plan["lines"]
+    forward = [peak for _, peak in sorted(line["phases"]["forward"])]
+    assert len(forward) >= 2 and forward == sorted(forward), forward
+
+
 @pytest.mark.slow
 def test_an_fsdp_run_that_will_not_fit_gets_one_line_naming_the_largest_batch_and_starts_nothing(tmp_path):
     # 64 hidden layers of 64: ~32 kB of activations a sample; 1,000,000 samples do not fit this machine.
