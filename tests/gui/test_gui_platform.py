@@ -1,11 +1,14 @@
 """A first launch on a bare machine: one line naming what is missing, never Qt's abort."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from helpers import CLI
 from multilane.gui.window.platform_check import NO_DISPLAY, install_hint, missing_libraries, parse_ldd, window_problem
+from PySide6.QtCore import QSettings
 
 LDD = """\
 \tlinux-vdso.so.1 (0x00007ffd)
@@ -45,46 +48,15 @@ def test_the_app_without_a_display_says_so_in_one_line():
     assert r.stderr.strip() == f"multilane: error: {NO_DISPLAY}"
 
 
-def test_multilane_with_no_arguments_opens_the_named_window_and_closing_it_ends_the_process(
-    qtbot, monkeypatch, tmp_path
-):
-    """``multilane``: the CLI's app command through ``gui/app.py``'s ``main``, in this process (offscreen).
-    Closing the window ends Qt's loop, and ``main`` ends the process without Qt's teardown (``os._exit``),
-    which records the code here instead. The window's settings go to the user's settings file,
-    redirected to tmp_path for the test."""
-    import multilane.gui.plots.export as export
-    from multilane.engine.cli.main import main
-    from PySide6.QtCore import QSettings, QTimer
-    from PySide6.QtWidgets import QApplication
-
-    app = QApplication.instance()
-    before = app.applicationName(), app.organizationName(), app.windowIcon()
-    home = os.path.dirname(os.path.dirname(QSettings(QSettings.NativeFormat, QSettings.UserScope, "a", "b").fileName()))
-    QSettings.setPath(QSettings.NativeFormat, QSettings.UserScope, str(tmp_path))
-    exits: list[int] = []
-    monkeypatch.setattr(export, "exit_without_qt_teardown", exits.append)
-    seen: list = []
-
-    def look_and_close() -> None:
-        shown = [w for w in app.topLevelWidgets() if type(w).__name__ == "MainWindow" and w.isVisible()]
-        seen.extend((w, w.windowTitle(), w.windowIcon().isNull(), app.windowIcon().isNull()) for w in shown)
-        for w in shown:
-            w.close()  # as the user does: the last window closed ends Qt's loop with 0
-        QTimer.singleShot(10_000, lambda: app.exit(9))  # a window still open somewhere: fail, not hang
-
-    QTimer.singleShot(0, look_and_close)
-    try:
-        assert main([]) == 0 and exits == [0]
-        assert app.applicationName() == "Multilane" and app.organizationName() == "Multilane"
-    finally:
-        QSettings.setPath(QSettings.NativeFormat, QSettings.UserScope, home)
-        app.setApplicationName(before[0])
-        app.setOrganizationName(before[1])
-        app.setWindowIcon(before[2])
-    assert len(seen) == 1, seen  # one main window, shown
-    window, title, window_icon_null, app_icon_null = seen[0]
-    assert title == "Multilane" and not window_icon_null and not app_icon_null
-    assert not window.isVisible()
+def test_multilane_with_no_arguments_opens_the_named_window_and_closing_it_ends_the_process(tmp_path):
+    # The fast tier's run of gui/app.py (issue 30): a real process (app_main_child.py), offscreen, its
+    # settings in its own config folder.
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "XDG_CONFIG_HOME": str(tmp_path)}
+    child = str(Path(__file__).with_name("app_main_child.py"))
+    r = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["windows"] == [{"title": "Multilane", "icon": True}]  # one main window, shown, with its icon
+    assert seen["app"] == ["Multilane", "Multilane", True]
     saved = QSettings(str(tmp_path / "Multilane" / "Multilane.conf"), QSettings.IniFormat)
     assert saved.value("geometry") is not None  # closing saved the window where the user's settings live
-    window.deleteLater()
