@@ -4,7 +4,7 @@
 
 For each rank count, the same short ``multilane train --strategy ddp`` run on CPU lanes, once with
 ``MULTILANE_RANK_START=exec`` (every rank a fresh interpreter: torchrun's default) and once with the
-default forkserver (engine/distributed/rank_start.py), in alternating order, ``--rounds`` times. The
+default forkserver (engine/start/ranks.py), in alternating order, ``--rounds`` times. The
 table gives the median wall time of the whole command and the CPU seconds the machine spent meanwhile
 (/proc/stat: run it on a quiet machine; a 2-core machine's CPU is what several runs at once compete
 for), side by side with their ratio. The run's own training is a few steps: what is left is start-up.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig
-from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV, rank_start
+from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import (
     LOST_PEERS,
     consolidate,
@@ -36,6 +36,7 @@ from multilane.engine.distributed.failures import (
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.run_lock import lock_run_folder
 from multilane.engine.rundir.runlog import STATUS, RunDir
+from multilane.engine.start import ranks as rank_start
 from multilane.engine.telemetry.devices import cuda_count, default_devices, parse_devices
 
 FOREIGN_CAUSE_WAIT_S = 5.0
@@ -310,7 +311,7 @@ def quiet_torch_loggers() -> None:
 
 def first_failure(e: Any, deaths: list[dict[str, Any]] | None = None) -> str:
     """The message of the failure that caused the others among this node's ranks (no run folder known);
-    ``deaths``: ranks a signal killed, which the agent may not have reported (``rank_start.py``)."""
+    ``deaths``: ranks a signal killed, which the agent may not have reported (``engine/start/ranks.py``)."""
     notes = list(deaths or [])
     for rank, f in e.failures.items():
         text = str(f.message.get("message", "")) if isinstance(f.message, dict) else ""
@@ -350,6 +351,6 @@ def _state(run_dir: Path | None) -> str | None:
 
 
 def _a_rank(process: Any) -> bool:
-    """A rank, or the server that forks them (``rank_start.py``): either comes once the rendezvous is complete."""
+    """A rank, or the server that forks them (``engine/start/ranks.py``): either comes once the rendezvous is complete."""
     command = " ".join(process.cmdline())
     return "multilane.engine.cli" in command or "multiprocessing.forkserver" in command

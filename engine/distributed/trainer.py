@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from multilane.engine.data.loader import build_loader
 from multilane.engine.distributed import NODE_FILE_ENV
+from multilane.engine.distributed.agreement import RankAgreement
 from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, touch_exchanges
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
@@ -57,16 +58,11 @@ from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 
-PAUSE_POLL_S = 0.2
-TELEMETRY_LAG_S = 2.0
-"""The longest another rank's telemetry waits for a log window before it is sent to rank 0 alone."""
-
-
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
 
 
-class DdpTrainer(Trainer):
+class DdpTrainer(RankAgreement, Trainer):
     """``Trainer`` on one rank of a ddp run; the process group must be initialised.
 
     ``requests`` takes this rank's own stop and pause requests (signals, the control file); the
@@ -246,8 +242,14 @@ class DdpTrainer(Trainer):
                     opt.zero_grad(set_to_none=True)
                 self.scaler.scale(local / accum if accum > 1 else local).backward()
             self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
-        if probing and self.rules.reduce_probe():
-            self._build_ddp(find_unused=True)
+        if probing:
+            probe = health.probe
+            if probe is not None and probe.armed:  # no bucket reached the comm hook: this rank's gradient
+                probe.add_grads(
+                    self.info.rank, [p.grad for p in self.model.parameters() if p.grad is not None], 1 / world
+                )
+            if self.rules.reduce_probe():
+                self._build_ddp(find_unused=True)
         health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
@@ -272,83 +274,6 @@ class DdpTrainer(Trainer):
         info = self.info
         dev = info.device.torch_device()
         return gathered_rank_memory(self.model, self.optimizer, info.key, dev, info.world, self._control_group)
-
-    # -- agreeing on pause and stop -------------------------------------------------------------
-    def _flags(self, *bits: bool) -> torch.Tensor:
-        return torch.tensor([int(b) for b in bits], dtype=torch.int32)
-
-    def _sync_control(self) -> None:
-        """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
-        step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
-        act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
-        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now. The fourth: a rank's
-        ``train.checkpoint_minutes`` have passed, so all ranks save at the end of step s+1 (saving is a
-        collective: every rank's random stream goes into the checkpoint)."""
-        self._control_file.apply(self.requests)
-        if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
-            self.requests.request_stop()
-        if self._pending is not None:
-            work, flags = self._pending
-            self._pending = None
-            work.wait()
-            stop, pause, telemetry, due = flags.tolist()
-            if due and self._due_at == self.checkpoint_time:  # no checkpoint since it was asked for
-                self._due_agreed = True
-            if stop:
-                self.requests.request_stop()
-                self.control.request_stop()
-                return
-            if pause:
-                self.control.pause()
-                return
-            if telemetry:
-                self._gather_telemetry()
-        overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
-        flags = self._flags(
-            self.requests.stop_requested, self.requests.pause_requested, overdue, checkpointer.due(self)
-        )
-        self._due_at = self.checkpoint_time
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
-        self._pending = (work, flags)
-
-    def _checkpoint_due(self) -> bool:
-        due, self._due_agreed = getattr(self, "_due_agreed", False), False
-        return due
-
-    def _gather_telemetry(self) -> None:
-        """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
-        everyone: list[Any] = [None] * self.info.world
-        dist.all_gather_object(everyone, self.rank_telemetry.take(), group=self._control_group)
-        if self.info.is_main:
-            for records in everyone[1:]:
-                for r in records:
-                    self._dispatch(r)
-
-    def _drain_pending(self) -> None:
-        if self._pending is not None:
-            work, _ = self._pending
-            self._pending = None
-            work.wait()
-
-    def _wait_paused(self) -> None:
-        """Paused: every ``PAUSE_POLL_S`` all ranks compare notes (a sync all-reduce); a resume or a
-        stop seen by any rank ends the pause on all of them."""
-        self._drain_pending()
-        self.requests.pause()
-        while True:
-            time.sleep(PAUSE_POLL_S)
-            self._control_file.apply(self.requests)
-            flags = self._flags(self.requests.stop_requested, not self.requests.pause_requested)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
-            stop, run = flags.tolist()
-            if stop:
-                self.requests.request_stop()
-                self.control.request_stop()
-                return
-            if run:
-                self.requests.resume()
-                self.control.resume()
-                return
 
     # -- logging, evaluation, stopping ----------------------------------------------------------
     def _log(self, **extra: Any) -> None:

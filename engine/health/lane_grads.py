@@ -86,6 +86,13 @@ class LaneGradProbe:
         old = self._sq[lane]
         self._sq[lane] = sq if old is None else old + sq
 
+    def add_grads(self, lane: int, grads: Sequence[torch.Tensor], scale: float) -> None:
+        """``lane``'s whole gradient at once (a ddp rank's first step, reduced by hand, not in DDP's
+        buckets: ``RankRules.reduce_probe``), times ``scale`` as a bucket's."""
+        sq = squared_norm(grads, self.device) * (scale * scale)
+        old = self._sq[lane]
+        self._sq[lane] = sq if old is None else old + sq
+
     # -- the step's end ---------------------------------------------------------------------------
     def lane_squares(self) -> torch.Tensor | None:
         """``|h_i|²`` per lane (float64, on the probe's device; 0 for a lane without a gradient), or None

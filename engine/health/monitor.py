@@ -25,6 +25,9 @@ from torch import nn
 
 SHARDED_SUMS = ("act", "grad_sq", "total_sq", "update_sq", "weight_sq")
 """A sampled step's sums that fsdp's ranks each hold a part of (their own shards, their own samples)."""
+RANK_SUMS = ("act",)
+"""Those that ddp's ranks each hold a part of: the activations of their own samples (their gradients
+and weights are the same on every rank once DDP has averaged the gradients)."""
 ONE_DEVICE = "the noise scale needs two or more devices: it compares each device's gradient with the combined one"
 
 
@@ -85,7 +88,8 @@ class HealthMonitor:
             return
         self.on, self._step = True, step
         if self.layers is None:
-            self.layers = LayerSample(model, self.kinds, self.device, always_act=self.sharded)
+            # every rank sends its activations' sums, zeros where it saw none (an empty shard)
+            self.layers = LayerSample(model, self.kinds, self.device, always_act=self.exchange is not None)
         self.layers.reset()
         self._shares = LaneShares.empty(self.lanes)
         if self.probe is not None:
@@ -199,10 +203,10 @@ class HealthMonitor:
         return self._noise_value(), records
 
     def _exchange(self, pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]]) -> None:
-        """ddp, fsdp: every rank's lane entries and shares (and under fsdp its sums over its own shards)
-        summed over the ranks (one collective)."""
+        """ddp, fsdp: every rank's lane entries and shares, its activations' sums (and under fsdp its
+        sums over its own shards) summed over the ranks (one collective)."""
         n = self.lanes
-        summed = SHARDED_SUMS if self.sharded else ()
+        summed = SHARDED_SUMS if self.sharded else RANK_SUMS
         parts = []
         for _, t, sh in pending:
             parts += [t[k].reshape(-1).to(self.device, torch.float64) for k in sorted(t) if k in summed]

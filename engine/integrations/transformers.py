@@ -91,6 +91,9 @@ class MultilaneCallback(hf.TrainerCallback):
         self._noise: dict[str, Any] | None = None
         self._t0: float | None = None
         self._step_s: list[float] = []
+        self._step_samples: list[int | None] = []  # each step's samples over the ranks (None: not counted)
+        self._samples = 0  # this rank's samples in the step so far
+        self._counted = False  # the Trainer's training_step is wrapped: the samples are counted
         self._samples_per_step = 0
 
     @property
@@ -100,7 +103,7 @@ class MultilaneCallback(hf.TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         world = max(1, int(getattr(args, "world_size", 1) or 1))
-        # nominal: the Trainer hands no batch to the step hooks (an epoch's last batch may be smaller)
+        # nominal, where the Trainer's training_step cannot be wrapped to count the batches it gets
         self._samples_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         kind = getattr(getattr(self._trainer, "accelerator", None), "distributed_type", None)
         kind = str(getattr(kind, "value", kind))  # what accelerate runs (on CPU never FSDP: docs/integrations.md)
@@ -136,15 +139,18 @@ class MultilaneCallback(hf.TrainerCallback):
         if self.health.every and callable(clip) and (args.max_grad_norm or 0) > 0:
             self._trainer._clip_grad_norm = self._before_clipping(clip)
         step = getattr(self._trainer, "training_step", None)
-        if self.health.every and callable(step):
+        self._counted = callable(step)
+        if callable(step):  # each micro-batch's samples (the step hooks are handed no batch); health's
             self._trainer.training_step = self._each_micro_batch(step)
 
     def _each_micro_batch(self, training_step: Any) -> Any:
-        """The Trainer's ``training_step`` (this Trainer only): a sampled step's micro-batch sizes, and
-        under ddp whether its loss weighting is the one the noise scale takes (else no noise scale)."""
+        """The Trainer's ``training_step`` (this Trainer only): each micro-batch's samples on this rank
+        (the step's throughput: an epoch's last batch may be short), a sampled step's micro-batch sizes,
+        and under ddp whether its loss weighting is the one the noise scale takes (else no noise scale)."""
 
         @functools.wraps(training_step)
         def wrapped(model: Any, inputs: Any, num_items_in_batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self._samples += batch_size(inputs)
             h = self.health
             if h is not None and h.measures_noise:
                 why = per_sample_weighting(self._trainer, num_items_in_batch)
@@ -203,8 +209,11 @@ class MultilaneCallback(hf.TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step_s = time.perf_counter() - (self._t0 or time.perf_counter())
         self._step_s.append(step_s)
-        stop = self.recorder.step_end(state.global_step, None, step_s).stop  # a collective under ddp
-        if stop:
+        samples, self._samples = self._samples, 0
+        counted = samples if self._counted else None  # a rank without a batch this step counts 0
+        end = self.recorder.step_end(state.global_step, None, step_s, counted)  # a collective under ddp
+        self._step_samples.append(end.samples or None)  # none counted anywhere: the nominal step
+        if end.stop:
             control.should_training_stop = True
             if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
                 control.should_save = True  # the Trainer's own checkpoint of the step it stopped at
@@ -216,6 +225,11 @@ class MultilaneCallback(hf.TrainerCallback):
         loss = _num(logs.get("loss"))
         if loss is not None:
             times, self._step_s = self._step_s, []
+            counts, self._step_samples = self._step_samples, []
+            if counts and all(c is not None for c in counts):
+                samples = sum(c for c in counts if c is not None)
+            else:
+                samples = self._samples_per_step * len(times)
             rec.train(
                 step,
                 loss,
@@ -224,7 +238,7 @@ class MultilaneCallback(hf.TrainerCallback):
                 grad_norm=_finite(_num(logs.get("grad_norm"))),
                 epoch=_num(logs.get("epoch")),
                 step_ms=1000.0 * sum(times) / len(times) if times else None,
-                samples_per_s=self._samples_per_step * len(times) / sum(times) if times and sum(times) > 0 else None,
+                samples_per_s=samples / sum(times) if times and sum(times) > 0 else None,
                 noise=self._noise,
             )
         evals = {k[5:]: v for k, v in logs.items() if k.startswith("eval_") and _num(v) is not None}

@@ -11,11 +11,14 @@ from multilane.engine.telemetry.devices import Device, cuda_properties
 IMBALANCE_RATIO = 0.75
 
 
-def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None) -> list[str]:
+def balance_warnings(
+    devices: list[Device], props: dict[int, dict] | None = None, cores: int | None = None
+) -> list[str]:
     """Plain-language warnings for the chosen devices (empty when they are well matched).
 
-    ``props`` maps a CUDA index to ``{"memory_total_mb", "multiprocessors", "model"}``; by default it is
-    read from torch.
+    ``props`` maps a CUDA index to ``{"memory_total_mb", "multiprocessors", "model"}`` and ``cores`` is
+    the CPU's: by default this machine's (torch's properties, ``os.cpu_count``); another host's come
+    from its ``multilane devices --json`` (a value it did not give is not compared).
     """
     out: list[str] = []
     cuda = sorted({d.index for d in devices if d.is_cuda})
@@ -25,7 +28,9 @@ def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None
         except UserError as e:  # a GPU CUDA cannot read, a driver that does not answer: said, not raised
             return [str(e)]
         for key, what in (("memory_total_mb", "memory"), ("multiprocessors", "multiprocessors")):
-            values = {i: props[i][key] for i in cuda}
+            values = {i: props.get(i, {}).get(key) for i in cuda}
+            if any(v is None for v in values.values()):
+                continue
             best = max(values.values())
             for i, v in values.items():
                 if v < IMBALANCE_RATIO * best:
@@ -34,7 +39,7 @@ def balance_warnings(devices: list[Device], props: dict[int, dict] | None = None
                         "an even split waits for it every step; give it a smaller share (the app's share column; devices.weights in a config)"
                     )
     cpu_lanes = [d for d in devices if not d.is_cuda]
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1
     if len(cpu_lanes) > cores:
         out.append(
             f"{len(cpu_lanes)} CPU lanes on {cores} cores: lanes will wait for each other; "

@@ -25,8 +25,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-COLS = ["device", "model", "memory", "util", "needs · of free", "share"]
-NEEDS, SHARE = 4, 5  # the forecast's column (fit_forecast.py), the share's
+COLS = ["device", "model", "memory", "util", "needs", "share"]
+MODEL, NEEDS, SHARE = 1, 4, 5  # the model's column, the forecast's (fit_forecast.py), the share's
+HEADER_TIPS = [
+    "Check the devices to train on; one replica of the model runs on each",
+    "The GPU's model (shown when the devices differ; else in each device's tooltip)",
+    "Memory: total, or used/total while a run reports it",
+    "Utilization: a GPU's, or a CPU lane's busy % during a run",
+    "Will it fit?: the forecast peak on the device · its share of the free memory",
+    "This device's share of each batch, relative to the others (uneven split)",
+]
+MAX_ROWS = 8  # rows shown before the list scrolls
 
 
 class DevicePicker(QWidget):
@@ -40,8 +49,9 @@ class DevicePicker(QWidget):
         self.tree = QTreeWidget()
         self.tree.setObjectName("devices")
         self.tree.setHeaderLabels(COLS)
+        for col, tip in enumerate(HEADER_TIPS):
+            self.tree.headerItem().setToolTip(col, tip)
         self.tree.setRootIsDecorated(False)
-        self.tree.setToolTip("Check the devices to train on; one replica of the model runs on each")
         layout.addWidget(self.tree)
         form = QFormLayout()
         self.output = QComboBox()
@@ -57,6 +67,7 @@ class DevicePicker(QWidget):
         layout.addWidget(self.warning)
 
         self.host: str | None = None  # None: this computer; else the host the list was read from
+        self.host_info: list[dict[str, Any]] = []  # the host's ``multilane devices --json``
         self.items: list[tuple[QTreeWidgetItem, QDoubleSpinBox, Device]] = []
         self.problems: list[str] = []  # GPUs that could not be read, a driver that did not answer
         self._fill(describe_devices(self.problems))  # each driver call bounded (telemetry/driver.py)
@@ -82,7 +93,19 @@ class DevicePicker(QWidget):
             for i in range(cpu.get("lanes") or cpu_lane_count()):  # as `multilane devices` lists them
                 memory = f"{(cpu.get('memory_total_mb') or 0) / 1024:.0f} GiB" if i == 0 else "shared"
                 self._add(Device("cpu", i), "CPU lane", memory, i < 2)
-        self.tree.setMinimumHeight(min(8, len(self.items)) * 22 + 30)
+        # One model everywhere (CPU lanes, a box of one GPU kind): the column would repeat it on every
+        # row in a narrow panel; each device's tooltip names it instead. Mixed GPUs: the column shows.
+        models = {item.text(MODEL) for item, _, _ in self.items}
+        self.tree.setColumnHidden(MODEL, len(models) <= 1)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        """The list as tall as its rows (up to ``MAX_ROWS``, then it scrolls): no empty rows below."""
+        rows = max(1, min(MAX_ROWS, len(self.items)))
+        row = self.tree.sizeHintForRow(0) if self.items else 22
+        frame = 2 * self.tree.frameWidth() + self.tree.header().sizeHint().height()
+        scrollbar = self.tree.horizontalScrollBar().sizeHint().height()  # room for it, should it show
+        self.tree.setFixedHeight(rows * max(row, 22) + frame + scrollbar + 2)
 
     def show_host(self, host: str | None, info: list[dict[str, Any]] | None = None) -> None:
         """List ``host``'s devices (its ``multilane devices --json``), or this computer's (None)."""
@@ -90,6 +113,7 @@ class DevicePicker(QWidget):
         self.tree.clear()
         self.items = []
         self.host = host
+        self.host_info = list(info or []) if host is not None else []
         self.problems = []
         self._fill(describe_devices(self.problems) if host is None else info or [])
         for item, _, d in self.items:  # live readings taken there, at the time the list was read
@@ -104,8 +128,11 @@ class DevicePicker(QWidget):
         item = QTreeWidgetItem([dev.name, model, memory, "-", "", ""])
         item.setFlags(item.flags() | Qt.ItemIsUserCheckable)
         item.setCheckState(0, Qt.Checked if checked else Qt.Unchecked)
+        item.setToolTip(0, f"{dev.name}: {model}, {memory}" if model else dev.name)
         self.tree.addTopLevelItem(item)
         share = QDoubleSpinBox()
+        share.setDecimals(2)
+        share.setMaximumWidth(share.fontMetrics().horizontalAdvance("100.00") + 30)
         share.setRange(0.0, 100.0)
         share.setSingleStep(0.5)
         share.setValue(1.0)
@@ -127,9 +154,18 @@ class DevicePicker(QWidget):
         if current in [d.name for d in chosen]:
             self.output.setCurrentText(current)
         self.output.blockSignals(False)
-        warnings = [*dict.fromkeys(self.problems), *(balance_warnings(chosen) if chosen else [])]
+        warnings = [*dict.fromkeys(self.problems), *(self._balance(chosen) if chosen else [])]
         self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
         self.warning.setVisible(bool(warnings))
+
+    def _balance(self, chosen: list[Device]) -> list[str]:
+        """The warnings about the chosen devices, from the machine that has them: this one's own, or
+        the host's list (never this computer's CUDA or cores for another machine's devices)."""
+        if self.host is None:
+            return balance_warnings(chosen)
+        props = {int(d["name"].split(":")[1]): d for d in self.host_info if d.get("kind") == "cuda"}
+        cpu = next((d for d in self.host_info if d.get("kind") == "cpu"), {})
+        return balance_warnings(chosen, props, cpu.get("cores") or len(chosen))
 
     # -- values ----------------------------------------------------------------------------------
     def selected(self) -> list[Device]:

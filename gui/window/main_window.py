@@ -162,7 +162,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         split.addWidget(left)
         split.addWidget(right_split)
         split.setStretchFactor(1, 1)
-        split.setSizes([380, 1000])
+        split.setSizes([430, 970])  # the device list's columns whole at 1,400 px
         self.splitter = split
         self.setCentralWidget(split)
 

@@ -63,6 +63,8 @@ def test_hf_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation
         assert rec["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
         assert rec["noise"]["trace"] == pytest.approx(trace, rel=2e-3)
         assert rec["noise"]["batch"] == batch and rec["noise"]["unit"] == "samples"
+        # the samples the step trained on over both ranks (32, then 8 + 4), not the nominal 32 each
+        assert rec["samples_per_s"] == pytest.approx(batch / (rec["step_ms"] / 1000))
     for rec, grad in zip(records(run, "health"), (first, second), strict=True):  # the combined gradient's
         norms = [(grad[k].square().sum() + grad[k + 1].square().sum()).sqrt().item() for k in (0, 2, 4)]
         assert rec["grad_norm"] == pytest.approx(norms, rel=2e-3)

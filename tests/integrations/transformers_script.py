@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=0, help="raise in this step (0: never)")
     p.add_argument("--catch", action="store_true", help="the script catches the exception and carries on")
     p.add_argument("--model", default="gpt2", choices=["gpt2", "mlp"])
-    p.add_argument("--samples", type=int, default=44, help="--model mlp: the training set's size")
+    p.add_argument("--samples", type=int, default=None, help="the training set's size (mlp: 44, gpt2: 64)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
     a = p.parse_args()
@@ -120,7 +120,7 @@ def main() -> None:
     trainer = transformers.Trainer(
         model=model,
         args=args,
-        train_dataset=rows(a.samples) if mlp else Tokens(64, 0),
+        train_dataset=rows(a.samples or 44) if mlp else Tokens(a.samples or 64, 0),
         eval_dataset=None if mlp else Tokens(16, 1),
         callbacks=[ours, Slow(a.sleep, out, a.crash_at, ours)],
     )

@@ -167,7 +167,7 @@ def last_train_step(run: Path) -> int:
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if " ".join(child.cmdline()).startswith(f"multilane rank {rank}/"):  # rank_start.title
+            if " ".join(child.cmdline()).startswith(f"multilane rank {rank}/"):  # engine/start/ranks.py: title
                 return child.pid
         except psutil.Error:
             continue

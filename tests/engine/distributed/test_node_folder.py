@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multilane.engine.distributed.rank_start import NODE_PREFIX, node_folder
+from multilane.engine.start.ranks import NODE_PREFIX, node_folder
 
 
 @pytest.fixture

@@ -89,6 +89,8 @@ def in_process(tmp_path: Path, cfg: dict, devices: dict, name: str) -> list[dict
 CASES = {
     # the hidden-layer MLP, uneven shares [1, 3]
     "mlp [1, 3]": ("mlp", {"weights": [1, 3]}, "GELU", ["0", "2", "4"]),
+    # the same under ddp: each rank's activations are its own shard's, summed over the ranks as fsdp's
+    "mlp [1, 3], ddp": ("mlp", {"weights": [1, 3], "strategy": "ddp"}, "GELU", ["0", "2", "4"]),
     # the charlm transformer (6 units, token-weighted loss), each block recomputed in backward. Its
     # activations are not one device's: each rank pads its own shard to its own longest line, one
     # device the whole batch to the batch's (docs/fsdp.md "Run health"); its parameters' values are.
@@ -103,10 +105,11 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_fsdp_health_equals_one_devices_and_the_noise_scale_two_lanes(tmp_path, case):
+def test_fsdp_and_ddp_health_equal_one_devices_and_the_noise_scale_two_lanes(tmp_path, case):
     # 2 ranks, two micro-batches a step, gradient clipping (the records hold the gradient before it).
     kind, more, kinds, rows = CASES[case]
-    cfg = settings(kind, 3, "cpu:0,cpu:1", **more)
+    more = dict(more)
+    cfg = settings(kind, 3, "cpu:0,cpu:1", more.pop("strategy", "fsdp"), **more)
     cfg["health"] = {"every": 1, "activations": kinds, "noise_decay": 0.5, "groups": 6}
     cfg["train"]["eval_every"] = 0
     launch(tmp_path, cfg)
@@ -125,7 +128,7 @@ def test_fsdp_health_equals_one_devices_and_the_noise_scale_two_lanes(tmp_path, 
         assert g["names"] == w["names"]
         assert_same(g, w, QUANTITIES if kind != "charlm" else QUANTITIES[:3], f"health_layers step {g['step']}")
     # The noise scale: each rank's gradient is a lane's; 2 lanes with the same shares estimate the same.
-    lanes = in_process(tmp_path, cfg, {"use": "cpu:0,cpu:1", "weights": more.get("weights", [])}, "lanes")
+    lanes = in_process(tmp_path, cfg, {"use": "cpu:0,cpu:1", "weights": cfg["devices"]["weights"]}, "lanes")
     noise = [r["noise"] for r in of_kind(mine, "train") if not r.get("partial")]
     ref_noise = [r["noise"] for r in of_kind(lanes, "train")]
     assert len(noise) == len(ref_noise) == 3

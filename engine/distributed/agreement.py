@@ -1,0 +1,111 @@
+"""How a ddp run's ranks agree on pause, stop, a timed checkpoint and sending their telemetry early: each
+rank's requests in a tiny all-reduce (max) per step, so every rank acts on the same flags at the same
+step. A mixin of the ddp trainer (trainer.py), which holds the control group, the requests and the
+control file it reads."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from multilane.engine.run import checkpointer
+
+PAUSE_POLL_S = 0.2
+TELEMETRY_LAG_S = 2.0
+"""The longest another rank's telemetry waits for a log window before it is sent to rank 0 alone."""
+
+
+class RankAgreement:
+    """The ddp trainer's agreement on pause and stop (its attributes are the trainer's)."""
+
+    info: Any
+    requests: Any
+    control: Any
+    rank_telemetry: Any
+    checkpoint_time: Any
+    _control_file: Any
+    _control_group: Any
+    _parent: int
+    _pending: Any
+    _due_at: Any
+    _dispatch: Callable[[dict[str, Any]], None]
+
+    def _flags(self, *bits: bool) -> torch.Tensor:
+        return torch.tensor([int(b) for b in bits], dtype=torch.int32)
+
+    def _sync_control(self) -> None:
+        """Every rank contributes its own requests to a tiny all-reduce (max) started at the top of
+        step s and read at the top of step s+1, so it overlaps the step's compute; all ranks then
+        act on the same agreed flags at the same step. The third flag: a rank's telemetry has waited
+        ``TELEMETRY_LAG_S`` for a log window, so all ranks send it to rank 0 now. The fourth: a rank's
+        ``train.checkpoint_minutes`` have passed, so all ranks save at the end of step s+1 (saving is a
+        collective: every rank's random stream goes into the checkpoint)."""
+        self._control_file.apply(self.requests)
+        if os.getppid() != self._parent:  # the launcher (or torchrun's agent) is gone: stop, with a checkpoint
+            self.requests.request_stop()
+        if self._pending is not None:
+            work, flags = self._pending
+            self._pending = None
+            work.wait()
+            stop, pause, telemetry, due = flags.tolist()
+            if due and self._due_at == self.checkpoint_time:  # no checkpoint since it was asked for
+                self._due_agreed = True
+            if stop:
+                self.requests.request_stop()
+                self.control.request_stop()
+                return
+            if pause:
+                self.control.pause()
+                return
+            if telemetry:
+                self._gather_telemetry()
+        overdue = self.rank_telemetry.overdue(TELEMETRY_LAG_S)
+        flags = self._flags(
+            self.requests.stop_requested, self.requests.pause_requested, overdue, checkpointer.due(self)
+        )
+        self._due_at = self.checkpoint_time
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
+        self._pending = (work, flags)
+
+    def _checkpoint_due(self) -> bool:
+        due, self._due_agreed = getattr(self, "_due_agreed", False), False
+        return due
+
+    def _gather_telemetry(self) -> None:
+        """Every rank's buffered telemetry to rank 0, between log windows (a long window's)."""
+        everyone: list[Any] = [None] * self.info.world
+        dist.all_gather_object(everyone, self.rank_telemetry.take(), group=self._control_group)
+        if self.info.is_main:
+            for records in everyone[1:]:
+                for r in records:
+                    self._dispatch(r)
+
+    def _drain_pending(self) -> None:
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            work.wait()
+
+    def _wait_paused(self) -> None:
+        """Paused: every ``PAUSE_POLL_S`` all ranks compare notes (a sync all-reduce); a resume or a
+        stop seen by any rank ends the pause on all of them."""
+        self._drain_pending()
+        self.requests.pause()
+        while True:
+            time.sleep(PAUSE_POLL_S)
+            self._control_file.apply(self.requests)
+            flags = self._flags(self.requests.stop_requested, not self.requests.pause_requested)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+            stop, run = flags.tolist()
+            if stop:
+                self.requests.request_stop()
+                self.control.request_stop()
+                return
+            if run:
+                self.requests.resume()
+                self.control.resume()
+                return
