@@ -228,6 +228,13 @@ def test_lightning_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_comp
     assert health["rows"] == ["net.0", "net.2"] and health["step"] == 2
     layers = [(h[0].square().sum() + h[1].square().sum()).sqrt(), (h[2].square().sum() + h[3].square().sum()).sqrt()]
     assert health["grad_norm"] == pytest.approx([v.item() for v in layers], rel=2e-3)
+    # the Tanh's outputs over both ranks' micro-batches (each rank's sums added in the all-reduce), not rank 0's
+    with torch.no_grad():
+        a = torch.cat([torch.tanh(m[0](x)).flatten() for m, micro in map(lambda r: rank_dump(tmp_path, r, 2), (0, 1))
+                       for x, _ in micro])  # fmt: skip
+    assert health["act_rows"] == ["net.1 (Tanh)"]
+    assert health["act_mean"] == pytest.approx([a.mean().item()], rel=1e-3)
+    assert health["act_std"] == pytest.approx([a.std(unbiased=False).item()], rel=1e-3)
     assert not [r for r in records(run, "event") if r["event"] == "noise_scale"]  # measured: no note
 
 
