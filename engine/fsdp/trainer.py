@@ -95,16 +95,18 @@ class FsdpTrainer(DdpTrainer):
 
         self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
         dev = self._setup_rank()
-        mesh = init_device_mesh(dev.type, (info.world,))
-        self.units = shard_model(
-            self.model,
-            choose_units(self.task, self.model),
-            cfg.train.precision,
-            mesh,
-            activation_checkpointing=cfg.devices.fsdp_activation_checkpointing,
-            cpu_offload=cfg.devices.fsdp_cpu_offload,
-            device=dev,
-        )
+        # the setup's peak (the whole model and the first shards), a phase of the forecast (plan/meter.py)
+        with self.memory.setup() if self.memory is not None else contextlib.nullcontext():
+            mesh = init_device_mesh(dev.type, (info.world,))
+            self.units = shard_model(
+                self.model,
+                choose_units(self.task, self.model),
+                cfg.train.precision,
+                mesh,
+                activation_checkpointing=cfg.devices.fsdp_activation_checkpointing,
+                cpu_offload=cfg.devices.fsdp_cpu_offload,
+                device=dev,
+            )
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)

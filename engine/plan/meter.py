@@ -11,6 +11,11 @@
   step would cost an aten-op hook on all of them.
 - ddp and fsdp ranks (``RankPeakMeter``): each rank measures its own process (or GPU) at the same steps, against
   the forecast its launcher passed in ``MULTILANE_FORECAST``; rank 0's summary has a row per rank.
+- fsdp's setup, a phase of its forecast: each rank builds the whole model, then shards it, so its memory
+  holds the whole model and the first shards for a moment. On CPU lanes the rank counts from the model's
+  build to the end of the sharding (``setup``); on a GPU ``max_memory_allocated`` up to the loop's start.
+  The rank's measured peak is the larger of this and its steps' (with a small model on many ranks the
+  setup is the run's peak).
 """
 
 from __future__ import annotations
@@ -95,6 +100,27 @@ class RankPeakMeter(PeakMeter):
         shares = chunk_sizes(forecast.batch, world, weights)
         self.rank_forecast = [line.need(s) for s in shares]
         self.rank_peaks: list[int] | None = None
+        self.has_setup = "setup" in line.phases  # fsdp's forecast counts its setup: so does the measure
+        self.setup_peak: int | None = None
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        """Around fsdp's setup, from just after the model's build (its parameters, alive then, are counted)
+        to the end of the sharding: on CPU lanes the peak of this process's tensors (on a GPU the loop's
+        start reads it)."""
+        if self.count is None or not self.has_setup:
+            yield
+            return
+        self.count.add_live()
+        self.count.reset_peak()
+        with measure.CpuCounting(self.count, None):
+            yield
+        self.setup_peak = self.count.peak
+
+    def start(self, total_steps: int, first_step: int, log_every: int = 1) -> None:
+        if self.cuda and self.has_setup:
+            self.setup_peak = measure.cuda_peaks(self.cuda)[0]  # the setup's, before the steps' reset
+        super().start(total_steps, first_step, log_every)
 
     @contextlib.contextmanager
     def step(self, n: int, backend: Any) -> Iterator[None]:
@@ -104,6 +130,8 @@ class RankPeakMeter(PeakMeter):
             import torch.distributed as dist
 
             peak = measure.cuda_peaks(self.cuda)[0] if self.cuda else self.cpu_peak
+            if peak is not None and self.setup_peak is not None:
+                peak = max(peak, self.setup_peak)
             peaks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, peak)
             self.rank_peaks = peaks

@@ -212,3 +212,32 @@ def test_a_process_run_sets_each_ranks_measured_peak_beside_its_forecast(tmp_pat
     assert set(peaks) == {"rank 0", "rank 1"}
     for row in peaks.values():
         assert abs(row["forecast"] - row["measured"]) <= 0.10 * row["measured"], peaks
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_whose_setup_is_its_peak_measures_the_setup_too(tmp_path):
+    # 4 ranks, plain SGD, a small batch: each rank's steps hold a quarter of the parameters and gradients,
+    # its setup the whole model and the first shards. The forecast's need is the setup's; the measured
+    # peak must count it too, or the summary reads as a forecast far too high.
+    args = ["--task", "mlp", "--devices", "cpu:0,cpu:1,cpu:2,cpu:3", "--strategy", "fsdp", "--batch-size", "8"]
+    args += ["--set", "task.params.width=256", "--set", "task.params.features=256", "--set", "task.params.depth=16"]
+    args += ["--set", "optim.name=sgd", "--set", "optim.momentum=0", "--set", "health.enabled=false"]
+    env = {**os.environ, "MULTILANE_FIT_CHECK": "1"}
+    plan = subprocess.run([*CLI, "plan", *args, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert plan.returncode == 0, plan.stderr
+    phases = json.loads(plan.stdout.splitlines()[-1])["lines"][0]["phases"]
+    setup = max(v for _, v in phases["setup"])
+    steps = max(v for p in ("forward", "backward", "optimizer") for _, v in phases[p])
+    assert setup > 1.2 * steps, phases  # the setup is this run's peak, by a margin
+    runs = tmp_path / "runs"
+    r = subprocess.run(
+        [*CLI, "train", *args, "--steps", "3", "--runs-dir", str(runs), "--set", "train.eval_every=0"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (run,) = runs.iterdir()
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    peaks = next(e["peaks"] for e in events if e.get("event") == "memory")
+    assert set(peaks) == {f"rank {k}" for k in range(4)}
+    for row in peaks.values():
+        assert abs(row["forecast"] - row["measured"]) <= 0.10 * row["measured"], peaks

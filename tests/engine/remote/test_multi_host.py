@@ -5,6 +5,7 @@ first, host 0's run folder mirrored; Stop reaches every node; a host that fails 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -96,8 +97,10 @@ class _Named:
 
     def __repr__(self) -> str:
         try:
-            return f"<pid {self.q.pid} ppid {self.q.ppid()} started {self.q.create_time():.1f}: {' '.join(self.q.cmdline())[:300]}>"
-        except psutil.Error:
+            q, pid = self.q, self.q.pid
+            where = f"pgid {os.getpgid(pid)} sid {os.getsid(pid)} {q.status()}"  # which kill could reach it
+            return f"<pid {pid} ppid {q.ppid()} {where} started {q.create_time():.1f}: {' '.join(q.cmdline())[:300]}>"
+        except (psutil.Error, OSError):
             return f"<pid {self.q.pid}: gone>"
 
 
@@ -247,7 +250,8 @@ def test_a_launcher_that_cannot_start_on_the_second_host_kills_the_first_and_rem
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("multilane: error: hostb: cannot make") and ".multilane-nodes" in line, line
     assert run_folders(a) == before  # the first host's folder, made for a run that never began, is gone
-    assert wait_gone(lambda: node_launchers(started), 20) == []
+    left = wait_gone(lambda: node_launchers(started), 20)
+    assert left == [], f"{left} (test started at {started + 1.0:.1f})"  # all of them, not the diff's first
 
 
 def test_a_first_host_known_by_a_loopback_name_is_refused_as_the_rendezvous_of_other_machines(sshd, ssh_home):
