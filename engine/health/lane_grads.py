@@ -82,14 +82,14 @@ class LaneGradProbe:
 
     # -- ddp: this rank's buckets before the all-reduce -----------------------------------------
     def add_bucket(self, lane: int, flat: torch.Tensor, scale: float) -> None:
-        sq = flat.detach().to(torch.float64).square().sum().to(self.device) * (scale * scale)
-        old = self._sq[lane]
-        self._sq[lane] = sq if old is None else old + sq
+        self._add(lane, flat.detach().to(torch.float64).square().sum().to(self.device) * (scale * scale))
 
     def add_grads(self, lane: int, grads: Sequence[torch.Tensor], scale: float) -> None:
         """``lane``'s whole gradient at once (a ddp rank's first step, reduced by hand, not in DDP's
         buckets: ``RankRules.reduce_probe``), times ``scale`` as a bucket's."""
-        sq = squared_norm(grads, self.device) * (scale * scale)
+        self._add(lane, squared_norm(grads, self.device) * (scale * scale))
+
+    def _add(self, lane: int, sq: torch.Tensor) -> None:
         old = self._sq[lane]
         self._sq[lane] = sq if old is None else old + sq
 

@@ -63,11 +63,18 @@ class PeakMeter:
         if self.count is None or n not in self.steps:
             yield
             return
+        with self._counting(backend):
+            yield
+        self.cpu_peak = max(self.cpu_peak or 0, self.count.peak)
+
+    @contextlib.contextmanager
+    def _counting(self, backend: Any) -> Iterator[None]:
+        """Count this process's CPU tensors from what is alive now: ``count.peak`` is the block's peak."""
+        assert self.count is not None
         self.count.add_live()
         self.count.reset_peak()
         with measure.CpuCounting(self.count, backend):
             yield
-        self.cpu_peak = max(self.cpu_peak or 0, self.count.peak)
 
     def report(self) -> dict[str, Any] | None:
         """``{"memory": {name: {"forecast", "measured"}}}``-style rows, or None when nothing was measured."""
@@ -111,9 +118,7 @@ class RankPeakMeter(PeakMeter):
         if self.count is None or not self.has_setup:
             yield
             return
-        self.count.add_live()
-        self.count.reset_peak()
-        with measure.CpuCounting(self.count, None):
+        with self._counting(None):
             yield
         self.setup_peak = self.count.peak
 
