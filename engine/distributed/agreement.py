@@ -55,8 +55,7 @@ class RankAgreement:
             if due and self._due_at == self.checkpoint_time:  # no checkpoint since it was asked for
                 self._due_agreed = True
             if stop:
-                self.requests.request_stop()
-                self.control.request_stop()
+                self._stop_agreed()
                 return
             if pause:
                 self.control.pause()
@@ -70,6 +69,11 @@ class RankAgreement:
         self._due_at = self.checkpoint_time
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
         self._pending = (work, flags)
+
+    def _stop_agreed(self) -> None:
+        """Every rank saw a stop: this rank's own requests and its run control both say so."""
+        self.requests.request_stop()
+        self.control.request_stop()
 
     def _checkpoint_due(self) -> bool:
         due, self._due_agreed = getattr(self, "_due_agreed", False), False
@@ -102,8 +106,7 @@ class RankAgreement:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
             stop, run = flags.tolist()
             if stop:
-                self.requests.request_stop()
-                self.control.request_stop()
+                self._stop_agreed()
                 return
             if run:
                 self.requests.resume()
