@@ -4,6 +4,12 @@ DCP keeps its index in ``.metadata``, a pickle, which ``FileSystemReader`` opens
 a folder from elsewhere could run anything. ``SafeReader`` unpickles it through an allowlist (DCP's
 own metadata classes, ``torch.Size``, dtypes, layouts, paths), as ``torch.load(weights_only=True)``
 does for ``last.pt``, and checks that every file the index names lies inside the folder.
+
+The allowlist holds objects, not module paths: the same object is spelled differently by the Python
+that wrote the index (3.13 writes ``pathlib._local.PosixPath``; 3.11.0 to 3.11.2 write an Enum member
+as ``builtins.getattr(cls, name)``). A name is resolved without importing anything (a module already
+loaded here, or pathlib's class under any of its versions' module paths) and accepted when it is one
+of those objects; ``getattr`` is accepted only as an index's enum class and one of its members' names.
 ``SafePlanner`` loads DCP's non-tensor entries (the optimizer's hyperparameters) with
 ``weights_only=True`` instead of DCP's ``weights_only=False``; tensors already load that way.
 A refusal is ``UnsafeCheckpoint``, one line.
@@ -11,9 +17,13 @@ A refusal is ``UnsafeCheckpoint``, one line.
 
 from __future__ import annotations
 
+import collections
+import enum
 import io
+import pathlib
 import pickle
 import re
+import sys
 from typing import Any
 
 import torch
@@ -22,35 +32,65 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-_DCP = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "StorageMeta",
-        "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
 _FILE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_NAME = re.compile(r"^[A-Za-z_]\w*$")
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
 
 
 class UnsafeCheckpoint(ValueError):
     """A DCP folder that holds something other than data (or points outside itself)."""
 
 
+def _index_objects() -> dict[int, Any]:
+    """What an index may name, by identity: DCP's metadata classes (those this torch has), the
+    ``torch`` objects they hold (``Size``, dtypes below, layouts through ``_get_layout``), paths, and
+    ``OrderedDict``. The value is what the pickle gets: the object itself."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = ["Metadata", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata"]
+    names += ["BytesStorageMetadata", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"]
+    objects = [getattr(metadata, n) for n in names if hasattr(metadata, n)]
+    objects += [getattr(filesystem, "_StorageInfo", None), getattr(torch.serialization, "_get_layout", None)]
+    objects += [torch.Size, collections.OrderedDict, *(getattr(pathlib, n) for n in _PATHS)]
+    return {id(o): o for o in objects if o is not None}
+
+
+_ALLOWED = _index_objects()
+_ENUMS = tuple(o for o in _ALLOWED.values() if isinstance(o, type) and issubclass(o, enum.Enum))
+
+
+def _resolve(module: str, name: str) -> Any:
+    """The object ``module.name`` means, found without importing anything: a module already loaded
+    here (``torch.distributed.checkpoint.metadata``, ``builtins``), or pathlib's class wherever a
+    Python version defines it (``pathlib`` up to 3.12, ``pathlib._local`` in 3.13). None if none."""
+    if not _DOTTED.match(module) or not _NAME.match(name):
+        return None
+    if module == "pathlib" or module.startswith("pathlib."):
+        return getattr(pathlib, name, None) if name in _PATHS else None
+    home = sys.modules.get(module)
+    return vars(home).get(name) if home is not None else None
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as Python 3.11.0 to 3.11.2 pickle an Enum member; only that: ``cls`` one of
+    the index's enums and ``name`` one of its members' names."""
+    members = cls.__members__ if any(cls is e for e in _ENUMS) else {}
+    if not isinstance(name, str) or name not in members:
+        shown = f"{getattr(cls, '__qualname__', type(cls).__name__)}.{name}"
+        raise UnsafeCheckpoint(
+            f"its .metadata asks for getattr of {shown[:80]!r}, which is no member of an index's enum"
+        )
+    return members[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
+        obj = _resolve(module, name)
+        if obj is getattr:
+            return _enum_member
+        if obj is not None and (id(obj) in _ALLOWED or isinstance(obj, torch.dtype)):
+            return obj
         raise UnsafeCheckpoint(f"its .metadata asks for {module}.{name}, which a checkpoint's index never holds")
 
 
