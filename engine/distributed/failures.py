@@ -10,20 +10,32 @@ own error or a signal before "lost its peers", then the earliest, then the lowes
 as the run's outcome: ``status.json`` failed, a ``failed`` event naming the rank, its traceback in
 ``error.txt``. Every launcher that knows the folder consolidates after writing its notes, and so does
 rank 0, so whichever comes last has seen every note and the outcome names the real failure.
+
+A refusal is not a failure: a rank that finds bad input (a damaged checkpoint, a setting its device
+cannot take: ``UserError``) before the run began writes nothing into the run folder and prints
+nothing; it leaves its one line in its node's folder (``REFUSALS``, beside ``NODE_FILE_ENV``'s file)
+and exits 2. The launcher says that line once and exits 2, as the one-process path does, and leaves
+the run folder as it found it (``FolderAsFound``): a refused resume changes no byte of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import filelock
+from multilane.engine.distributed import NODE_FILE_ENV
+from multilane.engine.rundir.run_lock import LOCK, lock_is_held
 from multilane.engine.rundir.runlog import ERROR, STATUS, RunDir, iter_metrics
 
 NOTES = "failures"
 LOST_PEERS = "RankLostPeers"
+REFUSALS = "refusals"  # in the node's folder: rank<N>.json, the line of a rank that refused to run
 
 
 def note_path(run_dir: Path, rank: int) -> Path:
@@ -47,9 +59,9 @@ def write_note(run_dir: Path, rank: int, message: str, traceback: str | None, lo
     tmp.replace(path)
 
 
-def read_notes(run_dir: Path) -> list[dict[str, Any]]:
+def read_notes(run_dir: Path, folder: str = NOTES) -> list[dict[str, Any]]:
     notes = []
-    for f in sorted((Path(run_dir) / NOTES).glob("rank*.json")):
+    for f in sorted((Path(run_dir) / folder).glob("rank*.json")):
         try:
             notes.append(json.loads(f.read_text()))
         except (OSError, ValueError):
@@ -144,3 +156,67 @@ def consolidate(run_dir: Path, wait_for_cause_s: float = 0.0) -> dict[str, Any] 
         finally:
             rd.close()
         return cause
+
+
+def write_refusal(rank: int, message: str, lost: bool) -> bool:
+    """Rank ``rank`` refused to run (``message``, one line; ``lost``: it only lost its peers, whose
+    refusal is the cause): the note for this node's launcher, which says it. False where no launcher
+    of ours listens (bare torchrun: the rank says it itself)."""
+    node_file = os.environ.get(NODE_FILE_ENV)
+    if not node_file:
+        return False
+    path = Path(node_file).parent / REFUSALS / f"rank{rank}.json"
+    note = {"rank": rank, "message": message, "traceback": None, "lost_peers": lost, "time": time.time()}
+    try:
+        path.parent.mkdir(exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(note))
+        path.with_suffix(".tmp").replace(path)
+    except OSError:
+        return False
+    return True
+
+
+def refusal(node_dir: Path) -> str | None:
+    """The line of the refusal that ended this node's ranks, if one did: a rank's own (the earliest,
+    then the lowest rank), not one that refused only because its peers had gone."""
+    notes = [n for n in read_notes(node_dir, REFUSALS) if not n.get("lost_peers")]
+    cause = primary(notes)
+    return str(cause["message"]) if cause else None
+
+
+class FolderAsFound:
+    """A run folder as a launcher found it, put back as it was after its ranks refused to run.
+
+    A resumed folder: rank 0 leaves it as it found it (``RunDir.close_refused``), but a rank 0 the
+    agent had to kill could not put back the lock file it wrote; this does, once the lock is free. A
+    folder this launcher made for a new run: removed while it holds nothing but what making it wrote
+    (the one-process path makes none before its checks)."""
+
+    def __init__(self, run_dir: Path | None, made_here: bool) -> None:
+        self.run_dir, self.made_here = run_dir, made_here
+        self.lock = self._lock_file() if run_dir is not None and not made_here else None
+
+    def _lock_file(self) -> tuple[bytes, int, int] | None:
+        assert self.run_dir is not None
+        with contextlib.suppress(OSError):
+            st = os.stat(self.run_dir / LOCK, follow_symlinks=False)
+            if st.st_size <= 4096:
+                return (self.run_dir / LOCK).read_bytes(), st.st_atime_ns, st.st_mtime_ns
+        return None
+
+    def restore(self) -> None:
+        path = self.run_dir
+        if path is None or not path.is_dir() or lock_is_held(path):
+            return
+        with contextlib.suppress(OSError):
+            if self.made_here:
+                checkpoints = path / "checkpoints"
+                if {p.name for p in path.iterdir()} <= {LOCK, "checkpoints"} and not any(checkpoints.iterdir()):
+                    shutil.rmtree(path)
+                return
+            now = self._lock_file()
+            if self.lock is None and now is not None:
+                (path / LOCK).unlink()
+            elif self.lock is not None and (now is None or now[0] != self.lock[0] or now[2] != self.lock[2]):
+                (path / LOCK).write_bytes(self.lock[0])
+                os.utime(path / LOCK, ns=self.lock[1:], follow_symlinks=False)

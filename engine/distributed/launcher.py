@@ -28,9 +28,11 @@ from multilane.engine.config import RunConfig
 from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import (
     LOST_PEERS,
+    FolderAsFound,
     consolidate,
     notes_from_child_failure,
     primary,
+    refusal,
     write_note,
 )
 from multilane.engine.errors import UserError
@@ -123,6 +125,7 @@ def launch(
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} (--nnodes {nnodes})")
     run_dir: Path | None = Path(resume_from) if resume_from else None
+    made_here = False
     if nnodes == 1:
         host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else ("127.0.0.1", free_port())
         check_port_free(host, port)
@@ -132,7 +135,7 @@ def launch(
         elif run_dir is None:  # the launcher makes the folder, so that it can report any rank's failure
             made = RunDir.create(config.run.runs_dir, config.run.name)
             made.close()  # rank 0 takes the folder's lock: it is the run's writer
-            run_dir = made.path
+            run_dir, made_here = made.path, True
             os.environ[RUN_DIR_ENV] = str(run_dir)
     else:
         if not rdzv_endpoint:
@@ -165,10 +168,12 @@ def launch(
     what = f"{nnodes} node(s)" if nnodes > 1 else "the local ranks"
     rank_start.fork_server(start)  # the ranks' server: a fork of this process, before any thread starts
     watchdog = RendezvousWatchdog(endpoint, what, rdzv_timeout_s)
+    as_found = FolderAsFound(run_dir, made_here)
     try:
         entrypoint, args = rank_start.worker(start, argv)
         elastic_launch(lc, entrypoint)(*args)
     except ChildFailedError as e:
+        _raise_refusal(node_file.parent, as_found)
         return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, e)
     except SignalException:
         state = _state(run_dir)
@@ -176,6 +181,7 @@ def launch(
         return 0 if state == "stopped" else 1
     except (RendezvousError, DistError) as e:  # DistError: the static rendezvous's store timed out
         if nnodes > 1 and watchdog.ranks_started:
+            _raise_refusal(node_file.parent, as_found)
             # The ranks ran: the store went with the node that held it, which ended as the run failed
             # (torch's agent asks the store between its looks at the ranks). The run's failure is the news.
             return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, None)
@@ -190,6 +196,17 @@ def launch(
         rank_start.end_server(start)  # nothing of this node is left once its launcher has ended
         shutil.rmtree(node_file.parent, ignore_errors=True)
     return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
+
+
+def _raise_refusal(node_dir: Path, as_found: FolderAsFound) -> None:
+    """A rank refused to run (bad input it found, ``failures.write_refusal``): its line, once, as the
+    CLI says a ``UserError`` (exit 2), and the run folder as it was found."""
+    line = refusal(node_dir)
+    if line is not None:
+        as_found.restore()
+        if as_found.made_here and as_found.run_dir is not None and not as_found.run_dir.exists():
+            os.environ.pop(RUN_DIR_ENV, None)
+        raise UserError(line) from None
 
 
 def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -> int:
@@ -296,11 +313,12 @@ class RendezvousWatchdog:
                 os._exit(2)
 
 
-QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
+QUIET = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
 
 
 def quiet_torch_loggers() -> None:
-    """Silence the elastic agent's own log lines ("Received 15 death signal, shutting down workers").
+    """Silence the elastic agent's own log lines ("Received 15 death signal, shutting down workers",
+    "Terminating process N via signal SIGTERM" as it stops the ranks after one failed).
 
     torch's ``get_logger`` sets a level on each module's logger (WARNING, from $LOGLEVEL), which
     overrides a level set on the parent: every logger already made under these names is set too."""

@@ -7,6 +7,7 @@ to the file the agent reads, so the launcher can say which rank failed and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
-from multilane.engine.distributed.failures import consolidate, write_note
+from multilane.engine.distributed.failures import consolidate, write_note, write_refusal
 from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
@@ -66,7 +67,13 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         trainer = rank_trainer(info, requests, run_dir=run_dir, callbacks=callbacks, config=config)
     result = trainer.run()
     if info.is_main:
-        print(summary(result, getattr(trainer, "total_steps", None)), flush=True)
+        # A failure's message is the launcher's to say (the failure that caused the others, any rank's)
+        said = (
+            dataclasses.replace(result, message=None)
+            if result.status == "failed" and NODE_FILE_ENV in os.environ
+            else result
+        )
+        print(summary(said, getattr(trainer, "total_steps", None)), flush=True)
     if result.status == "failed":
         message = f"rank {info.rank} ({info.key}): {result.message}"
         lost = bool(_LOST.search(result.message or ""))
@@ -83,7 +90,10 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
 
 
 def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> NoReturn:
-    """Run this rank and exit: 0, or 1 (quietly: the launcher reports it) when the run failed.
+    """Run this rank and exit: 0; 1 when the run failed; 2 when this rank refused to run (bad input:
+    ``UserError``, before the run began). Under our launcher the rank prints neither: the launcher
+    says the failure (``failures.py``) or the refusal once. Under bare torchrun each rank says its
+    refusal itself.
 
     The process ends with ``os._exit`` once everything is written (files are closed, the checkpoint
     fsynced, the error file recorded): at interpreter teardown a c10d background thread could still
@@ -95,8 +105,13 @@ def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[
     except RankFailed:
         code = 1
     except UserError as e:
-        print(f"multilane: error: {e}", file=sys.stderr)
+        if not write_refusal(int(os.environ.get("RANK", "0")), str(e), bool(_LOST.search(str(e)))):
+            print(f"multilane: error: {e}", file=sys.stderr)
         code = 2
+    except Exception:
+        if NODE_FILE_ENV not in os.environ:
+            raise
+        code = 1  # ``@record`` wrote it (message and traceback) for the launcher, which reports it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
