@@ -251,6 +251,7 @@ def test_a_rank_that_raises_fails_the_run_naming_the_rank_and_its_error(tmp_path
     events = [rec for rec in read_metrics(run) if rec.get("event") == "failed"]
     assert events and "rank 1" in events[-1]["message"]
     assert "Traceback" not in r.stderr.split("failed:")[-1]
+    assert (r.stdout + r.stderr).count("boom on purpose") == 1, r.stdout + r.stderr  # said once, by the launcher
 
 
 @pytest.mark.slow

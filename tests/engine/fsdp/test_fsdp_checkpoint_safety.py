@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from fsdp_helpers import KINDS, settings, shard_in_place, single_process
+from helpers import CLI
 from multilane.engine.config import build_config
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.sharded import read_model_state, remove_older
@@ -87,6 +90,28 @@ def test_metadata_that_asks_for_code_is_refused_and_runs_nothing(run, tmp_path):
     assert not marker.exists()
     with pytest.raises(UserError, match="refused"):  # reading the model alone too
         read_model_state(run)
+    assert not marker.exists()
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, damage", [("fsdp", "garbage"), ("fsdp", "code"), ("ddp", "garbage")])
+def test_a_resume_refused_in_the_ranks_is_one_line_exit_2_and_changes_no_byte(run, tmp_path, strategy, damage):
+    # Every rank finds the index damaged: the launcher alone says so, once, as the one-process path does.
+    marker = tmp_path / MARK
+    meta = folder(run) / ".metadata"
+    meta.write_bytes(b"garbage" if damage == "garbage" else pickle.dumps(Payload(str(marker))))
+    (run / ".lock").write_bytes(b"4242\nthe-host-that-ran-it\n")  # as a finished run leaves it
+    before = tree(run)
+    args = ["--resume", str(run), "--strategy", strategy, "--devices", "cpu:0,cpu:1", "--steps", "3"]
+    r = subprocess.run([*CLI, "train", *args], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"multilane: error: checkpoint {folder(run)}: refused: its .metadata "), r.stderr
+    assert tree(run) == before
     assert not marker.exists()
 
 
