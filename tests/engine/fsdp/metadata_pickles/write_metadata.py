@@ -11,11 +11,13 @@ this script are those bytes, one file per Python, read by ``test_fsdp_metadata_v
 
 The stand-ins carry the module path and name of what they stand for, and pickle as it does (a
 dataclass's state, a call's arguments, a global's name); what a Python version decides itself (an
-Enum member, a path) is that version's real Enum and real pathlib. Run under a Python that has torch,
-both ways give the same bytes (the test checks it), so the stand-ins write what torch would.
+Enum member, a path) is that version's real Enum and real pathlib. Under a Python that has torch both
+ways give the same bytes (``test_the_stand_ins_pickle_as_torch_does_under_this_python``; it passes
+under 3.11.7 and, with torch installed there, under Debian's 3.11.2).
 
-Regenerate: ``python write_metadata.py --real`` with the suite's Python (3.11.7) and /usr/bin/python3
-(3.11.2) each with torch, then ``python write_metadata.py`` with 3.12 and 3.13.
+Regenerate: ``python write_metadata.py --real`` with the suite's Python (3.11.7: the reference), then
+``python write_metadata.py`` with each other Python (/usr/bin/python3 3.11.2, pyenv's 3.12.1 and
+3.13.0), so that every file holds the same index (the same save id) in its Python's spelling.
 """
 
 from __future__ import annotations
