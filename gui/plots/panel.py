@@ -20,7 +20,7 @@ from multilane.gui.plots.marks import PlotMarks
 from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
 from multilane.gui.plots.ranges import SharedXRange
 from multilane.gui.plots.run_view import metric_title
-from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, TICK_FONT
+from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, PROCESS_MEMORY, TICK_FONT
 from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction
@@ -372,7 +372,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
                 self._show_finite(key, item, x, te.get(key))
         elif cpu_only:  # CPU lanes: the process's memory
             self._show_finite("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
-        title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
+        title = PROCESS_MEMORY if cpu_only else "Memory used (MiB), dashed: torch's tensors"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
             set_plot_title(self.memory, title)
