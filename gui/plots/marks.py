@@ -40,7 +40,7 @@ class PlotMarks:
         runs = [d, *(r for r, _ in self.overlays)]
         device_titles = self._compared_device_titles(runs) if len(runs) > 1 else ()
         state = (tuple(d.devices), tuple(r.name for r in runs), bool(d.eval.rows), self.smoothing > 0)
-        state += (tuple(sorted(self._hidden)), bool(d.train.rows), device_titles)
+        state += (tuple(sorted(self._hidden)), bool(d.train.rows), device_titles, tuple(self.empty_panels.items()))
         if state == self._key_state:
             return
         self._key_state = state
@@ -69,6 +69,9 @@ class PlotMarks:
                 parts.append(self._entry("combined", swatch(COMBINED), "combined"))
             if d.eval.rows:
                 parts.append(self._entry("validation", swatch(VALIDATION, dashed=True), "validation"))
+        if self.empty_panels:  # where the panel would be, the key says why it is not
+            why = "; ".join(f"{name}: {reason}" for name, reason in self.empty_panels.items())
+            parts.append(f'<span style="color:#888;">(not shown, no data: {html.escape(why)})</span>')
         if self.smoothing > 0 and parts:
             parts.append("(smoothed; raw faint)")
         if len(parts) > 1:
