@@ -263,6 +263,25 @@ class RunConfig(Section):
         return self.model_dump(mode="json")
 
 
+def is_task_file(name: str) -> bool:
+    """Whether a task name is the path of the user's own .py file (else a built-in task's name)."""
+    return name.endswith(".py") or "/" in name or "\\" in name
+
+
+def check_task_file(path: str | Path) -> Path:
+    """The task file's path; one line where it is not there, checked before torch is imported (seconds
+    under load) as well as by the loader."""
+    p = user_path(path, "task file")
+    try:
+        if not p.exists():
+            raise UserError(f"task file {p}: no such file")
+        if not p.is_file():
+            raise UserError(f"task file {p}: not a file")
+    except ValueError as e:  # an embedded NUL
+        raise UserError(f"task file {str(path)!r}: not a usable path ({e})") from None
+    return p
+
+
 def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Validate a plain dict into a RunConfig, or raise UserError with one clear line."""
     if not isinstance(data, dict):

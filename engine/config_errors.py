@@ -18,7 +18,7 @@ def describe_error(err: ValidationError, prefix: str = "", model: type[BaseModel
     key = f"{prefix}.{key}" if prefix and key else prefix or key
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        text = f"{key}: unknown key" + _did_you_mean(model, e["loc"])
+        text = f"{key}: unknown key" + _did_you_mean(model, e["loc"], prefix)
     elif e["type"] == "missing":
         text = f"{key}: missing"
     else:
@@ -27,7 +27,7 @@ def describe_error(err: ValidationError, prefix: str = "", model: type[BaseModel
     return text + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
 
-def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...], prefix: str = "") -> str:
     """ "; did you mean telemetry.record_s?" for an unknown key close to a known key of its section."""
     for part in loc[:-1]:
         field = model.model_fields.get(part) if model is not None and isinstance(part, str) else None
@@ -37,7 +37,9 @@ def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
     if model is None or not isinstance(loc[-1], str):
         return ""
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
-    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+    return (
+        f"; did you mean {'.'.join([*([prefix] if prefix else []), *map(str, loc[:-1]), close[0]])}?" if close else ""
+    )
 
 
 def _key_part(part: Any) -> str:

@@ -13,6 +13,19 @@ class UserError(Exception):
         return one_line_text(super().__str__())
 
 
+class NothingToTrain(UserError):
+    """A resume whose run has already trained its whole budget: the CLI says so and how to go on, exits 0
+    (as Lightning and the HF Trainer do at their last epoch) and writes nothing to the run folder."""
+
+
+def nothing_to_train(run: object, step: int, total: int) -> NothingToTrain:
+    where = f"finished at step {step}/{total}" if step == total else f"at step {step}, past its budget of {total} steps"
+    return NothingToTrain(
+        f"{run}: {where}, nothing to train; to train on, resume with a larger budget: "
+        f"multilane train --resume {run} --steps N (N > {step})"
+    )
+
+
 def one_line_text(text: str) -> str:
     """``text`` with every non-printable character escaped (``\\n``, ``\\x1c``), so it stays one line."""
     if text.isprintable():

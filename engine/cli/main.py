@@ -19,7 +19,7 @@ from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
 from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.train import cmd_train
-from multilane.engine.errors import UserError
+from multilane.engine.errors import NothingToTrain, UserError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -286,6 +286,9 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "export":
             return cmd_export(args)
         return cmd_app()
+    except NothingToTrain as e:  # not an error: the run is done (printed where a run's outcome goes)
+        print(printable(one_line(str(e))))
+        return 0
     except UserError as e:
         _say(f"multilane: error: {printable(one_line(str(e)))}")  # a host's or a file's text is data
         return 2

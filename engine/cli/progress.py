@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import psutil
 from multilane.engine.cli.terminal_text import printable
-from multilane.engine.cli.watch import format_telemetry
+from multilane.engine.cli.watch import DeviceTelemetry
+from multilane.engine.distributed import COMMAND_START_ENV
 from multilane.engine.numbers import format_number
 from multilane.engine.plan.meter import memory_lines
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
@@ -28,7 +30,8 @@ class ProgressDisplay(TrainerCallback):
 
     PLAIN_EVERY_S = 5.0
 
-    def __init__(self, console: Console | None = None, waiting: Any = None) -> None:
+    def __init__(self, console: Console | None = None, waiting: Any = None, started: float | None = None) -> None:
+        self._started = started  # when the command began (a rank's launcher), else this process's start
         self.console = console or Console(stderr=True)
         self._waiting = waiting  # a rich Status shown until training starts
         self.live = self.console.is_terminal
@@ -45,6 +48,7 @@ class ProgressDisplay(TrainerCallback):
         self._task_id: Any = None
         self._val = ""
         self._tele = ""
+        self._devices = DeviceTelemetry()
         self._last: dict[str, Any] | None = None
         self._total = 0
         self._printed_at = 0.0
@@ -91,7 +95,7 @@ class ProgressDisplay(TrainerCallback):
         self._show()
 
     def on_telemetry(self, record: dict[str, Any]) -> None:
-        self._tele = format_telemetry(record)
+        self._tele = self._devices.add(record)
 
     def on_eval(self, record: dict[str, Any]) -> None:
         metrics = "".join(f" {k} {format_number(v, 3)}" for k, v in record["metrics"].items())
@@ -125,7 +129,7 @@ class ProgressDisplay(TrainerCallback):
     def timing(self) -> dict[str, float]:
         """Seconds: ``total`` since the process started, ``to_first_step`` of it before training began
         (imports, data, model), ``training`` from the first step to the end."""
-        start = psutil.Process().create_time()
+        start = self._started or psutil.Process().create_time()
         end = self._t_end or time.time()
         out = {"total": end - start}
         if self._t_train_start is not None:
@@ -138,6 +142,14 @@ def _safe(text: str) -> str:
     """Text of the task's (its name, metric names, a warning) for a rich line: escaped for the terminal
     (``printable``) and for rich's markup, so ``[/]`` in a metric's name neither styles nor breaks it."""
     return escape(printable(text))
+
+
+def command_start() -> float | None:
+    """The launching command's start (``COMMAND_START_ENV``), where a launcher set it."""
+    try:
+        return float(os.environ[COMMAND_START_ENV])
+    except (KeyError, ValueError):
+        return None
 
 
 DATA_WAIT_SHOWN = 0.05

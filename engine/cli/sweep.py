@@ -19,7 +19,7 @@ REFRESH_S = 0.5
 def _base_config(args: argparse.Namespace, task: str) -> dict[str, Any]:
     """The nested config every trial starts from: --config, then --steps/--epochs/--batch-size/--set; checked once."""
     from multilane.engine.cli.train import _parse_value
-    from multilane.engine.config import build_config, merge, read_config_file
+    from multilane.engine.config import build_config, check_task_file, is_task_file, merge, read_config_file
 
     base = read_config_file(args.config) if args.config else {}
     section = base.get("task")
@@ -38,7 +38,9 @@ def _base_config(args: argparse.Namespace, task: str) -> dict[str, Any]:
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. train.log_every=5")
         o[key.strip()] = _parse_value(raw.strip(), key.strip())
     merged = merge(base, o)
-    build_config(merged, args.config or "sweep config")
+    config = build_config(merged, args.config or "sweep config")
+    if is_task_file(config.task.name):
+        check_task_file(config.task.name)
     return merged
 
 

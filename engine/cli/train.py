@@ -67,7 +67,7 @@ def _parse_value(raw: str, key: str) -> Any:
 
 def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
     """The run's config: the file and flags, or (resuming) the checkpoint's config and the flags."""
-    from multilane.engine.config import build_config, merge, read_config_file
+    from multilane.engine.config import build_config, check_task_file, is_task_file, merge, read_config_file
 
     if args.resume:
         from multilane.engine.distributed import in_worker
@@ -76,16 +76,40 @@ def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
         # Refused here, before any strategy starts a process or touches the folder, when another
         # process writes it (a rank of a ddp resume: the launcher checked; rank 0 holds the lock).
         rd = RunDir.open_existing(args.resume, lock=False, in_use_ok=in_worker())
-        base = rd.load_checkpoint().get("config")
+        checkpoint = rd.load_checkpoint()
+        base = checkpoint.get("config")
         if not isinstance(base, dict):
             raise UserError(f"resume: {args.resume}: the checkpoint holds no config")
-        return build_config(merge(base, overrides), "resume config")
+        config = build_config(merge(base, overrides), "resume config")
+        if not in_worker():  # the launcher said it, once
+            _refuse_if_trained(args.resume, checkpoint.get("step"), config, overrides)
+        return config
     base = read_config_file(args.config) if args.config else {}
     section = base.get("task")
     if args.task is not None and isinstance(section, dict) and section.get("name") not in (None, args.task):
         # Another task's params would not fit this task's schema.
         section["params"] = {}
-    return build_config(merge(base, overrides), args.config or "config")
+    config = build_config(merge(base, overrides), args.config or "config")
+    if is_task_file(config.task.name):
+        check_task_file(config.task.name)
+    return config
+
+
+def _refuse_if_trained(run: str, step: Any, config: Any, overrides: dict[str, Any]) -> None:
+    """NothingToTrain, before any process starts or the folder is touched, where the checkpoint already
+    holds the whole budget: a budget in steps is known here; one in epochs where the run says it finished
+    (other epoch budgets are checked by the trainer once the data is loaded)."""
+    from multilane.engine.errors import nothing_to_train
+    from multilane.engine.rundir.runread import STATUS, read_json
+
+    folder = Path(run).expanduser()
+    total = config.train.steps
+    if total is None and "train.epochs" not in overrides:
+        status = read_json(folder / STATUS) or {}
+        if status.get("state") == "finished" and status.get("step") == step:
+            total = status.get("total_steps")
+    if isinstance(step, int) and isinstance(total, int) and step >= total:
+        raise nothing_to_train(run, step, total)
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -126,6 +150,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             forecast = check_fit(config, task, parse_devices(config.devices.use))
             if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
                 os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
+        import psutil
+        from multilane.engine.distributed import COMMAND_START_ENV
+
+        os.environ[COMMAND_START_ENV] = str(psutil.Process().create_time())  # the ranks' "X s in all"
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )

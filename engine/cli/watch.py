@@ -35,6 +35,27 @@ def format_telemetry(record: dict[str, Any]) -> str:
     return "· " + " · ".join(parts) if parts else ""
 
 
+class DeviceTelemetry:
+    """Every device's latest telemetry, merged over the records: a ddp or fsdp run writes one record per rank,
+    each naming its own device, so the line shows each rank's device, not the one sampled last."""
+
+    def __init__(self) -> None:
+        self.devices: dict[str, Any] = {}
+        self.process: dict[str, Any] = {}
+
+    def add(self, record: dict[str, Any]) -> str:
+        """Fold one telemetry record in; the line of every device seen since the run (re)started."""
+        self.devices.update(record.get("devices") or {})
+        if record.get("process"):
+            self.process = record["process"]  # the run's process: rank 0's where there are ranks
+        return format_telemetry({"devices": self.devices, "process": self.process})
+
+    def restart(self, lanes: Any) -> None:
+        """A (re)start of the run: keep only the devices it trains on (a resume may use others)."""
+        keep = set(lanes) if isinstance(lanes, list) else set()
+        self.devices = {k: v for k, v in self.devices.items() if k in keep}
+
+
 def format_health(record: dict[str, Any]) -> str:
     """The sampled health in a few words: the largest update-to-weight ratio and its layer, and the
     deadest activation ("update/weight 3.1e-03 at head.1 · 62% zeros at features.1 (ReLU)")."""
@@ -59,6 +80,7 @@ class WatchState:
         self.train: dict[str, Any] = {}
         self.eval: dict[str, Any] = {}
         self.telemetry = ""
+        self._devices = DeviceTelemetry()
         self.health = ""
         self.state = "waiting"
         self.message: str | None = None
@@ -72,10 +94,11 @@ class WatchState:
         elif kind == "eval":
             self.eval = rec
         elif kind == "telemetry":
-            self.telemetry = format_telemetry(rec)
+            self.telemetry = self._devices.add(rec)
         elif kind == "health":
             self.health = format_health(rec)
         elif kind == "event" and rec.get("event") == "started":
+            self._devices.restart(rec.get("lanes"))
             self.total = rec.get("total_steps", self.total)
             self.step = rec.get("step", self.step)
 

@@ -10,6 +10,7 @@ This module itself imports nothing heavy: the CLI asks ``in_worker()`` before it
 import os
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+COMMAND_START_ENV = "MULTILANE_COMMAND_START"  # when `multilane train` started: its ranks' "X s in all"
 RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
 NODE_FILE_ENV = "MULTILANE_NODE_FILE"  # where a node's ranks tell their launcher the run folder
 
@@ -19,4 +20,4 @@ def in_worker() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
-__all__ = ["NODE_FILE_ENV", "RUN_DIR_ENV", "in_worker"]
+__all__ = ["COMMAND_START_ENV", "NODE_FILE_ENV", "RUN_DIR_ENV", "in_worker"]

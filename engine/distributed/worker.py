@@ -38,7 +38,7 @@ class RankLostPeers(RankFailed):
 
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
-    from multilane.engine.cli.progress import ProgressDisplay, summary
+    from multilane.engine.cli.progress import ProgressDisplay, command_start, summary
     from multilane.engine.distributed.trainer import DdpTrainer
     from multilane.engine.fsdp.trainer import FsdpTrainer
 
@@ -58,7 +58,8 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    callbacks = [ProgressDisplay()] if info.is_main else []
+    progress = ProgressDisplay(started=command_start()) if info.is_main else None
+    callbacks = [progress] if progress is not None else []
     rank_trainer = FsdpTrainer if config.devices.strategy == "fsdp" else DdpTrainer
     if resume_from:
         trainer = rank_trainer(info, requests, callbacks=callbacks, resume_from=resume_from, overrides=overrides)
@@ -73,7 +74,8 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
             if result.status == "failed" and NODE_FILE_ENV in os.environ
             else result
         )
-        print(summary(said, getattr(trainer, "total_steps", None)), flush=True)
+        timing = progress.timing() if progress is not None else None
+        print(summary(said, getattr(trainer, "total_steps", None), timing), flush=True)
     if result.status == "failed":
         message = f"rank {info.rank} ({info.key}): {result.message}"
         lost = bool(_LOST.search(result.message or ""))

@@ -164,13 +164,13 @@ def rank_meter(device: Device, rank: int, world: int, weights: list[float] | Non
 
 
 def memory_lines(rows: dict[str, Any] | None) -> list[str]:
-    """The summary's lines: "memory peak cuda:0: 3.10 GiB measured, 3.02 GiB forecast (-2.6 %)"; below
+    """The summary's lines: "peak tensor memory cuda:0: 3.10 GiB measured, 3.02 GiB forecast (-2.6 %)"; below
     ``SMALL_PEAK`` the difference in bytes: "29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)"."""
     out = []
     for name, r in (rows or {}).items():
         m, f = r["measured"], r["forecast"]
         err = small_difference(f, m) or f"{(f - m) / m * 100 if m else 0.0:+.1f} %"
-        out.append(f"memory peak {name}: {gib(m)} measured, {gib(f)} forecast ({err})")
+        out.append(f"peak tensor memory {name}: {gib(m)} measured, {gib(f)} forecast ({err})")
     return out
 
 

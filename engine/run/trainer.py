@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
-from multilane.engine.errors import UserError
+from multilane.engine.errors import UserError, nothing_to_train
 from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
@@ -167,6 +167,10 @@ class Trainer:
         try:
             self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
             self._setup()
+            if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
+                raise nothing_to_train(
+                    self._resume_dir.path if self._resume_dir else "run", self.step, self.total_steps
+                )
         except (UserError, KeyboardInterrupt):
             raise
         except (Exception, SystemExit) as e:

@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.config import describe_error
+from multilane.engine.config import check_task_file, describe_error, is_task_file
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.tasks.base import Task
@@ -18,10 +18,6 @@ from multilane.engine.tasks.builtin import BUILTIN_TASKS
 from pydantic import BaseModel, ValidationError
 
 MAX_TASK_FILE_BYTES = 16 << 20
-
-
-def is_task_file(name: str) -> bool:
-    return name.endswith(".py") or "/" in name or "\\" in name
 
 
 def task_class(name: str) -> type[Task]:
@@ -43,7 +39,7 @@ def make_task(name: str, params: dict[str, Any] | None = None, expect_sha256: st
     try:
         p = cls.Params.model_validate(params or {})
     except ValidationError as e:
-        raise UserError(f"task {cls.name}: {describe_error(e, 'task.params')}") from None
+        raise UserError(f"task {cls.name}: {describe_error(e, 'task.params', cls.Params)}") from None
     except Exception as e:  # a validator of the user's own that raised something else
         raise UserError(f"task {cls.name}: {type(e).__name__} while checking its params: {_first_line(e)}") from None
     try:
@@ -103,14 +99,7 @@ def load_task_file(path: str | Path, expect_sha256: str | None = None) -> type[T
     """Import a user's task file and return the one Task subclass it defines.
 
     The bytes hashed (and checked against ``expect_sha256``, when given) are the bytes that run."""
-    p = user_path(path, "task file")
-    try:
-        if not p.exists():
-            raise UserError(f"task file {p}: no such file")
-        if not p.is_file():
-            raise UserError(f"task file {p}: not a file")
-    except ValueError as e:  # an embedded NUL
-        raise UserError(f"task file {str(path)!r}: not a usable path ({e})") from None
+    p = check_task_file(path)
     try:
         source = read_regular_file(p, MAX_TASK_FILE_BYTES)
     except OSError as e:
@@ -142,11 +131,12 @@ def load_task_file(path: str | Path, expect_sha256: str | None = None) -> type[T
         if inspect.isclass(explicit) and issubclass(explicit, Task):
             return _checked(explicit, p)
         raise UserError(f"task file {p}: TASK must be a subclass of multilane.engine.tasks.Task")
-    found = [
-        obj
-        for obj in vars(module).values()
-        if inspect.isclass(obj) and issubclass(obj, Task) and obj.__module__ == mod_name and not inspect.isabstract(obj)
-    ]
+    mine = [o for o in vars(module).values() if inspect.isclass(o) and issubclass(o, Task) and o.__module__ == mod_name]
+    found = [obj for obj in mine if not inspect.isabstract(obj)]
+    if not found and mine:  # a Task subclass that misses a method: name it, not "no task"
+        cls = mine[-1]
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise UserError(f"task file {p}: {cls.__name__} does not define {missing} (see examples/custom_task.py)")
     if not found:
         raise UserError(
             f"task file {p}: defines no task; subclass multilane.engine.tasks.Task (see examples/custom_task.py)"

@@ -73,11 +73,13 @@ class FigureOptions:
 
 
 def run_caption(run_dir: str | Path) -> str | None:
-    """One line of what the run was: task, devices, batch, optimizer; None without a readable config."""
+    """One line of what the run was: task, strategy, devices, batch, optimizer; None without a readable
+    config."""
     try:
         cfg = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
-        task, optim = cfg["task"]["name"], cfg["optim"]
-        parts = [f"task {task}", f"devices {cfg['devices']['use']}", f"batch {cfg['data']['batch_size']}"]
+        task, optim, devices = cfg["task"]["name"], cfg["optim"], cfg["devices"]
+        strategy = devices.get("strategy") or "replicate"
+        parts = [f"task {task}", f"{strategy} on {devices['use']}", f"batch {cfg['data']['batch_size']}"]
         parts.append(f"{optim['name']} lr {optim['lr']:g}")
         return " · ".join(parts)[:200]
     except (OSError, ValueError, KeyError, TypeError):

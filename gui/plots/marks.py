@@ -15,12 +15,13 @@ from multilane.gui.plots.run_view import (
     compared_lines,
     differing_settings,
     format_duration,
+    rank_places,
     run_breaks,
     settings_text,
     values_at,
     x_values,
 )
-from multilane.gui.plots.style import PAUSE_BRUSH, STOP_BRUSH
+from multilane.gui.plots.style import PAUSE_BRUSH, PROCESS_MEMORY, STOP_BRUSH
 from PySide6.QtCore import Qt
 
 NAN_COLOR = "#d62728"
@@ -39,7 +40,7 @@ class PlotMarks:
         runs = [d, *(r for r, _ in self.overlays)]
         device_titles = self._compared_device_titles(runs) if len(runs) > 1 else ()
         state = (tuple(d.devices), tuple(r.name for r in runs), bool(d.eval.rows), self.smoothing > 0)
-        state += (tuple(sorted(self._hidden)), bool(d.train.rows), device_titles)
+        state += (tuple(sorted(self._hidden)), bool(d.train.rows), device_titles, tuple(self.empty_panels.items()))
         if state == self._key_state:
             return
         self._key_state = state
@@ -54,8 +55,9 @@ class PlotMarks:
                 label = run.name + (f" ({settings_text(differ)})" if differ else "")
                 parts.append(self._entry(f"run:{i}", swatch(series_color(i)), label) + style_mark(i))
             parts.append(f"{swatch('#555', dashed=True)} validation (same colour)")
-            parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top;')
-            parts.append("utilization, memory: colour = device, grey mark = the run's line)</span>")
+            if device_titles[2]:
+                parts.append(device_titles[2])
+            parts.append('<span style="color:#888;">(equal lines: the first run widest, each next one on top)</span>')
             # the step time draws one line per run: its own key names the runs, not the phases
             runs_key = " ".join(f"{swatch(series_color(i))}&nbsp;{html.escape(r.name)}" for i, r in enumerate(runs))
             set_plot_title(self.phases, f"Step time (ms), each run's total &nbsp; {runs_key}")
@@ -67,35 +69,38 @@ class PlotMarks:
                 parts.append(self._entry("combined", swatch(COMBINED), "combined"))
             if d.eval.rows:
                 parts.append(self._entry("validation", swatch(VALIDATION, dashed=True), "validation"))
+        if self.empty_panels:  # where the panel would be, the key says why it is not
+            why = "; ".join(f"{name}: {reason}" for name, reason in self.empty_panels.items())
+            parts.append(f'<span style="color:#888;">(not shown, no data: {html.escape(why)})</span>')
         if self.smoothing > 0 and parts:
             parts.append("(smoothed; raw faint)")
         if len(parts) > 1:
             parts.append('<span style="color:#888;">(click a name to hide or show it)</span>')
         self.key.setText(" &nbsp; ".join(parts), size="9pt")
 
-    def _compared_device_titles(self, runs: list) -> tuple[str, str]:
-        """The utilization and memory plots' titles when runs are compared: each device's colour, each
-        run's line style."""
+    def _compared_device_titles(self, runs: list) -> tuple[str, str, str]:
+        """The utilization and memory plots' titles when runs are compared, and the key's entry for their
+        colours: each device's colour, with the rank that ran on it (a ddp or fsdp run's device is the
+        same device, in the same colour, as a replicate run's). The titles stay one line at 1280 px."""
         devices = compare_devices(runs)
         lines = [compared_lines(r, devices) for r in runs]
-        # each run's line style: after its name in the key (run names are long, and a title that wraps
-        # onto three lines left a small plot no room)
-        styles = "(line: run)"
-
-        def colours(panel: str) -> str:
-            present = {dev for ln in lines for _, dev in ln[panel] if dev is not None}
-            shown = [dev for dev in devices if dev in present]
-            return " ".join(f"{swatch(series_color(devices.index(dev)))}&nbsp;{html.escape(dev)}" for dev in shown)
-
+        present = {dev for ln in lines for panel in ("util", "memory") for _, dev in ln[panel] if dev is not None}
+        ranks = rank_places(runs, devices)
+        colours = " ".join(
+            f"{swatch(series_color(devices.index(dev)))}&nbsp;{html.escape(dev)}"
+            + (f" ({ranks[dev]})" if dev in ranks else "")
+            for dev in devices
+            if dev in present
+        )
         cols = [col for ln in lines for col, _ in ln["memory"]]
         if any(c.startswith("rss/") for c in cols):
-            memory = "Process memory (MiB) per rank"
+            memory = "Each rank's RSS (MiB)"
         elif "rss_mb" in cols:
-            memory = "Process memory (MiB)"  # CPU lanes share one process: no memory of their own
+            memory = PROCESS_MEMORY  # CPU lanes share one process: no memory of their own
         else:
             memory = "Memory used (MiB)"
-        util = " &nbsp; ".join(t for t in ("Utilization (%)", colours("util"), styles) if t)
-        return util, " &nbsp; ".join(t for t in (memory, colours("memory"), styles) if t)
+        key = f"utilization, memory: {colours} (line: the run's, after its name)" if colours else ""
+        return "Utilization (%)", memory, key
 
     def _entry(self, group: str, mark: str, label: str) -> str:
         hidden = group in self._hidden

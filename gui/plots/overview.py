@@ -219,7 +219,7 @@ def _compared_device_panels(runs: Sequence[RunData], opts: FigureOptions) -> tup
     cols = [col for ln in lines for col, _ in ln["memory"]]
     process = any(c.startswith("rss") for c in cols)
     util = Panel("Utilization (colour: device, line: run)", LABELS["util"], percent=True)
-    memory = Panel(f"{'Process memory' if process else 'Memory used'} (line: run)", "memory (MiB)", from_zero=True)
+    memory = Panel(f"{'Process memory: RSS' if process else 'Memory used'} (line: run)", "memory (MiB)", from_zero=True)
     for name, panel in (("util", util), ("memory", memory)):
         mine = [
             (k, run, col, dev) for k, (run, ln) in enumerate(zip(runs, lines, strict=True)) for col, dev in ln[name]

@@ -20,7 +20,7 @@ from multilane.gui.plots.marks import PlotMarks
 from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
 from multilane.gui.plots.ranges import SharedXRange
 from multilane.gui.plots.run_view import metric_title
-from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, TICK_FONT
+from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, PROCESS_MEMORY, TICK_FONT
 from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction
@@ -61,7 +61,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         self._pause_state: tuple = ()
         self._memory_title = ""
         self._tops: dict[int, float] = {}  # y top of the plots whose axis starts at zero
-        self._grad_title = "Gradient norm"
+        self.empty_panels: dict[str, str] = {}  # a panel hidden for want of data: why
         self._metric_title = "Validation metric"
         self._hidden: set[str] = set()  # key entries the user clicked off: "dev:cpu:0", "combined", "run:1", …
         self._break_cache: dict[tuple, np.ndarray] = {}
@@ -296,11 +296,6 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
                     self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key), br)
             if "lr" in tr.columns:
                 self._from_zero(self.lr, [tr.get("lr")])
-            # logged only where it costs nothing: when clipping computes it
-            title = "Gradient norm" if "grad_norm" in tr.columns else "Gradient norm (logged with grad clip > 0)"
-            if title != self._grad_title:
-                self._grad_title = title
-                set_plot_title(self.grad_norm, title)
             self._draw_stack(x, tr, br)
         if ev.rows and not comparing:
             x, br = self._x(d, ev), self._breaks(d, ev)
@@ -321,9 +316,25 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         if te.rows and not comparing:
             self._draw_telemetry(te)
         self._set_metric_title()
+        self._hide_empty()
         self._apply_visibility()
         self._update_key()
         self._draw_pauses()
+
+    def _hide_empty(self) -> None:
+        """A panel that has nothing to show is hidden, not drawn as empty axes; the key says why (marks.py):
+        the gradient norm of a run that logged none (runs that clipped no gradient, before it was always
+        logged), the validation metric of a task that reports none (known at its first evaluation)."""
+        runs = [self.data, *(r for r, _ in self.overlays)]
+        trained = [r for r in runs if r.train.rows]
+        evaluated = [r for r in runs if r.eval.rows]
+        self.empty_panels = {}
+        if trained and not any("grad_norm" in r.train.columns for r in trained):
+            self.empty_panels["gradient norm"] = "not logged by this run"
+        if evaluated and not any(r.metric_names for r in evaluated):
+            self.empty_panels["validation metric"] = "the task reports none"
+        for plot, name in ((self.grad_norm, "gradient norm"), (self.metric_plot, "validation metric")):
+            plot.setVisible(name not in self.empty_panels and not self.compact)
 
     def _set_metric_title(self) -> None:
         names = list(dict.fromkeys(m for r in (self.data, *(r for r, _ in self.overlays)) for m in r.metric_names))
@@ -372,7 +383,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
                 self._show_finite(key, item, x, te.get(key))
         elif cpu_only:  # CPU lanes: the process's memory
             self._show_finite("rss", self._item("rss", self.memory, NEUTRAL, "process RSS"), x, te.get("rss_mb"))
-        title = "Process memory (MiB)" if cpu_only else "Memory (MiB), dashed: torch"
+        title = PROCESS_MEMORY if cpu_only else "Memory used (MiB), dashed: torch's tensors"
         if title != self._memory_title and (cpu_only or te.names("mem/")):
             self._memory_title = title
             set_plot_title(self.memory, title)

@@ -196,27 +196,69 @@ def step_total(series: Series) -> np.ndarray:
     return np.where(np.isfinite(stack).any(axis=0), np.nansum(stack, axis=0), np.nan)
 
 
+def _rank_parts(name: str) -> tuple[str, str, str] | None:
+    """``host/rankN/device`` (a ddp or fsdp rank's device) as its three parts, else None."""
+    parts = name.split("/")
+    if len(parts) == 3 and parts[1].startswith("rank") and parts[1][4:].isdigit():
+        return parts[0], parts[1], parts[2]
+    return None
+
+
 def compare_devices(runs: list[RunData]) -> list[str]:
     """Every device of the runs compared, in the first run's order, then each later run's new ones: a
     device's colour is its place here (the same as in its run's own view when the runs share their
-    device list, as runs compared usually do)."""
-    names: list[str] = []
+    device list, as runs compared usually do). A rank's device is named as a device, not a rank, so
+    that one device has one colour whatever the strategy: ``vm/rank0/cpu:0`` of a ddp run is the
+    ``cpu:0`` of a replicate run (``host/cpu:0`` where the ranks ran on several hosts)."""
+    raw: list[str] = []
     for run in runs:
         te = run.telemetry
         seen = [k.split("/", 1)[1] for p in ("util/", "mem/", "rss/") for k in te.names(p)]
-        names += [d for d in dict.fromkeys([*run.devices, *seen]) if d not in names]
+        raw += [d for d in dict.fromkeys([*run.devices, *seen]) if d not in raw]
+    hosts = {p[0] for d in raw if (p := _rank_parts(d)) is not None}
+    names: list[str] = []
+    for d in raw:
+        p = _rank_parts(d)
+        ident = d if p is None else p[2] if len(hosts) <= 1 else f"{p[0]}/{p[2]}"
+        names += [ident] if ident not in names else []
     return names
+
+
+def device_in(name: str, devices: list[str]) -> str:
+    """The entry of ``compare_devices`` that a run's device ``name`` is (a rank's device by its device)."""
+    if name in devices:
+        return name
+    p = _rank_parts(name)
+    if p is not None:
+        for candidate in (f"{p[0]}/{p[2]}", p[2]):
+            if candidate in devices:
+                return candidate
+    return name
+
+
+def rank_places(runs: list[RunData], devices: list[str]) -> dict[str, str]:
+    """Which rank ran on each compared device, for the key: ``{"cpu:0": "rank 0"}`` (ranks that differ
+    between runs: "rank 0, 1"); devices no rank ran on are absent."""
+    ranks: dict[str, list[str]] = {}
+    for run in runs:
+        for d in run.devices:
+            p = _rank_parts(d)
+            if p is not None:
+                mine = ranks.setdefault(device_in(d, devices), [])
+                mine += [p[1][4:]] if p[1][4:] not in mine else []
+    return {d: "rank " + ", ".join(r) for d, r in ranks.items()}
 
 
 def compared_lines(run: RunData, devices: list[str]) -> dict[str, list[tuple[str, str | None]]]:
     """The telemetry columns a run draws when runs are compared, as (column, device; None: the process):
     ``util`` each device's utilization; ``memory`` each device's memory used (GPUs), each rank's process
-    (ddp on the CPU), or the one process's RSS (CPU lanes, which share it). In ``devices`` order."""
+    (ddp on the CPU), or the one process's RSS (CPU lanes, which share it). In ``devices`` order, each
+    device named as in ``devices``."""
     te = run.telemetry
     order = {d: i for i, d in enumerate(devices)}
 
     def per_device(prefix: str) -> list[tuple[str, str | None]]:
-        cols = [(k, k.split("/", 1)[1]) for k in te.names(prefix)]
+        cols = [(k, device_in(k.split("/", 1)[1], devices)) for k in te.names(prefix)]
         return sorted(cols, key=lambda c: order.get(c[1], len(order)))
 
     memory = per_device("mem/") or per_device("rss/")

@@ -18,3 +18,7 @@ GRID_COLOR = "#e8e8e8"
 pg.setConfigOptions(antialias=False, background="w", foreground="#333")
 TICK_FONT = QFont()
 TICK_FONT.setPointSize(8)
+
+# The process's resident memory (everything the OS counts: Python, torch's libraries, caches), not the
+# tensors that the summary's "peak tensor memory" and the memory forecast count: both are labelled so.
+PROCESS_MEMORY = "Process RSS (MiB)"

@@ -183,7 +183,7 @@ def fmt_duration(s: float) -> str:
 
 
 def memory_lines(peaks: Any) -> list[str]:
-    """ "memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0 %)" for each memory of a ``memory``
+    """ "peak tensor memory cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0 %)" for each memory of a ``memory``
     event's ``peaks`` (read from disk: anything else is left out)."""
     out = []
     for name, r in peaks.items() if isinstance(peaks, dict) else ():
@@ -193,7 +193,7 @@ def memory_lines(peaks: Any) -> list[str]:
         from multilane.engine.plan.forecast import small_difference  # under 1 MiB: in bytes, as the CLI's
 
         err = small_difference(f, m) or f"{(f - m) / m:+.1%}"
-        out.append(f"memory peak {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({err})")
+        out.append(f"peak tensor memory {str(name)[:40]}: {_size(m)} measured, {_size(f)} forecast ({err})")
     return out
 
 

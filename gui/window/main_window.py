@@ -357,6 +357,9 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         state = self.settings.value("splitter")
         if isinstance(state, QByteArray):
             self.splitter.restoreState(state)
+        hidden = self.settings.value("runs_hidden_columns")
+        if isinstance(hidden, str):
+            self.runs_table.set_hidden_columns(hidden.split(","))
         form = self.settings.value("last_form")
         last = self.settings.value("last_config")  # what versions before the remembered form kept
         if form:
@@ -383,6 +386,7 @@ class MainWindow(RunControlMixin, RunFilesMixin, RemoteRunsMixin, RemoteResumeMi
         self.remember_form()
         self.settings.setValue("geometry", self.saveGeometry())
         self.settings.setValue("splitter", self.splitter.saveState())
+        self.settings.setValue("runs_hidden_columns", ",".join(self.runs_table.hidden_columns()))
         self.timer.stop()
         self.idle_timer.stop()
         event.accept()

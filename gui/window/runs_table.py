@@ -11,7 +11,7 @@ from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.runs.run_summary import fmt_duration
-from multilane.gui.window.runs_index import COLUMNS, RunSummary, list_runs, runs_signature
+from multilane.gui.window.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QLineEdit,
+    QMenu,
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
@@ -35,6 +36,8 @@ POLL_MS = 2000
 
 
 TASK_COLUMN_PX = 220  # the task column at most this wide; a longer task file path is elided in the middle
+NAME_COLUMN_PX = 160  # the run's name at most this wide (elided in the middle; its tooltip whole)
+HEADER_TIPS = {"final_loss": "The last logged training loss", "best_val_loss": "The best validation loss"}
 
 
 class _Item(QTableWidgetItem):
@@ -113,8 +116,17 @@ class RunsTable(QWidget):
         self.table.setTextElideMode(Qt.ElideMiddle)
         self.table.setWordWrap(False)  # one line a run: a wrapped path was cut at its end, not elided
         self._task_col = COLUMNS.index(("task", "task"))
-        self.table.horizontalHeader().setSectionResizeMode(self._task_col, QHeaderView.Interactive)
-        self.table.horizontalHeader().setToolTip("Click a column to sort by it; click again to reverse")
+        self._capped = {self._task_col: TASK_COLUMN_PX, 0: NAME_COLUMN_PX}  # widest contents, up to a cap
+        for c in self._capped:
+            self.table.horizontalHeader().setSectionResizeMode(c, QHeaderView.Interactive)
+        for c, (key, _) in enumerate(COLUMNS):
+            if key in HEADER_TIPS:
+                self.table.horizontalHeaderItem(c).setToolTip(HEADER_TIPS[key])
+        header = self.table.horizontalHeader()
+        header.setToolTip("Click a column to sort by it, again to reverse; right-click to show or hide columns")
+        header.setContextMenuPolicy(Qt.CustomContextMenu)
+        header.customContextMenuRequested.connect(self._columns_menu)
+        self.set_hidden_columns([key for key, _ in COLUMNS if key not in MAIN_COLUMNS])
         self.table.doubleClicked.connect(self._double_clicked)
         self.table.itemChanged.connect(self._item_changed)
         self.open_btn = QPushButton("Open")
@@ -162,6 +174,26 @@ class RunsTable(QWidget):
         self.poll.timeout.connect(self._poll)
         self._selection_changed()
 
+    # -- columns ---------------------------------------------------------------------------------
+    def hidden_columns(self) -> list[str]:
+        """The keys of the columns hidden now (the app remembers them)."""
+        return [key for c, (key, _) in enumerate(COLUMNS) if self.table.isColumnHidden(c)]
+
+    def set_hidden_columns(self, keys: list[str]) -> None:
+        """Hide these columns and show the others (the run's name always shows)."""
+        for c, (key, _) in enumerate(COLUMNS):
+            self.table.setColumnHidden(c, key in keys and key != "name")
+
+    def _columns_menu(self, pos) -> None:
+        menu = QMenu(self)
+        for c, (key, title) in enumerate(COLUMNS):
+            action = menu.addAction(title)
+            action.setCheckable(True)
+            action.setChecked(not self.table.isColumnHidden(c))
+            action.setEnabled(key != "name")
+            action.toggled.connect(lambda on, c=c: self.table.setColumnHidden(c, not on))
+        menu.exec(self.table.horizontalHeader().mapToGlobal(pos))
+
     # -- loading and refreshing ------------------------------------------------------------------
     def load(self, runs_dir: str) -> None:
         """(Re)read the run folders under ``runs_dir``; the selection, sort and filter stay."""
@@ -184,13 +216,14 @@ class RunsTable(QWidget):
                 item.setFlags(flags)
                 if key in EDITABLE:
                     item.setToolTip(f"Double-click to edit this run's {key} (kept in its meta.json)")
-                elif key == "task":  # the whole path of an elided task file
+                elif key in ("task", "name"):  # the whole path or name of an elided one
                     item.setToolTip(item.text() + (f" ({'; '.join(row.notes)})" if row.notes else ""))
                 elif row.notes:
                     item.setToolTip("; ".join(row.notes))
                 self.table.setItem(r, c, item)
-        self.table.resizeColumnToContents(self._task_col)
-        self.table.setColumnWidth(self._task_col, min(self.table.columnWidth(self._task_col), TASK_COLUMN_PX))
+        for c, cap in self._capped.items():
+            self.table.resizeColumnToContents(c)
+            self.table.setColumnWidth(c, min(self.table.columnWidth(c), cap))
         self.table.setSortingEnabled(True)
         self._loading = False
         self._apply_filter()

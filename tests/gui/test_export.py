@@ -220,3 +220,13 @@ def test_a_pause_is_marked_on_the_time_axis(x_mode):
         x0, width = spans[0].get_x(), spans[0].get_width()
         assert x0 == pytest.approx(3.05) and x0 + width == pytest.approx(13.0)
     assert json.dumps(fig.axes[0].get_xlabel()) in ('"step"', '"elapsed time (s)"')
+
+
+def test_a_single_runs_caption_names_its_strategy(tmp_path):
+    from multilane.gui.plots.figures import run_caption
+
+    for strategy, expected in ((None, "replicate on cpu:0,cpu:1"), ("fsdp", "fsdp on cpu:0,cpu:1")):
+        devices = {"use": "cpu:0,cpu:1"} | ({"strategy": strategy} if strategy else {})
+        config = {"task": {"name": "digits"}, "devices": devices, "data": {"batch_size": 64}}
+        (tmp_path / "config.json").write_text(json.dumps(config | {"optim": {"name": "adam", "lr": 0.003}}))
+        assert run_caption(tmp_path) == f"task digits · {expected} · batch 64 · adam lr 0.003"

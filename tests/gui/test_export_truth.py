@@ -104,7 +104,7 @@ def test_a_comparisons_plots_draw_every_panel_per_run_and_name_what_differs(tmp_
     # utilization: each device in its colour, in every run (test_gui_compare.py checks each line)
     util = lines_of(titles["Utilization (colour: device, line: run)"])
     assert [ln.get_color().upper() for ln in util] == [series_color(j).upper() for j in (0, 1)] * 2
-    assert len(lines_of(titles["Process memory (line: run)"])) == 2  # CPU lanes: one process's RSS a run
+    assert len(lines_of(titles["Process memory: RSS (line: run)"])) == 2  # CPU lanes: one process's RSS a run
     thr = [ln for ln in lines_of(titles["Throughput"]) if ln.get_color().upper() == series_color(1).upper()]
     np.testing.assert_allclose(thr[0].get_ydata(), b.train.get("samples_per_s"))
     legend = [t.get_text() for t in fig.legends[0].get_texts()]

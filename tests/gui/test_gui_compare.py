@@ -174,9 +174,9 @@ def test_compared_utilization_and_memory_draw_each_device_of_each_run_as_recorde
         for j, d in enumerate(DEVICES):
             assert f"{d} utilization {busy_of(j, 300):.0f}%" in part, part
         assert ("process RSS 330.0 MiB" if memory == "rss" else "cpu:0 memory used 1,400 MiB") in part, part
-    title = panel.util.titleLabel.text  # the devices' colours in the title, each run's line in the key
-    assert f'color:{series_color(0)}; font-weight:bold;">━━</span>&nbsp;cpu:1' in title and "(line: run)" in title
+    assert panel.util.titleLabel.text == "Utilization (%)"  # one line at 1280 px: the colours are in the key
     key = panel.key.text
+    assert f'color:{series_color(0)}; font-weight:bold;">━━</span>&nbsp;cpu:1' in key and "(line: the run's" in key
     assert key.index("run-a") < key.index("━━</span>", key.index("run-a")) < key.index("run-b") < key.index("╍╍")
     panel.toggle_curve("run:1")  # a run hidden from the key: its lines (and their white) go too
     assert not panel._curves["cmp1:util/cpu:0"].isVisible() and not panel._curves["cmp1:util/cpu:0|gap"].isVisible()
@@ -252,3 +252,43 @@ def test_the_exported_loss_comparison_shows_equal_runs_both():
     x0, y0, x1, y1 = fig.axes[0].get_window_extent().extents.astype(int)
     box = rgb[h - y1 : h - y0, x0:x1]
     assert colour_pixels(box, series_color(0)) > 30 and colour_pixels(box, series_color(1)) > 30
+
+
+def ranked_run(name: str, strategy: str):
+    """digits-like records of one run on cpu:0 and cpu:1: CPU lanes (one process) or ddp ranks (a process
+    each, its devices named ``vm/rankN/cpu:N``)."""
+    devices = ["cpu:0", "cpu:1"] if strategy == "replicate" else ["vm/rank0/cpu:0", "vm/rank1/cpu:1"]
+    run = RunData(name)
+    run.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0, "lanes": devices})
+    for s in range(10, 310, 10):
+        run.add({"kind": "train", "step": s, "wall_time": 1000.0 + s / 100, "loss": 1.0 / s})
+        rec = {"kind": "telemetry", "step": s, "wall_time": 1000.0 + s / 100}
+        entries = {d: {"busy_pct": {"mean": busy_of(j, s)}} for j, d in enumerate(devices)}
+        if strategy == "replicate":  # one process, one record
+            run.add(rec | {"devices": entries, "process": {"rss_mb": 300.0 + s / 10}})
+            continue
+        for j, (d, entry) in enumerate(entries.items()):  # a record a rank
+            run.add(rec | {"devices": {d: entry | {"rss_mb": 280.0 + j * 20}}, "rank": j})
+    return run
+
+
+def test_one_device_has_one_colour_whatever_the_strategy_and_the_key_names_its_rank(panel, qtbot):
+    plain, ranks = ranked_run("lanes", "replicate"), ranked_run("ranks", "ddp")
+    show(panel, plain, qtbot)
+    panel.add_overlay(ranks)
+    panel.refresh()
+    drawn = dict(panel._draw_compared_devices([plain, ranks]))
+    # the ddp run's rank 0 ran on cpu:0: the same colour as the lanes' cpu:0, in utilization and memory
+    for col, dev in (("util/cpu:0", "cpu:0"), ("util/cpu:1", "cpu:1")):
+        colour = series_color(["cpu:0", "cpu:1"].index(dev)).upper()
+        assert pen_of(drawn[f"cmp0:{col}"])[0] == colour, col
+        rank = f"util/vm/rank{dev[-1]}/{dev}"
+        assert pen_of(drawn[f"cmp1:{rank}"])[0] == colour, rank
+        assert pen_of(drawn[f"cmp1:rss/vm/rank{dev[-1]}/{dev}"])[0] == colour
+    key = panel.key.text
+    assert "cpu:0 (rank 0)" in key and "cpu:1 (rank 1)" in key and "vm/rank0" not in key, key
+    assert panel.util.titleLabel.text == "Utilization (%)"
+    fig = comparison_overview_figure([plain, ranks])  # the export draws the same colours
+    (util,) = [ax for ax in fig.axes if ax.get_title(loc="left").startswith("Utilization")]
+    colours = {ln.get_color().upper() for ln in util.get_lines() if len(ln.get_xdata())}
+    assert colours == {series_color(0).upper(), series_color(1).upper()}, colours

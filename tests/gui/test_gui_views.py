@@ -87,7 +87,7 @@ def test_the_runs_table_lists_past_runs_sorts_them_and_compares_a_selection(qtbo
     table = window.runs_table.table
     assert table.rowCount() == 3
     headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
-    for col in ("status", "lr", "steps", "final loss", "best val loss", "training time"):
+    for col in ("status", "strategy", "lr", "steps", "loss", "best val", "training time"):
         assert col in headers
     lr_col, steps_col = headers.index("lr"), headers.index("steps")
     table.sortItems(lr_col, Qt.AscendingOrder)

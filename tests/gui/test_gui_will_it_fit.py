@@ -45,12 +45,12 @@ def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
 
     peaks = {"cpu": {"forecast": 5_734_892, "measured": 5_792_136}, "junk": "x", "bad": {"measured": True}}
     s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": peaks}])
-    assert s.memory == ["memory peak cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
-    assert "<br>memory peak cpu: 5.5 MiB measured" in summary_html(s, "run")
+    assert s.memory == ["peak tensor memory cpu: 5.5 MiB measured, 5.5 MiB forecast (-1.0%)"]
+    assert "<br>peak tensor memory cpu: 5.5 MiB measured" in summary_html(s, "run")
     # A tiny model's peaks (under 1 MiB): the difference in bytes, as the CLI's summary gives it.
     tiny = {"cpu": {"forecast": 3_789, "measured": 30_413}}
     s = summarize_records([{"kind": "event", "event": "memory", "step": 3, "wall_time": 1.0, "peaks": tiny}])
-    assert s.memory == ["memory peak cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)"]
+    assert s.memory == ["peak tensor memory cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)"]
 
 
 def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbot, tmp_path):

@@ -318,3 +318,24 @@ def test_comparing_runs_draws_every_panel_per_run_and_names_what_differs(panel, 
     # every run's values inside the axes that start at zero (a larger lr of the compared run too)
     assert panel.lr.vb.viewRange()[1][1] >= max(np.nanmax(r.train.get("lr")) for r in (a, b))
     assert "a (lr 0.01)" in panel.key.text and "b (lr 0.05)" in panel.key.text and "batch_size" not in panel.key.text
+
+
+def test_a_panel_with_no_data_is_hidden_and_the_key_says_why(panel, qtbot):
+    # no grad_norm in the records, and evaluations with no metric: both panels go, the key names them
+    run = make_run(n=30, evals=())
+    run.add({"kind": "eval", "step": 300, "wall_time": 2000.0, "val_loss": 0.5, "metrics": {}})
+    show(panel, run, qtbot)
+    assert not panel.grad_norm.isVisible() and not panel.metric_plot.isVisible()
+    key = panel.key.text
+    assert "not shown, no data: gradient norm: not logged by this run; validation metric: the task reports none" in key
+    # a run that logs them shows both, with their data, and the key no longer mentions them
+    with_norm = RunData("with-norm")
+    with_norm.add({"kind": "event", "event": "started", "step": 0, "wall_time": 1000.0})
+    for s in range(10, 310, 10):
+        with_norm.add({"kind": "train", "step": s, "wall_time": 1000.0 + s, "loss": 1.0, "grad_norm": 2.0 + s / 100})
+    with_norm.add({"kind": "eval", "step": 300, "wall_time": 1400.0, "val_loss": 0.5, "metrics": {"accuracy": 0.8}})
+    show(panel, with_norm, qtbot)
+    assert panel.grad_norm.isVisible() and panel.metric_plot.isVisible()
+    assert "not shown" not in panel.key.text
+    (item,) = [i for i in panel.grad_norm.listDataItems() if i.isVisible()]
+    np.testing.assert_allclose(drawn(item)[1], [2.0 + s / 100 for s in range(10, 310, 10)])

@@ -68,8 +68,8 @@ def test_a_tiny_peak_is_compared_in_bytes_a_large_one_in_percent():
     assert small_difference(3 << 20, 2 << 20) is None
     rows = {"cpu": {"forecast": 3_789, "measured": 30_413}, "cuda:0": {"forecast": 3 << 30, "measured": 3 << 30}}
     assert memory_lines(rows) == [
-        "memory peak cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)",
-        "memory peak cuda:0: 3.00 GiB measured, 3.00 GiB forecast (+0.0 %)",
+        "peak tensor memory cpu: 29.7 KiB measured, 3.7 KiB forecast (-26.0 KiB)",
+        "peak tensor memory cuda:0: 3.00 GiB measured, 3.00 GiB forecast (+0.0 %)",
     ]
 
 
@@ -205,7 +205,7 @@ def test_a_process_run_sets_each_ranks_measured_peak_beside_its_forecast(tmp_pat
         capture_output=True, text=True, timeout=600, env={**os.environ, "MULTILANE_FIT_CHECK": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "memory peak rank 0:" in r.stdout and "memory peak rank 1:" in r.stdout, r.stdout
+    assert "peak tensor memory rank 0:" in r.stdout and "peak tensor memory rank 1:" in r.stdout, r.stdout
     (run,) = runs.iterdir()
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     peaks = next(e["peaks"] for e in events if e.get("event") == "memory")
