@@ -36,7 +36,8 @@ POLL_MS = 2000
 
 
 TASK_COLUMN_PX = 220  # the task column at most this wide; a longer task file path is elided in the middle
-NAME_COLUMN_PX = 160  # the run's name at most this wide (elided in the middle; its tooltip whole)
+NAME_COLUMN_PX = 140  # the run's name at least this wide where the table is narrow (elided in the middle, its
+# tooltip whole); wider, up to its longest name, where the other shown columns leave room
 HEADER_TIPS = {"final_loss": "The last logged training loss", "best_val_loss": "The best validation loss"}
 
 
@@ -116,8 +117,8 @@ class RunsTable(QWidget):
         self.table.setTextElideMode(Qt.ElideMiddle)
         self.table.setWordWrap(False)  # one line a run: a wrapped path was cut at its end, not elided
         self._task_col = COLUMNS.index(("task", "task"))
-        self._capped = {self._task_col: TASK_COLUMN_PX, 0: NAME_COLUMN_PX}  # widest contents, up to a cap
-        for c in self._capped:
+        self._capped = {self._task_col: TASK_COLUMN_PX}  # widest contents, up to a cap
+        for c in (*self._capped, 0):
             self.table.horizontalHeader().setSectionResizeMode(c, QHeaderView.Interactive)
         for c, (key, _) in enumerate(COLUMNS):
             if key in HEADER_TIPS:
@@ -184,6 +185,18 @@ class RunsTable(QWidget):
         for c, (key, _) in enumerate(COLUMNS):
             self.table.setColumnHidden(c, key in keys and key != "name")
 
+    def _fit_name_column(self) -> None:
+        """The run's name as wide as its longest, or as the room the other shown columns leave (at least
+        ``NAME_COLUMN_PX``): the columns that decide a comparison stay in view without scrolling."""
+        self.table.resizeColumnToContents(0)
+        others = sum(self.table.columnWidth(c) for c in range(1, len(COLUMNS)) if not self.table.isColumnHidden(c))
+        room = self.table.viewport().width() - others - 2
+        self.table.setColumnWidth(0, min(self.table.columnWidth(0), max(NAME_COLUMN_PX, room)))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_name_column()
+
     def _columns_menu(self, pos) -> None:
         menu = QMenu(self)
         for c, (key, title) in enumerate(COLUMNS):
@@ -191,7 +204,7 @@ class RunsTable(QWidget):
             action.setCheckable(True)
             action.setChecked(not self.table.isColumnHidden(c))
             action.setEnabled(key != "name")
-            action.toggled.connect(lambda on, c=c: self.table.setColumnHidden(c, not on))
+            action.toggled.connect(lambda on, c=c: (self.table.setColumnHidden(c, not on), self._fit_name_column()))
         menu.exec(self.table.horizontalHeader().mapToGlobal(pos))
 
     # -- loading and refreshing ------------------------------------------------------------------
@@ -224,6 +237,7 @@ class RunsTable(QWidget):
         for c, cap in self._capped.items():
             self.table.resizeColumnToContents(c)
             self.table.setColumnWidth(c, min(self.table.columnWidth(c), cap))
+        self._fit_name_column()
         self.table.setSortingEnabled(True)
         self._loading = False
         self._apply_filter()
