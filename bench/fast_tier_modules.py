@@ -1,4 +1,4 @@
-"""Which of the project's modules the fast tier runs (issue 30: "a fast tier ... covering every module
+"""Which of the project's modules the fast tier runs ("a fast tier ... covering every module
 at least once"): the fast tier under coverage.py (pytest-cov), then every module of engine/ and gui/
 in which no fast test ran a line of a function (importing a module runs its ``def`` lines, not them).
 

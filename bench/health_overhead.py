@@ -13,7 +13,7 @@ a second "off" block gives the noise floor (A/A). Variants:
 - keep only: the replay state kept, no sampling (the cost of "where a NaN began" on finite steps);
 - every=1, and every=1 without activations / without the noise probe: the cost per quantity.
 
-Goal (issue 32): default / off within 2 % of step time.
+Goal: default / off within 2 % of step time.
 """
 
 from __future__ import annotations

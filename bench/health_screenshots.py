@@ -1,4 +1,4 @@
-"""The Health view's screenshots, on a real X server, as README's "Why a run goes wrong" shows them.
+"""The Health view's screenshots, on a real X server, as README and docs/health.md show them.
 
     Xvfb :99 -screen 0 1600x1000x24 &
     DISPLAY=:99 python bench/health_screenshots.py --out docs/

@@ -6,7 +6,7 @@ Linear regression (float64, 4,096 samples, 8 features, batch 64), whose per-samp
 known in closed form: the brute-force ``|G|²``, ``tr Σ`` and ``B_simple = tr Σ / |G|²`` come from every
 sample's gradient at the run's weights (the learning rate is 1e-12: the weights, hence ``G`` and
 ``Σ``, stay put). The run samples health at every step and smooths with ``health.noise_decay =
-0.995``. Goal (issue 32): the estimate within 10 % of brute force.
+0.995``. Goal: the estimate within 10 % of brute force.
 """
 
 from __future__ import annotations

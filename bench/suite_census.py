@@ -5,7 +5,7 @@
 
 "Assertions" counts what can fail in the test code as written: every ``assert`` statement and every
 ``pytest.raises``/``pytest.warns`` block, read from the source with ``ast`` (a parametrized test's
-assertions count once). The count of tests is pytest's own collection. Issue 30 compares both before
+assertions count once). The count of tests is pytest's own collection. The fast-tier work compared both before
 and after the suite was made fast, so that "no test weaker" is a number, not a claim.
 """
 

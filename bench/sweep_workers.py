@@ -1,10 +1,10 @@
-"""Useful trials per hour with 1, 2 and 4 worker processes on one study (issue 31).
+"""Useful trials per hour with 1, 2 and 4 worker processes on one study.
 
     python bench/sweep_workers.py [--trials 8] [--steps 20] [--step-s 0.1] [--workers 1,2,4]
 
 Each configuration is one study in a fresh SQLite file: `multilane sweep --storage URL --seed 1` plus
 N-1 `multilane sweep-worker` processes started at once, one CPU slot each. A *useful* trial is a
-COMPLETE trial whose parameters no other trial of the study had: before issue 31 every worker seeded
+COMPLETE trial whose parameters no other trial of the study had: before each worker got its own seed, every worker seeded
 its sampler the same way, so with N workers each proposal ran N times and the useful rate stayed flat.
 
 The task is the built-in linear task whose loss also waits ``--step-s`` seconds each step: a stand-in for

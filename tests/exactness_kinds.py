@@ -202,7 +202,7 @@ def ce_plus_aux(output, target):
     return F.cross_entropy(logits, target) + aux
 
 
-# -- the kinds already exact before issue 10 ----------------------------------------------------------
+# -- the kinds already exact before true replicas -------------------------------------------------------
 class DictInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

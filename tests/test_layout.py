@@ -99,7 +99,7 @@ def test_no_module_imports_a_module_of_a_folder_above_it():
 
 def test_no_module_defines_a_constant_twice():
     # MAX_CPU_LANES = 64, then MAX_CPU_LANES = 8 lower in the same module: the second silently won and
-    # 9 to 64 CPU lanes were refused (issue 34). ruff has no rule for a module constant assigned twice.
+    # 9 to 64 CPU lanes were refused. ruff has no rule for a module constant assigned twice.
     twice = []
     for top in ("engine", "gui", "bench"):
         for path in sorted((ROOT / top).rglob("*.py")):

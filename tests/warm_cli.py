@@ -1,4 +1,4 @@
-"""The suite's ``multilane`` subprocesses, forked from a server that has imported torch (issue 30).
+"""The suite's ``multilane`` subprocesses, forked from a server that has imported torch.
 
 Every ``python -m multilane.engine.cli ...`` (and ``python SCRIPT.py`` of tests/ and bench/: the
 Lightning and Transformers scripts, gpu_check's per-check children) a test (or the app under test, in the

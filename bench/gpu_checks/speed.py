@@ -305,7 +305,7 @@ NCCL_REFUSED: list[str] = []  # once NCCL has refused two ranks on one GPU, it i
 
 
 def ddp_rows(ctx: Context, model: str) -> dict[str, float | str]:
-    """torch's DDP and FSDP2 on the same job, side by side (issue 36: fsdp's step against ddp's, on
+    """torch's DDP and FSDP2 on the same job, side by side (fsdp's step against ddp's, on
     Gloo in the dry run and on NCCL on a GPU machine)."""
     steps = 3 if ctx.dry_run else 10  # Gloo moves the MLP's 1 GB of gradients through the host every step
     if ctx.dry_run:

@@ -25,7 +25,7 @@ active replicas' merged (buffers.py); the other replicas' are overwritten from t
 they run again. A change to the model's weights
 or buffers made outside a step (``load_state_dict``, a hand edit, a forward without a step) is noticed
 through their version counters and copied to the replicas before the next forward. A forward that
-changes parameters in place is merged across the replicas as issue 10 requires (inplace_watch.py).
+changes parameters in place is merged across the replicas by the lanes' in-place rule (inplace_watch.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def vision_install_hint() -> str:
-    """The install line, naming the torch installed now: pip then keeps it (README: a bare torch
+    """The install line, naming the torch installed now: pip then keeps it (docs/install.md: a bare torch
     requirement may pull another, multi-GB build) and picks the torchvision made for it."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Devices picked on several hosts make one ddp run across them (issue 24 item 7).
+"""Devices picked on several hosts make one ddp run across them.
 
 The device list shows one place at a time (the host bar). What it shows checked on a host when the user
 switches to another place is remembered as that host's picks, and comes back with the host; the host

@@ -217,7 +217,7 @@ def loss_figure(run: RunData, opts: FigureOptions | None = None, caption: str | 
                 y, color = tr.get(f"loss/{dev}"), series_color(run.device_index(dev))
                 _train_curve(ax, x, y, opts, br, color=color, label=dev, linewidth=width, zorder=2 + i)
             if "loss" in tr.columns:
-                # thin, on top: the devices' colours show around it (issue 23)
+                # thin, on top: the devices' colours show around it
                 label = "combined" if run.devices else "train"
                 width = 0.8 if run.devices else 1.6
                 _train_curve(ax, x, tr.get("loss"), opts, br, color=COMBINED, linewidth=width, label=label, zorder=20)

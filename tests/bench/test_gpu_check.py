@@ -63,7 +63,7 @@ def test_the_dry_run_passes_every_check_it_runs_and_writes_the_json_under_out(tm
     assert fsdp == ["pass"]
     speed = {row["case"]: row for row in by_check["speed"]}
     assert speed["mlp 4x256 [cpu:0,cpu:1] DDP (Gloo, 2 processes)"]["status"] == "pass"
-    fsdp = speed["mlp 4x256 [cpu:0,cpu:1] FSDP2 (Gloo, 2 processes)"]  # fsdp's step beside ddp's (issue 36)
+    fsdp = speed["mlp 4x256 [cpu:0,cpu:1] FSDP2 (Gloo, 2 processes)"]  # fsdp's step beside ddp's
     assert fsdp["status"] == "pass" and fsdp["data"]["step_s"] > 0, fsdp
     assert speed["mlp 4x256 [cpu:0,cpu:1] replicate"]["data"]["vs_data_parallel"] > 0
     # The table is printed at the end, as the device tool's reply shows the end of the output.

@@ -1,6 +1,6 @@
 """One colour per device, decided from the device list and the same everywhere: every curve's pen in
 the live plots, the key, the hover line and the exported figures, whatever order the record kinds
-arrive in and wherever a redraw lands between them (issue 35: cpu:1's utilization was drawn in
+arrive in and wherever a redraw lands between them (cpu:1's utilization was drawn in
 cpu:0's colour for a whole run when a redraw came between the first telemetry and train records)."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Compare hides nothing (issue 35): a run whose values equal another's stays visible in every panel, in
+"""Compare hides nothing: a run whose values equal another's stays visible in every panel, in
 the app (what is painted) and in the exported plots.png; the step-time panel names the runs, not the
 phases; the hover names every run with its value. Utilization and memory draw each device of each run,
 in the device's colour, each run in its own line style: every drawn item checked against the records."""

@@ -1,4 +1,4 @@
-"""Issue 34 §2: the app's device list survives a GPU driver that never answers (CUDA's count faked to
+"""The app's device list survives a GPU driver that never answers (CUDA's count faked to
 hang: no GPU here; the window's widget is real, offscreen)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The window's export runs in a process of its own, with a progress bar and Cancel (issue 35: on the
+"""The window's export runs in a process of its own, with a progress bar and Cancel (on the
 GUI thread it froze the window for ~95 s). Real window, real export process, real files."""
 
 import os

@@ -1,4 +1,4 @@
-"""Issue 21 §7-8: the app's File > Follow run on hostile or damaged run folders. A damaged record never
+"""The app's File > Follow run on hostile or damaged run folders. A damaged record never
 reaches a slot (pytest-qt fails a test on an exception in one), a finished run is shown finished, and
 a FIFO where a run file belongs ends the follow, saying why, instead of "Following…" for ever."""
 

@@ -79,7 +79,7 @@ def test_picks_on_two_hosts_make_one_ddp_run_across_them(ssh_home, sshd, make_wi
 
 
 def test_a_run_across_hosts_starts_nothing_when_one_host_refuses(ssh_home, sshd, qtbot, tmp_path):
-    # fast tier (issue 30: every module): gui/runs/multi_host_follow.py's connect. Every host must answer
+    # fast tier (every module): gui/runs/multi_host_follow.py's connect. Every host must answer
     # before anything starts: here the second refuses the key; the first one's connection is closed,
     # no launcher started there, and the window gets one line naming the host that refused.
     from multilane.gui.runs.multi_host_follow import MultiHostFollowWorker

@@ -49,7 +49,7 @@ def test_the_app_without_a_display_says_so_in_one_line():
 
 
 def test_multilane_with_no_arguments_opens_the_named_window_and_closing_it_ends_the_process(tmp_path):
-    # The fast tier's run of gui/app.py (issue 30): a real process (app_main_child.py), offscreen, its
+    # The fast tier's run of gui/app.py: a real process (app_main_child.py), offscreen, its
     # settings in its own config folder.
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "XDG_CONFIG_HOME": str(tmp_path)}
     child = str(Path(__file__).with_name("app_main_child.py"))

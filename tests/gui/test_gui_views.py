@@ -71,7 +71,7 @@ def test_open_and_compare_name_each_run_in_its_own_colour(qtbot, window):
     assert VALIDATION.upper() not in (base, other) and not p._curves["loss/cpu:0"].isVisible()
     assert not p._curves["loss"].isVisible() and loss_item.isVisible()
     assert len(loss_item.yData) == 8
-    text = p.show_values_at(3)  # comparing: every run named with its own values (issue 35)
+    text = p.show_values_at(3)  # comparing: every run named with its own values
     parts = text.split(" · ")
     assert parts[0] == "step 3" and [q.split(": ")[0] for q in parts[1:]] == [Path(first).name, Path(second).name]
     assert all("loss " in q for q in parts[1:])

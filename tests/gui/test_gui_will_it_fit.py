@@ -54,7 +54,7 @@ def test_the_end_of_run_summary_sets_the_measured_peak_beside_the_forecast():
 
 
 def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbot, tmp_path):
-    """Issue 36 item 4: the window's summary splits each device's memory as the CLI's does (a real
+    """The window's summary splits each device's memory as the CLI's does (a real
     persistent run on two lanes: lane 0 holds the optimizer state, lane 1 its replica's parameters)."""
     from multilane.engine.run.trainer import Trainer
     from multilane.engine.rundir.runlog import read_metrics
@@ -84,7 +84,7 @@ def test_the_summary_shows_each_devices_memory_split_as_the_run_recorded_it(qtbo
 
 @pytest.mark.slow
 def test_the_picker_shows_an_fsdp_runs_forecast_per_process_and_its_shards(qtbot, make_window, monkeypatch):
-    """fsdp (issue 36 item 4): one process per lane; the RAM they share needs all of them, each one's
+    """fsdp: one process per lane; the RAM they share needs all of them, each one's
     need and the shards it keeps are in the tooltip."""
     from PySide6.QtCore import Qt
 

@@ -1,4 +1,4 @@
-"""Issue 32 item 5: the Health view draws what the run recorded — read back from the pyqtgraph items.
+"""The Health view draws what the run recorded — read back from the pyqtgraph items.
 
 The heatmap's pixels are the records' values (log10 for norms and ratios, a missing value transparent,
 not zero); hovering names the layer, the step and the value; the noise-scale curve is the records'

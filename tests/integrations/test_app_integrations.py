@@ -70,7 +70,7 @@ def test_open_a_tensorboard_logdir_follow_it_and_export_it_without_writing_into_
 
 
 def test_a_tensorboard_logdir_s_later_scalars_reach_the_plots_until_another_run_is_shown(qtbot, window, tmp_path):
-    # fast tier (issue 30: every module): the view's poll (gui/runs/tensorboard_view.py) called as its
+    # fast tier (every module): the view's poll (gui/runs/tensorboard_view.py) called as its
     # timer calls it, without waiting a second for the timer; the test above lets the timer drive it
     from multilane.gui.runs.run_data import RunData
 

@@ -1,4 +1,4 @@
-"""Issue 32 item 5: the Lightning and Hugging Face callbacks record per-layer health as a native run
+"""The Lightning and Hugging Face callbacks record per-layer health as a native run
 does, against a plain float64 loop on the same model and batches (as tests/engine/health does for the
 engine): the gradient norm of the whole accumulated step (unscaled, before clipping), the weight norm
 and ``‖Δw‖/‖w‖`` of the clipped step, and the mean, std and fraction of zeros of the chosen
@@ -87,7 +87,7 @@ def check(run, expect: list[dict]) -> None:
     assert [r["event"] for r in records(run, "event")] == ["started", "finished"]
 
 
-# fast tier (issue 30: every module): its one run of the Lightning callback (lightning.py) in its own
+# fast tier (every module): its one run of the Lightning callback (lightning.py) in its own
 # process; ~4.5 s, of which importing Lightning is ~2 s.
 def test_lightning_records_per_layer_health_of_the_accumulated_unscaled_unclipped_step(tmp_path):
     from multilane.integrations.lightning import MultilaneCallback  # isort: skip

@@ -1,4 +1,4 @@
-"""Issue 32 under the Hugging Face Trainer's ddp (two CPU processes under torchrun): the gradient noise
+"""Run health under the Hugging Face Trainer's ddp (two CPU processes under torchrun): the gradient noise
 scale from each rank's own gradient (a DDP communication hook, before the all-reduce), against a hand
 computation from the batches each rank's model saw, where the Trainer's loss weighting is per sample;
 where it is not (a model that takes ``num_items_in_batch``, label smoothing), the reason."""

@@ -1,5 +1,5 @@
 """The recorder the Lightning and Hugging Face callbacks write through (engine/integrations/recorder.py),
-driven by a plain PyTorch loop in the test's process: the fast tier's run of it (issue 30), where the
+driven by a plain PyTorch loop in the test's process: the fast tier's run of it, where the
 library tests start Lightning and Trainer scripts. The run folder holds the loop's own losses, its
 status follows the loop, and a Stop written to the control file reaches the loop at the first step end
 after the file's poll interval."""

@@ -71,7 +71,7 @@ def test_a_runs_tensorboard_files_read_back_to_its_records(tmp_path):
     assert [(x["step"], x["val_loss"]) for x in back if x["kind"] == "eval"] == [
         (x["step"], f32(x["val_loss"])) for x in evals
     ]
-    # the noise scale and the per-layer health (issue 32), out and back
+    # the noise scale and the per-layer health, out and back
     noisy = [x for x in train if (x.get("noise") or {}).get("b_simple") is not None]
     assert noisy
     for rec in noisy:

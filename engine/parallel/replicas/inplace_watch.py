@@ -1,6 +1,6 @@
 """A forward that changes parameters in place (``Embedding(max_norm=...)``), on persistent replicas.
 
-The rule is issue 10's (engine/parallel/replicas/inplace.py): on one device the forward changes the parameter
+The rule is the lanes' in-place rule (engine/parallel/replicas/inplace.py): on one device the forward changes the parameter
 once, for the whole batch; on lanes each lane changes its own copy for its own shard, so the lanes'
 changes are merged element by element in lane order (two lanes changing one element to different
 values is refused), and where a lane computed with values other than the merged ones, the forward runs

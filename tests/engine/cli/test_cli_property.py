@@ -1,4 +1,4 @@
-"""Issue 34 §7: the whole CLI, fed random argument vectors (hypothesis).
+"""The whole CLI, fed random argument vectors (hypothesis).
 
 Every subcommand, with random picks of its own flags and of hostile values (paths the system refuses,
 numbers out of range, control characters, a run folder, an empty folder, a runs folder, files that
@@ -8,7 +8,7 @@ runs folder, the sweeps folder or ``--out``, within a time bound.
 ``main`` runs in-process (it returns its exit status; argparse's own ends are ``SystemExit``), in a
 sandbox folder as the current directory. Stubbed, at their process boundary only: a ddp run's
 launcher (``launch``: the machine check runs, then no ranks start) and a sweep trial's process (it
-exits at once, failed). Left out: ``--host`` and ``--remote-command`` (SSH: issue 33's tests),
+exits at once, failed). Left out: ``--host`` and ``--remote-command`` (SSH: tests/engine/remote/),
 ``devices --watch`` (until Ctrl+C) and ``sweep-worker --storage -`` (standard input).
 """
 

@@ -1,5 +1,5 @@
 """The commands whose tests start processes (``plan``, ``sweep``, ``sweep-worker --host``, ``train
---host A --host B``), run in the test's own process for the fast tier (issue 30: every module at least
+--host A --host B``), run in the test's own process for the fast tier (every module at least
 once): a plan of a small model, and bad input to each, which must be one line naming what is wrong,
 exit 2, no traceback and nothing written. The slow tests of each command cover the real runs."""
 

@@ -1,5 +1,5 @@
 """Ctrl+C while the command loads torch: held until torch's import ends, then the one line or a graceful
-stop — never swallowed, never an abort (SIGABRT, exit -6), never a traceback (issue 30: the suite's one
+stop — never swallowed, never an abort (SIGABRT, exit -6), never a traceback (the suite's one
 known flake, `test_ctrl_c_while_the_cli_starts_is_one_line[1.0]`, was this)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 21 §5-8: ``multilane watch``, ``control`` and ``export`` on hostile or damaged run folders.
+"""``multilane watch``, ``control`` and ``export`` on hostile or damaged run folders.
 Every case is the real CLI in a subprocess: one line and an exit status, never a traceback, never a
 wait for ever."""
 

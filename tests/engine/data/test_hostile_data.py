@@ -1,4 +1,4 @@
-"""Issue 21 §2 and §9: DataLoader workers that end, and image folders that hold FIFOs and symlink loops.
+"""DataLoader workers that end, and image folders that hold FIFOs and symlink loops.
 Real runs, real worker processes, real FIFOs and links."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 22: ddp follows the single-process engine's rules on every rank, in float64.
+"""ddp follows the single-process engine's rules on every rank, in float64.
 
 One task file (task_files/ddp_kinds.py) holds what ddp must treat as lanes do: BatchNorm, dropout,
 two output heads and a layer the forward never uses; every third batch holds one sample, so some ranks
@@ -174,7 +174,7 @@ class AllPadding(Task):
 
 @pytest.mark.slow
 def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(tmp_path):
-    # Issue 21 item 11: a batch whose every token is padding has a token mean of 0/0. One rule for
+    # A batch whose every token is padding has a token mean of 0/0. One rule for
     # every strategy: the logged loss is NaN (null in metrics.jsonl) and the run stops there, exit 1.
     task = tmp_path / "all_padding.py"
     task.write_text(ALL_PADDING)
@@ -186,7 +186,7 @@ def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(t
     (run,) = run_dirs(runs)
     status = json.loads((run / "status.json").read_text())
     assert (status["state"], status["step"]) == ("stopped", 1), status
-    # where it began (issue 32's replay, under ddp every rank its shard): the 0/0 token mean is the loss's
+    # where it began (the NaN replay, under ddp every rank its shard): the 0/0 token mean is the loss's
     assert status["message"].startswith("loss became nan at step 1: every module's output was finite; the loss on ")
     assert [x["loss"] for x in read_metrics(run) if x["kind"] == "train"] == [None]
     # The single-process engine on two lanes: the same outcome.
@@ -194,7 +194,7 @@ def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(t
     cfg |= {"train": {"steps": 3, "log_every": 1}, "run": {"runs_dir": str(tmp_path / "ref")}}
     result = Trainer(build_config(cfg)).run()
     assert (result.status, result.step) == ("stopped", 1), result.message
-    # (where it began, from the replay of issue 32: every output finite, the 0/0 token mean is the loss's)
+    # (where it began, from the NaN replay: every output finite, the 0/0 token mean is the loss's)
     assert result.message.startswith("loss became nan at step 1: every module's output was finite; the loss on cpu:")
     # the same words, a rank named where a lane is (ddp's replay also sees each rank's own NaN gradient,
     # which DDP's all-reduce then spreads, and names the first: one device's would be NaN too)
@@ -204,7 +204,7 @@ def test_a_batch_without_loss_weight_stops_on_nan_under_ddp_as_under_replicate(t
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_with_dataloader_workers_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
-    # Issue 22 item 7 / issue 21 item 3: the launcher's SIGTERM reaches each rank's whole process
+    # The launcher's SIGTERM reaches each rank's whole process
     # group; the DataLoader workers must leave it to their rank, which stops with the others.
     runs = tmp_path / "runs"
     args = [*CLI, "train", "--strategy", "ddp", "--task", str(TASK_FILES / "float64_dataset.py")]

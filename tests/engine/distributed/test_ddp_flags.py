@@ -1,4 +1,4 @@
-"""Issue 21 §10 and §12: ddp's flags are checked before anything is made, long values are cut in an
+"""ddp's flags are checked before anything is made, long values are cut in an
 error line, and a SIGTERM to the launcher leaves no torch log line on stderr. Real CLI, real ranks."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_500000_character_path_gives_a_line_of_readable_length(tmp_path):
     config = tmp_path / "long.json"
     config.write_text(json.dumps({"run": {"runs_dir": str(tmp_path / ("b" * 500_000))}}))
     out = train("--config", str(config), "--devices", "cpu:0")
-    assert_one_line(out, "run.runs_dir", "a name in the path is 500,000 bytes long")  # refused up front (issue 34)
+    assert_one_line(out, "run.runs_dir", "a name in the path is 500,000 bytes long")  # refused up front
     assert len(out.stderr) < 400
 
 

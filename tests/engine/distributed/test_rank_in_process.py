@@ -1,4 +1,4 @@
-"""A ddp or fsdp rank on a process group of one (issue 30: the fast tier runs every module at least once).
+"""A ddp or fsdp rank on a process group of one (the fast tier runs every module at least once).
 The launches of several ranks (test_ddp_exact, test_fsdp_exact, test_nan_origin_ddp) are slow: each starts
 a launcher and its ranks. Here ``rank_main`` — the rank's entry point, as the launcher's forked rank calls
 it — trains on a Gloo group of one on 127.0.0.1 in one process forked from the suite's pre-imported

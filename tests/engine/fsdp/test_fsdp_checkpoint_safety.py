@@ -1,4 +1,4 @@
-"""Issue 36 item 3: a sharded (DCP) checkpoint is data, as ``last.pt`` is.
+"""A sharded (DCP) checkpoint is data, as ``last.pt`` is.
 
 The folders here are made in this process (``shard_in_place``: DCP without a process group), from a
 single-process run: a resume under another strategy loads them, and whatever DCP would unpickle (its

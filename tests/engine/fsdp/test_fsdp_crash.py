@@ -1,4 +1,4 @@
-"""Issue 36 items 1 and 3: an fsdp run stops on SIGTERM with a sharded checkpoint at the step every
+"""An fsdp run stops on SIGTERM with a sharded checkpoint at the step every
 rank stopped at; SIGKILL in the middle of a sharded save leaves the previous checkpoint whole.
 
 An fsdp run saves at every step; the test watches its checkpoints folder and kills every process of

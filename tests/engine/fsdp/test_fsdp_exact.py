@@ -1,4 +1,4 @@
-"""Issue 36 items 1-3: fsdp in float64 equals one device's full-batch training, to 1e-10.
+"""fsdp in float64 equals one device's full-batch training, to 1e-10.
 
 Each case is one fsdp launch (2 or 3 ranks, even or uneven shares, gradient accumulation over 2
 micro-batches, grad clipping by the global norm over every rank's shards) compared with the

@@ -1,4 +1,4 @@
-"""Run health under fsdp (issues 32 and 36): per-layer health summed from each rank's shards, the
+"""Run health under fsdp: per-layer health summed from each rank's shards, the
 noise scale from each rank's gradient at the reduce-scatter, and where a NaN began, replayed on every
 rank. Real fsdp launches (2 ranks, Gloo, float64) compared with the single-process engine."""
 

@@ -1,4 +1,4 @@
-"""fsdp across two nodes (issue 36 item 5): two launchers with `--nnodes 2 --node-rank K` (torch's static
+"""fsdp across two nodes: two launchers with `--nnodes 2 --node-rank K` (torch's static
 rendezvous on 127.0.0.1, the same launcher as ddp across hosts), one rank each, sharing one runs folder
 as nodes on a shared filesystem do: each rank writes its own shards of one sharded checkpoint into the
 run folder, and the run equals one device's full-batch training to 1e-10 (float64), as on one node."""

@@ -1,4 +1,4 @@
-"""Issue 36 item 1: fsdp's options, activation checkpointing and CPU offload (``devices.fsdp_*``).
+"""fsdp's options, activation checkpointing and CPU offload (``devices.fsdp_*``).
 
 - In one process (a one-rank Gloo group): the units the rule picks are recomputed in backward, except
   one holding BatchNorm; CPU offload is torch's ``CPUOffloadPolicy``, unpinned on CPU lanes (pinning

@@ -1,4 +1,4 @@
-"""Issue 36 item 1: which modules become FSDP units (engine/fsdp/units.py, docs/fsdp.md)."""
+"""Which modules become FSDP units (engine/fsdp/units.py, docs/fsdp.md)."""
 
 from __future__ import annotations
 

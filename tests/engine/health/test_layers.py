@@ -1,4 +1,4 @@
-"""Issue 32 item 1: per-layer health, sampled, against a plain float64 loop on one device.
+"""Per-layer health, sampled, against a plain float64 loop on one device.
 
 Every ``health.every`` steps a ``health`` record holds, per layer, the gradient norm of the batch's
 gradient, the weight norm and ``‖Δw‖/‖w‖`` of that step, and per chosen activation the mean, std and

@@ -1,4 +1,4 @@
-"""Issue 32 item 3: where a NaN began, found by replaying the log window from the state kept before it.
+"""Where a NaN began, found by replaying the log window from the state kept before it.
 
 Three ways a run goes non-finite: a module that makes inf from one sample, a learning rate that blows
 the weights up, a NaN in the data. Each names the step, the first module (or the data) that went

@@ -1,4 +1,4 @@
-"""Where a NaN began, under ddp (issue 32 item 3): every rank replays the log window together, each its
+"""Where a NaN began, under ddp: every rank replays the log window together, each its
 own shard, and the run names the same step, module (or the data), samples and gradient as the
 single-process engine on as many lanes names for the same run — the rank that held the sample in place
 of the lane. Real ddp launches (Gloo, one process per rank), compared with the in-process engine."""

@@ -1,4 +1,4 @@
-"""Issue 32 item 2: the gradient noise scale from the lanes, against brute force.
+"""The gradient noise scale from the lanes, against brute force.
 
 - the estimator's algebra: unbiased for uneven shares and accumulated micro-batches (many synthetic
   draws of known ``G`` and ``Σ``), and exactly McCandlish et al.'s formulas for even shares;

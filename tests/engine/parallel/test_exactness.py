@@ -1,4 +1,4 @@
-"""Issue 10: a data-parallel step equals a plain single-device loop for the models people really train.
+"""A data-parallel step equals a plain single-device loop for the models people really train.
 
 Each kind of tests/exactness_kinds.py trains on 1, 2 and 3 CPU lanes, with even and uneven splits, in
 float64, through the public engine API (``make_backend`` + ``ReplicateEachStep``), and is compared with a

@@ -1,4 +1,4 @@
-"""Issue 10's semantics, one by one: true replicas, in-place parameter changes, loss weights, gather,
+"""The exactness rules, one by one: true replicas, in-place parameter changes, loss weights, gather,
 precision. (tests/test_exactness.py trains whole models; these pin each rule and its clear errors.)"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10 end to end: custom task files trained by the Trainer on 1, 2 and 3 lanes equal a hand loop.
+"""Exactness end to end: custom task files trained by the Trainer on 1, 2 and 3 lanes equal a hand loop.
 
 The reference is the loop a user writes for one device, on the very batches the trainer takes (same
 task, seed and split), in float64; the validation loss is the loss of the whole validation set at once.

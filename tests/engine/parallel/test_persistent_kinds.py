@@ -1,4 +1,4 @@
-"""Persistent replicas on issue 10's model kinds: the same plain full-batch loop, the same bound.
+"""Persistent replicas on the model kinds of tests/exactness_kinds.py: the same plain full-batch loop, the same bound.
 
 Each kind of tests/exactness_kinds.py (token-mean losses with their own normalizer, class weights,
 masks, a forward that changes a parameter in place, a penalty over ``self.parameters()``, structured

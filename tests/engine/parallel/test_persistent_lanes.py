@@ -1,4 +1,4 @@
-"""Per-lane randomness and BatchNorm on persistent replicas: issue 10's trainer stories hold as they
+"""Per-lane randomness and BatchNorm on persistent replicas: the trainer stories of replicate hold as they
 do for replicate, and both strategies train a dropout + checkpointing + BatchNorm model alike."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Will it fit under fsdp (issue 36 item 4, issue 32 item 4): FSDP2's shard rule against what a real
+"""Will it fit under fsdp: FSDP2's shard rule against what a real
 ``fully_shard`` holds on each rank of a 2-rank Gloo group, ``plan --strategy fsdp`` against replicate for a
 model whose state dominates, the refusal before an fsdp run that will not fit, and an fsdp run's
 per-rank peak beside its forecast. The forecast's accuracy on three models: bench/memory_forecast.py

@@ -1,4 +1,4 @@
-"""Will it fit (issue 32, item 4): the forecast against the measured peak of real runs on CPU lanes, the
+"""Will it fit: the forecast against the measured peak of real runs on CPU lanes, the
 CPU measure itself against tensors of known size, the refusal line with the largest batch that fits,
 and ``multilane plan``. The GPU path (torch.cuda.max_memory_allocated) cannot run here: see
 docs/performance.md, "Will it fit", for how it is checked on a GPU."""

@@ -1,4 +1,4 @@
-"""One ddp run across two hosts (issue 24 item 7): two ssh config aliases of the real sshd on 127.0.0.1,
+"""One ddp run across two hosts: two ssh config aliases of the real sshd on 127.0.0.1,
 each with its own runs folder, stand in for two machines. A launcher on each, the rendezvous on the
 first, host 0's run folder mirrored; Stop reaches every node; a host that fails leaves nothing behind."""
 

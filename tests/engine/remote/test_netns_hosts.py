@@ -1,4 +1,4 @@
-"""One ddp run across two hosts with their own addresses (issue 33 item 6): two network namespaces made by
+"""One ddp run across two hosts with their own addresses: two network namespaces made by
 the test (tests/netns_hosts.py), a veth pair between them, an sshd in each. The ranks talk over that link
 (10.77.0.1 ↔ 10.77.0.2), not over loopback."""
 

@@ -1,4 +1,4 @@
-"""Issue 11 §1 and §3: every input a careless user or an attacker gave gets one line, never a traceback;
+"""Every input a careless user or an attacker gave gets one line, never a traceback;
 opening a run folder or a preset never runs code. Each case here gave a traceback (or worse) before."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 11 §2 and §3: a run's recorded state is true, a run folder has one writer, a full disk is
+"""A run's recorded state is true, a run folder has one writer, a full disk is
 reported and survived, and a resume runs no task file the run did not record."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 34 §5-6: a refused ``--resume`` leaves the run's lock file as it found it, and a checkpoint that
+"""A refused ``--resume`` leaves the run's lock file as it found it, and a checkpoint that
 does not fit the run is refused naming the checkpoint (and what in it does not fit), not the task.
 The CLI runs in-process (``main``); the run resumed is real (trained once per module)."""
 

@@ -1,4 +1,4 @@
-"""Issue 21 §1 and issue 23 §7, §8, §10: a run's recorded state is true. A refused resume of a live
+"""A run's recorded state is true. A refused resume of a live
 run, by any strategy, writes nothing into it; a refused resume leaves a folder as it found it; and
 status.json's step follows the run."""
 

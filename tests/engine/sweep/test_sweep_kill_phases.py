@@ -1,4 +1,4 @@
-"""kill -9 of a sweep at each phase of its work (issue 31): asking a trial, between two parameters'
+"""kill -9 of a sweep at each phase of its work: asking a trial, between two parameters'
 sampling, with every parameter sampled but nothing started, as the trial's process starts, and in the
 middle of writing a trial's end to the journal (the phase mid-step is test_sweep_crash.py's). After
 each, ``multilane sweep --resume`` opens the study, finds the lost trial, re-queues what it had, and

@@ -1,4 +1,4 @@
-"""A lane's share of replicate's one backward counts as its busy time (issue 35): autograd walks every
+"""A lane's share of replicate's one backward counts as its busy time: autograd walks every
 lane's graph in the calling thread, their nodes interleaved, and each lane is credited with the time its
 own nodes take, measured node by node on the first three backwards and one in ten (the others split at the median share)
 — real torch on CPU lanes, no share assumed from batch sizes."""

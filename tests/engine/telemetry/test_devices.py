@@ -39,7 +39,7 @@ def test_two_replicas_on_one_gpu_get_distinct_lane_names():
 
 @pytest.mark.parametrize("lanes", [2, 8, 9, 16, 64])
 def test_any_count_of_cpu_lanes_up_to_64_is_accepted(lanes):
-    # The app lists at most 8 lanes (one per core); a run may ask for up to 64 (issue 34's regression:
+    # The app lists at most 8 lanes (one per core); a run may ask for up to 64 (a regression once:
     # a second MAX_CPU_LANES = 8 in the module refused 9 to 64).
     from multilane.engine.telemetry.devices import cpu_lane_count
 

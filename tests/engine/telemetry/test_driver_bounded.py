@@ -1,4 +1,4 @@
-"""Issue 34 §2: every call into the GPU driver is bounded in time, and a GPU CUDA cannot read is one line.
+"""Every call into the GPU driver is bounded in time, and a GPU CUDA cannot read is one line.
 
 No GPU here: the driver is faked (a pynvml stand-in whose calls hang or raise; torch's CUDA count and
 properties replaced by functions that hang or raise). That is logic that cannot run without a GPU's

@@ -1,4 +1,4 @@
-"""Issue 36 item 4: each device's memory split into parameters, gradients, optimizer state and the
+"""Each device's memory split into parameters, gradients, optimizer state and the
 rest, in the train records and the end-of-run summary, for the single-process strategies (ddp and
 fsdp: tests/engine/fsdp/test_fsdp_exact.py)."""
 

@@ -1,4 +1,4 @@
-"""Issue 34: hostile paths, terminals and folders; the machine's limits; messages that name the culprit.
+"""Hostile paths, terminals and folders; the machine's limits; messages that name the culprit.
 
 Each case is the real CLI (``multilane.engine.cli.main``) called in-process with its output captured:
 none of these promises depends on a process of its own. Each case failed (a traceback, a wait, a

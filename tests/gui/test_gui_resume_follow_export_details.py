@@ -1,4 +1,4 @@
-"""The rest of issue 35: the last step before a stop drawn after a resume; a followed run's settings in
+"""The last step before a stop drawn after a resume; a followed run's settings in
 the greyed form; metrics.csv with the telemetry plots.png shows; the summary box after opening a
 TensorBoard logdir; a long task-file path that does not widen the runs table."""
 
