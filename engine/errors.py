@@ -1,4 +1,11 @@
-"""Errors that reach the user as one clear line instead of a traceback."""
+"""Errors that reach the user as one clear line instead of a traceback, and the exit codes the CLI ends with."""
+
+EXIT_FAILED = 1
+"""``multilane train`` (and ``watch``): the run failed (an error in the task, a rank, the disk)."""
+EXIT_BAD_INPUT = 2
+"""Bad input (``UserError``): one line on stderr, nothing trained."""
+EXIT_DIVERGED = 3
+"""The run diverged: its loss (or its weights) became NaN or inf; the last checkpoint is the last finite state."""
 
 
 class UserError(Exception):

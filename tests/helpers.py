@@ -110,3 +110,22 @@ def run_with_a_lone_step(steps: int, lone: int, loss_scale: float):
         loss = 1.0 + s / loss_scale
         run.add({"kind": "train", "step": s, "wall_time": t, "loss": loss, "device_loss": {"cpu:0": 1.0}})
     return run
+
+
+DIVERGE_TASK = str(TASK_FILES / "diverge_at.py")
+DIVERGE_AT, DIVERGE_LAST_GOOD = 8, 6
+"""The step whose loss (or update) goes non-finite in ``diverge_settings``'s run, and its last checkpoint
+before it: checkpoints every 2 steps, logs every 5, so step 8 falls between two log points."""
+
+
+def diverge_settings(runs: Path, devices: str, strategy: str, at: int, how: str = "loss", steps: int = 12) -> dict:
+    """A run of ``task_files/diverge_at.py`` (float64) that goes non-finite at step ``at`` (0: never)."""
+    return {
+        "task": {"name": DIVERGE_TASK, "params": {"at": at, "how": how}},
+        "data": {"batch_size": 8, "val_fraction": 0.0, "workers": 0},
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"steps": steps, "log_every": 5, "checkpoint_every": 2, "eval_every": 0},
+        "devices": {"use": devices, "strategy": strategy},
+        "telemetry": {"enabled": False},
+        "run": {"runs_dir": str(runs), "name": "run"},
+    }

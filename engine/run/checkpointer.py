@@ -1,7 +1,9 @@
 """Checkpoints: what one holds, saving it into the run folder, restoring a run from it.
 
 A checkpoint loads with ``torch.load(path, weights_only=True)``: tensors, numbers, strings, lists and
-dicts only, never a pickled object.
+dicts only, never a pickled object. A checkpoint is only written of a finite state (``save_finite``):
+the losses of every step it contains and every parameter the optimizer updates are checked first, so
+``last.pt`` is always the last good state.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from multilane.engine import __version__
 from multilane.engine.errors import UserError
+from multilane.engine.run.metrics_window import NonFiniteLoss
 from multilane.engine.rundir.runread import CHECKPOINT
 
 if TYPE_CHECKING:
@@ -88,6 +91,41 @@ def _lane_random(t: Trainer) -> Any:
         return streams
     strategy = getattr(t, "strategy", None)
     return getattr(strategy, "random", None)
+
+
+def finite_flag(t: Trainer, device: torch.device) -> torch.Tensor:
+    """A 0-dim bool tensor on ``device``: the open log window's loss (the steps since the last record;
+    the records before it were checked as they were logged) and every parameter the optimizer updates
+    (this rank's shards under fsdp) are finite. Reading it is the one device sync."""
+    parts = []
+    window = t.window.loss_finite()
+    if window is not None:
+        parts.append(window.to(device))
+    for group in t.optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
+            values = local.detach()
+            if values.is_sparse:
+                values = values.coalesce().values()
+            if values.is_floating_point() or values.is_complex():
+                parts.append(torch.isfinite(values).all().to(device))
+    return torch.stack(parts).all() if parts else torch.ones((), dtype=torch.bool, device=device)
+
+
+def save_finite(t: Trainer) -> None:
+    """Save ``t``'s checkpoint once its state is known finite (``t._state_finite()``: one device read,
+    and under ddp/fsdp the ranks' agreement). Otherwise nothing is saved, so the last checkpoint stays
+    the last finite state: the open log window is logged (its record shows the non-finite loss, and
+    ``NonFiniteLoss`` names its steps), or, when every loss was finite but an update made the weights
+    inf or NaN (an inf gradient), ``NonFiniteLoss`` says so."""
+    if not t._state_finite():
+        t._log()
+        raise NonFiniteLoss(f"{WEIGHTS} by step {t.step} while every loss was finite (an inf or NaN update)")
+    save(t)
+
+
+WEIGHTS = "the weights became non-finite"
+"""How the message of a run whose weights, not its loss, went non-finite begins."""
 
 
 def save(t: Trainer) -> None:

@@ -37,6 +37,7 @@ from multilane.engine.run.optim import build_optimizer, lr_at
 from multilane.engine.run.run_end import finish_run
 from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
@@ -236,6 +237,21 @@ class Trainer:
             self._control_file.apply(self.control)
 
     def _loop(self) -> tuple[str, str | None]:
+        """Train to the end, or to a stop; a non-finite loss or weights end the run "diverged" with
+        nothing saved after them (``checkpointer.save_finite``): the last checkpoint stays the last good one."""
+        try:
+            return self._steps()
+        except NonFiniteLoss as e:
+            message = self.run_health.explain(self, str(e))  # where the NaN began, when a replay finds it
+            if str(e).startswith(checkpointer.WEIGHTS) and not message.startswith(str(e)):
+                message = (
+                    f"{checkpointer.WEIGHTS} {message}"  # the replay's line: "at step s: first non-finite gradient…"
+                )
+            if self.config.train.on_nonfinite == "pause":
+                self._pause(message)
+            return DIVERGED, message
+
+    def _steps(self) -> tuple[str, str | None]:
         cfg = self.config
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
@@ -262,19 +278,16 @@ class Trainer:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
             if self.step % log_every == 0 or last:
-                try:
-                    self._log(memory=self._memory())
-                except NonFiniteLoss as e:
-                    # Keep the last good checkpoint: nothing is saved from here on.
-                    message = self.run_health.explain(self, str(e))
-                    if cfg.train.on_nonfinite == "pause":
-                        self._pause(message)
-                    return "stopped", message
+                self._log(memory=self._memory())
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
             if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
-                checkpointer.save(self)
+                checkpointer.save_finite(self)
         return "finished", None
+
+    def _state_finite(self) -> bool:
+        """Whether the state a checkpoint would hold is finite (``checkpointer.finite_flag``): one read."""
+        return bool(checkpointer.finite_flag(self, self.backend.output_device).item())
 
     def _checkpoint_due(self) -> bool:
         """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""
@@ -374,7 +387,7 @@ class Trainer:
         """A stop between log points: save the checkpoint (which carries the open log window, so a
         resume logs exactly what an uninterrupted run would), then report that window as a partial
         record, superseded by the resumed run's own record if the run is resumed."""
-        checkpointer.save(self)
+        checkpointer.save_finite(self)
         self._log(partial=True)
 
     def _pause(self, reason: str | None = None) -> None:
