@@ -128,6 +128,15 @@ WEIGHTS = "the weights became non-finite"
 """How the message of a run whose weights, not its loss, went non-finite begins."""
 
 
+def diverged_message(t: Trainer, e: NonFiniteLoss) -> str:
+    """The one line of a run that diverged: where the NaN began when health's replay finds it (its line
+    for weights reads "at step s: first non-finite gradient in …", put after ``WEIGHTS``)."""
+    message = t.run_health.explain(t, str(e))
+    if str(e).startswith(WEIGHTS) and not message.startswith(str(e)):
+        message = f"{WEIGHTS} {message}"
+    return message
+
+
 def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None

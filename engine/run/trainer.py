@@ -30,7 +30,7 @@ from multilane.engine.run.balance import balance_warnings
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
-from multilane.engine.run.evaluation import evaluate, write_sample
+from multilane.engine.run.evaluation import evaluate_run
 from multilane.engine.run.failures import one_line, outcome, release_cuda_memory, where
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
@@ -237,16 +237,12 @@ class Trainer:
             self._control_file.apply(self.control)
 
     def _loop(self) -> tuple[str, str | None]:
-        """Train to the end, or to a stop; a non-finite loss or weights end the run "diverged" with
-        nothing saved after them (``checkpointer.save_finite``): the last checkpoint stays the last good one."""
+        """Train to the end or a stop; a non-finite loss or weights end the run "diverged", nothing saved
+        after them (``checkpointer.save_finite``): the last checkpoint stays the last good state."""
         try:
             return self._steps()
         except NonFiniteLoss as e:
-            message = self.run_health.explain(self, str(e))  # where the NaN began, when a replay finds it
-            if str(e).startswith(checkpointer.WEIGHTS) and not message.startswith(str(e)):
-                message = (
-                    f"{checkpointer.WEIGHTS} {message}"  # the replay's line: "at step s: first non-finite gradient…"
-                )
+            message = checkpointer.diverged_message(self, e)
             if self.config.train.on_nonfinite == "pause":
                 self._pause(message)
             return DIVERGED, message
@@ -366,22 +362,7 @@ class Trainer:
         self._event("epoch_end", epoch=epoch, **energy)
 
     def _evaluate(self) -> None:
-        if not self.loader.has_val:
-            return
-        rec = evaluate(
-            self.strategy,
-            self.model,
-            self.task,
-            self.loader.eval_batches(),
-            self._sizes,
-            self.backend.output_device,
-            self.step,
-        )
-        assert self.run_dir is not None
-        write_sample(self.task, self.model, self.backend.model_device, rec, self.run_dir)
-        self._last_eval = rec
-        for cb in self.callbacks:
-            cb.on_eval(rec)
+        evaluate_run(self)
 
     def _stop(self) -> None:
         """A stop between log points: save the checkpoint (which carries the open log window, so a

@@ -220,3 +220,23 @@ def test_a_pause_is_marked_on_the_time_axis(x_mode):
         x0, width = spans[0].get_x(), spans[0].get_width()
         assert x0 == pytest.approx(3.05) and x0 + width == pytest.approx(13.0)
     assert json.dumps(fig.axes[0].get_xlabel()) in ('"step"', '"elapsed time (s)"')
+
+
+@pytest.mark.slow
+def test_the_figure_of_a_run_that_diverged_says_so_under_its_title(tmp_path):
+    # status.json's state is shown in the caption under the title: "diverged at step 3", not "stopped".
+    from helpers import DIVERGE_TASK, diverge_settings
+    from multilane.engine.config import build_config
+    from multilane.engine.run.trainer import Trainer
+    from multilane.engine.tasks import make_task
+    from multilane.gui.plots.export import export_headless
+    from multilane.gui.plots.figures import run_caption
+
+    cfg = diverge_settings(tmp_path / "runs", "cpu:0", "replicate", 3, steps=6)
+    cfg["train"]["log_every"] = 1
+    cfg["health"] = {"nan_replay": False}
+    result = Trainer(build_config(cfg), task=make_task(DIVERGE_TASK, cfg["task"]["params"])).run()
+    assert result.status == "diverged", result.message
+    assert run_caption(result.run_dir).endswith(" · diverged at step 3")
+    (svg,) = [p for p in export_headless(result.run_dir, tmp_path / "out", ["svg"]) if p.name == "loss.svg"]
+    assert "diverged at step 3" in svg.read_text()
