@@ -97,10 +97,8 @@ def finite_flag(t: Trainer, device: torch.device) -> torch.Tensor:
     """A 0-dim bool tensor on ``device``: the open log window's loss (the steps since the last record;
     the records before it were checked as they were logged) and every parameter the optimizer updates
     (this rank's shards under fsdp) are finite. Reading it is the one device sync."""
-    parts = []
     window = t.window.loss_finite()
-    if window is not None:
-        parts.append(window.to(device))
+    parts = [window] if window is not None else []
     for group in t.optimizer.param_groups:
         for p in group["params"]:
             local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
@@ -108,8 +106,13 @@ def finite_flag(t: Trainer, device: torch.device) -> torch.Tensor:
             if values.is_sparse:
                 values = values.coalesce().values()
             if values.is_floating_point() or values.is_complex():
-                parts.append(torch.isfinite(values).all().to(device))
-    return torch.stack(parts).all() if parts else torch.ones((), dtype=torch.bool, device=device)
+                parts.append(torch.isfinite(values).all())
+    # Each device's flags reduced where they are, then one small copy per device (not one per parameter).
+    on = {f.device: [] for f in parts}
+    for f in parts:
+        on[f.device].append(f)
+    flags = [torch.stack(fs).all().to(device) for fs in on.values()]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
 def save_finite(t: Trainer) -> None:
