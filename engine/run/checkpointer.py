@@ -95,18 +95,20 @@ def _lane_random(t: Trainer) -> Any:
 
 def finite_flag(t: Trainer, device: torch.device) -> torch.Tensor:
     """A 0-dim bool tensor on ``device``: the open log window's loss (the steps since the last record;
-    the records before it were checked as they were logged) and every parameter the optimizer updates
-    (this rank's shards under fsdp) are finite. Reading it is the one device sync."""
+    the records before it were checked as they were logged), every parameter the optimizer updates and
+    the optimizer's state (momentum, Adam's moments; this rank's shards under fsdp) are finite. Reading
+    it is the one device sync. (The engine's optimizers, SGD, Adam and AdamW, keep no inf on purpose.)"""
     window = t.window.loss_finite()
     parts = [window] if window is not None else []
-    for group in t.optimizer.param_groups:
-        for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
-            values = local.detach()
-            if values.is_sparse:
-                values = values.coalesce().values()
-            if values.is_floating_point() or values.is_complex():
-                parts.append(torch.isfinite(values).all())
+    params = [p for group in t.optimizer.param_groups for p in group["params"]]
+    states = [v for state in t.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in params + states:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+        values = local.detach()
+        if values.is_sparse:
+            values = values.coalesce().values()
+        if values.is_floating_point() or values.is_complex():
+            parts.append(torch.isfinite(values).all())
     # Each device's flags reduced where they are, then one small copy per device (not one per parameter).
     on = {f.device: [] for f in parts}
     for f in parts:
@@ -127,8 +129,8 @@ def save_finite(t: Trainer) -> None:
     save(t)
 
 
-WEIGHTS = "the weights became non-finite"
-"""How the message of a run whose weights, not its loss, went non-finite begins."""
+WEIGHTS = "the weights or the optimizer's state became non-finite"
+"""How the message of a run whose weights (or optimizer state), not its loss, went non-finite begins."""
 
 
 def diverged_message(t: Trainer, e: NonFiniteLoss) -> str:

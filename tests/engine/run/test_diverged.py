@@ -72,7 +72,9 @@ def test_last_pt_holds_the_last_finite_step_equal_to_a_straight_run_and_resumes(
     _, result = train(settings(tmp_path / "runs", devices, strategy, AT, how))
     assert (result.status, result.step) == ("diverged", AT), result.message
     if how == "weights":
-        assert result.message.startswith(f"the weights became non-finite at step {AT}: first non-finite gradient")
+        assert result.message.startswith(
+            f"the weights or the optimizer's state became non-finite at step {AT}: first non-finite gradient"
+        )
     ck = torch.load(result.run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert ck["step"] == LAST_GOOD
     assert_same_model(ck["model"], straight(tmp_path, devices, strategy, LAST_GOOD), f"{devices} {strategy} {how}")
