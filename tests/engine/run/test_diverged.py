@@ -44,6 +44,27 @@ def assert_same_model(got: dict, want: dict, what: str) -> None:
         assert diff <= 1e-12, f"{what}: {k} differs from a straight run's by {diff:.2e}"
 
 
+SAVES = {
+    # the checkpoint_minutes cadence (due after every step here): the save after step 7 is the last
+    "by time": ({"checkpoint_every": 0, "checkpoint_minutes": 1e-9}, AT, AT - 1),  # 8 fsynced saves: slow
+    # the run's last step, whose save follows its log: the NaN at step 12 leaves step 10's
+    "the last step": ({}, 12, 10),
+}
+
+
+@pytest.mark.parametrize("save", [pytest.param("by time", marks=pytest.mark.slow), "the last step"])
+def test_every_kind_of_save_is_checked(tmp_path, save):
+    train_over, at, kept = SAVES[save]
+    cfg = settings(tmp_path / "runs", "cpu:0", "replicate", at)
+    cfg["train"].update(train_over)
+    cfg["health"] = {"nan_replay": False}
+    _, result = train(cfg)
+    assert (result.status, result.step) == ("diverged", at), result.message
+    ck = torch.load(result.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["step"] == kept
+    assert_same_model(ck["model"], straight(tmp_path, "cpu:0", "replicate", kept), save)
+
+
 CASES = [("cpu:0", "replicate"), ("cpu:0,cpu:1", "replicate"), ("cpu:0,cpu:1", "persistent")]
 
 
@@ -63,7 +84,6 @@ def test_a_nan_loss_between_logs_keeps_the_last_finite_checkpoint_on_one_lane(tm
     assert events[-1] == "diverged" and "nonfinite_origin" in events and "stopped" not in events
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["loss", "weights"])
 @pytest.mark.parametrize(("devices", "strategy"), CASES, ids=["1-lane", "2-lanes", "persistent-2"])
 def test_last_pt_holds_the_last_finite_step_equal_to_a_straight_run_and_resumes(tmp_path, devices, strategy, how):
@@ -86,7 +106,6 @@ def test_last_pt_holds_the_last_finite_step_equal_to_a_straight_run_and_resumes(
     assert_same_model(got, straight(tmp_path, devices, strategy, 12), f"{devices} {strategy} {how}, resumed")
 
 
-@pytest.mark.slow
 def test_a_stop_after_the_nan_saves_nothing_and_the_run_diverged_not_stopped(tmp_path):
     # A Stop asked between step 8 (NaN) and the next log: the stop's checkpoint would hold the NaN.
     control = RunControl()
