@@ -1,11 +1,9 @@
 """Errors that reach the user as one clear line instead of a traceback, and the exit codes the CLI ends with."""
 
-EXIT_FAILED = 1
-"""``multilane train`` (and ``watch``): the run failed (an error in the task, a rank, the disk)."""
-EXIT_BAD_INPUT = 2
-"""Bad input (``UserError``): one line on stderr, nothing trained."""
 EXIT_DIVERGED = 3
-"""The run diverged: its loss (or its weights) became NaN or inf; the last checkpoint is the last finite state."""
+"""``multilane train`` (under ddp and fsdp, its launcher) and ``watch`` of a run that diverged: its loss
+(or its weights) became NaN or inf, and its last checkpoint is its last finite state. The other codes:
+0 finished or stopped by the user, 1 failed, 2 bad input (``UserError``), 130 aborted."""
 
 
 class UserError(Exception):

@@ -144,8 +144,8 @@ def watch(
     on_interrupt: Callable[[], str] | None = None,
 ) -> int:
     """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed or its
-    writer is gone, 3 (``EXIT_DIVERGED``) when its loss or weights went non-finite. A folder that cannot be followed (its metrics.jsonl a FIFO or a folder) is one
-    line (``UserError``).
+    writer is gone, 3 (``EXIT_DIVERGED``) when its loss or weights went non-finite. A folder that
+    cannot be followed (its metrics.jsonl a FIFO or a folder) is one line (``UserError``).
 
     ``follower``: another source with ``RunFollower``'s poll (a run on a host, through its mirror).
     ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
