@@ -179,7 +179,11 @@ class TrainSection(Section):
         description="Also save a checkpoint when this many minutes have passed since the last one, so that a "
         "crash loses at most that much work; 0 turns it off",
     )
-    on_nonfinite: Literal["stop", "pause"] = Field("stop", description="What to do when the loss becomes NaN or inf")
+    on_nonfinite: Literal["stop", "pause"] = Field(
+        "stop",
+        description="What to do when the loss (or the weights) becomes NaN or inf: stop (the run ends "
+        '"diverged", its last checkpoint the last finite state) or pause first',
+    )
     fit_check: bool = Field(
         True,
         description="Before training, measure the memory the run will need (a probe step at two small batches) "

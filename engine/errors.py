@@ -1,4 +1,9 @@
-"""Errors that reach the user as one clear line instead of a traceback."""
+"""Errors that reach the user as one clear line instead of a traceback, and the exit codes the CLI ends with."""
+
+EXIT_DIVERGED = 3
+"""``multilane train`` (under ddp and fsdp, its launcher) and ``watch`` of a run that diverged: its loss
+(or its weights) became NaN or inf, and its last checkpoint is its last finite state. The other codes:
+0 finished or stopped by the user, 1 failed, 2 bad input (``UserError``), 130 aborted."""
 
 
 class UserError(Exception):

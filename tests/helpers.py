@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,85 @@ def run_with_a_lone_step(steps: int, lone: int, loss_scale: float):
         loss = 1.0 + s / loss_scale
         run.add({"kind": "train", "step": s, "wall_time": t, "loss": loss, "device_loss": {"cpu:0": 1.0}})
     return run
+
+
+DIVERGE_TASK = str(TASK_FILES / "diverge_at.py")
+DIVERGE_AT, DIVERGE_LAST_GOOD = 8, 6
+"""The step whose loss (or update) goes non-finite in ``diverge_settings``'s run, and its last checkpoint
+before it: checkpoints every 2 steps, logs every 5, so step 8 falls between two log points."""
+
+
+def diverge_settings(runs: Path, devices: str, strategy: str, at: int, how: str = "loss", steps: int = 12) -> dict:
+    """A run of ``task_files/diverge_at.py`` (float64) that goes non-finite at step ``at`` (0: never)."""
+    return {
+        "task": {"name": DIVERGE_TASK, "params": {"at": at, "how": how}},
+        "data": {"batch_size": 8, "val_fraction": 0.0, "workers": 0},
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"steps": steps, "log_every": 5, "checkpoint_every": 2, "eval_every": 0},
+        "devices": {"use": devices, "strategy": strategy},
+        "telemetry": {"enabled": False},
+        "run": {"runs_dir": str(runs), "name": "run"},
+    }
+
+
+def _launch_diverging(tmp_path: Path, strategy: str, how: str) -> tuple[subprocess.CompletedProcess, Path]:
+    runs = tmp_path / strategy
+    path = tmp_path / f"{strategy}.json"
+    path.write_text(json.dumps(diverge_settings(runs, "cpu:0,cpu:1", strategy, DIVERGE_AT, how)))
+    r = subprocess.run([*CLI, "train", "--config", str(path)], capture_output=True, text=True, timeout=300)
+    (run,) = [p for p in runs.iterdir() if (p / "status.json").is_file()]
+    return r, run
+
+
+def _straight(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The single-process engine on 2 lanes, no NaN, ``steps`` steps."""
+    from multilane.engine.config import build_config
+    from multilane.engine.run.trainer import Trainer
+    from multilane.engine.tasks import make_task
+
+    cfg = diverge_settings(tmp_path / f"straight{steps}", "cpu:0,cpu:1", "replicate", 0, steps=steps)
+    trainer = Trainer(build_config(cfg), task=make_task(DIVERGE_TASK, cfg["task"]["params"]))
+    assert trainer.run().status == "finished"
+    return {k: v.detach() for k, v in trainer.model.state_dict().items()}
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for k, v in want.items():
+        assert torch.isfinite(got[k]).all(), f"{what}: {k} is not finite"
+        diff = float((got[k].double() - v).abs().max() / v.abs().max().clamp_min(1e-300))
+        assert diff <= 1e-10, f"{what}: {k} differs from the straight run's by {diff:.2e}"
+
+
+def check_diverged_launch(tmp_path: Path, strategy: str, how: str) -> Path:
+    """Launch a ddp or fsdp run of ``diverge_settings`` on 2 ranks that goes non-finite at step 8 and
+    check what every strategy promises: exit 3, ``diverged``, ``last.pt`` at step 6 equal to the
+    single-process engine's straight run (1e-10). The run folder."""
+    from multilane.engine.fsdp.sharded import read_model_state
+
+    r, run = _launch_diverging(tmp_path, strategy, how)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("diverged", DIVERGE_AT), status
+    if how == "weights":
+        assert status["message"].startswith(
+            f"the weights or the optimizer's state became non-finite at step {DIVERGE_AT}"
+        ), status
+    else:
+        assert status["message"].startswith(f"loss became nan at step {DIVERGE_AT}"), status
+    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["step"] == DIVERGE_LAST_GOOD
+    _assert_close(read_model_state(run), _straight(tmp_path, DIVERGE_LAST_GOOD), f"{strategy} {how}")
+    return run
+
+
+def resume_clean(tmp_path: Path, run: Path, strategy: str) -> None:
+    """``check_diverged_launch``'s run resumed with the bad samples gone: equal to a straight run of every step."""
+    from multilane.engine.fsdp.sharded import read_model_state
+
+    r = subprocess.run([*CLI, "train", "--resume", str(run), "--set", "task.params.at=0"], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    _assert_close(read_model_state(run), _straight(tmp_path, 12), f"{strategy} resumed")

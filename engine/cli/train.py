@@ -12,8 +12,9 @@ from typing import Any
 
 from multilane.engine.cli.parser import short_text
 from multilane.engine.cli.terminal_text import printable
-from multilane.engine.errors import UserError
+from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.run.callbacks import TrainerCallback
+from multilane.engine.rundir.follow import DIVERGED
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,8 +198,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return 1
     if result.status == "aborted":
         return 130
-    if result.status == "stopped" and not control.stop_requested:
-        return 1  # stopped by the engine itself (a non-finite loss)
+    if result.status == DIVERGED:
+        return EXIT_DIVERGED  # a non-finite loss or weights: the last checkpoint is the last finite state
     return 0
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.terminal_text import printable
-from multilane.engine.errors import UserError
+from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.numbers import format_number, format_percent
-from multilane.engine.rundir.follow import RunFollower
+from multilane.engine.rundir.follow import DIVERGED, RunFollower
 from multilane.engine.rundir.readfile import user_path
 from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
 
@@ -167,8 +167,8 @@ def watch(
     on_interrupt: Callable[[], str] | None = None,
 ) -> int:
     """Follow ``run_dir`` until its run ends; 0 when it finished or stopped, 1 when it failed or its
-    writer is gone. A folder that cannot be followed (its metrics.jsonl a FIFO or a folder) is one
-    line (``UserError``).
+    writer is gone, 3 (``EXIT_DIVERGED``) when its loss or weights went non-finite. A folder that
+    cannot be followed (its metrics.jsonl a FIFO or a folder) is one line (``UserError``).
 
     ``follower``: another source with ``RunFollower``'s poll (a run on a host, through its mirror).
     ``on_interrupt``: what the first Ctrl+C does (it returns the line to show) before following on;
@@ -226,4 +226,6 @@ def watch(
             f"multilane: warning: {folder / 'metrics.jsonl'}: {n} unreadable line{'s' if n != 1 else ''} skipped",
             file=sys.stderr,
         )
+    if state.state == DIVERGED:
+        return EXIT_DIVERGED
     return 1 if state.state in ("failed", "aborted") else 0

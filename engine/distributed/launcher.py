@@ -35,7 +35,8 @@ from multilane.engine.distributed.failures import (
     refusal,
     write_note,
 )
-from multilane.engine.errors import UserError
+from multilane.engine.errors import EXIT_DIVERGED, UserError
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.run_lock import lock_run_folder
 from multilane.engine.rundir.runlog import STATUS, RunDir
 from multilane.engine.start import ranks as rank_start
@@ -195,7 +196,8 @@ def launch(
         watchdog.cancel()
         rank_start.end_server(start)  # nothing of this node is left once its launcher has ended
         shutil.rmtree(node_file.parent, ignore_errors=True)
-    return 1 if _state(run_dir) == "failed" or _stopped_by_engine(run_dir) else 0
+    state = _state(run_dir)
+    return 1 if state == "failed" else EXIT_DIVERGED if state == DIVERGED else 0
 
 
 def _raise_refusal(node_dir: Path, as_found: FolderAsFound) -> None:
@@ -257,18 +259,6 @@ def _record_unmet(run_dir: Path | None, message: str) -> None:
         rd.close()
     except (OSError, UserError):
         pass
-
-
-def _stopped_by_engine(run_dir: Path | None) -> bool:
-    """A run the engine stopped on a non-finite loss: exit 1, as a single-process run does."""
-    from multilane.engine.run.metrics_window import NONFINITE
-
-    try:
-        status = json.loads((run_dir / STATUS).read_text()) if run_dir is not None else {}
-    except (OSError, ValueError):
-        return False
-    message = status.get("message") if isinstance(status, dict) else None
-    return status.get("state") == "stopped" and isinstance(message, str) and message.startswith(NONFINITE)
 
 
 class RendezvousWatchdog:

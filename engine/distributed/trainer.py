@@ -310,7 +310,14 @@ class DdpTrainer(RankAgreement, Trainer):
     def _stop(self) -> None:
         """All ranks stop at the same step: the open window is logged whole, then rank 0 saves."""
         self._log()
-        checkpointer.save(self)
+        checkpointer.save_finite(self)
+
+    def _state_finite(self) -> bool:
+        """Every rank's window and parameters (fsdp: its shards) finite: one device read per rank, then
+        a tiny all-reduce, so that either every rank saves or none does."""
+        ok = checkpointer.finite_flag(self, torch.device("cpu")).to(torch.int32).reshape(1)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._control_group)
+        return bool(ok.item())
 
     def _evaluate(self) -> None:
         """Each rank evaluates its slice of every validation batch; rank 0 writes the task's text sample."""

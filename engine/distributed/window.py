@@ -49,6 +49,11 @@ class ShardWindow(ActiveClock):
     def end_step(self) -> None:
         self.steps += 1
 
+    def loss_finite(self) -> torch.Tensor | None:
+        """Whether this rank's part of the open window's loss is finite (a 0-dim bool device tensor, no
+        sync), or None when the window is empty; see ``MetricsWindow.loss_finite``."""
+        return None if self.micro == 0 or self._contrib is None else torch.isfinite(self._contrib).all()
+
     def take(self) -> dict[str, Any] | None:
         """This rank's window as plain numbers (the one device sync), then a fresh window."""
         if self.micro == 0 or self._contrib is None:

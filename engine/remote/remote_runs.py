@@ -19,9 +19,10 @@ from typing import Any
 
 from multilane.engine.cli.terminal_text import printable
 from multilane.engine.remote.connection import Connection, RemoteError
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import STATUS
 
-FINAL = ("finished", "stopped", "failed")
+FINAL = ("finished", "stopped", "failed", DIVERGED)
 LOCK = ".lock"  # engine/rundir/run_lock.py's LOCK, read here as a file on the host
 MAX_JSON = 1 << 20  # a status or lock file larger than this is not one a run wrote
 

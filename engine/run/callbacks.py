@@ -48,7 +48,7 @@ class TrainerCallback:
 
 @dataclass
 class RunResult:
-    status: str  # finished | stopped | failed
+    status: str  # finished | stopped | diverged | failed | aborted
     step: int
     run_dir: Path
     message: str | None = None

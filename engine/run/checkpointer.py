@@ -1,7 +1,9 @@
 """Checkpoints: what one holds, saving it into the run folder, restoring a run from it.
 
 A checkpoint loads with ``torch.load(path, weights_only=True)``: tensors, numbers, strings, lists and
-dicts only, never a pickled object.
+dicts only, never a pickled object. A checkpoint is only written of a finite state (``save_finite``):
+the losses of every step it contains and every parameter the optimizer updates are checked first, so
+``last.pt`` is always the last good state.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from multilane.engine import __version__
 from multilane.engine.errors import UserError
+from multilane.engine.run.metrics_window import NonFiniteLoss
 from multilane.engine.rundir.runread import CHECKPOINT
 
 if TYPE_CHECKING:
@@ -88,6 +91,55 @@ def _lane_random(t: Trainer) -> Any:
         return streams
     strategy = getattr(t, "strategy", None)
     return getattr(strategy, "random", None)
+
+
+def finite_flag(t: Trainer, device: torch.device) -> torch.Tensor:
+    """A 0-dim bool tensor on ``device``: the open log window's loss (the steps since the last record;
+    the records before it were checked as they were logged), every parameter the optimizer updates and
+    the optimizer's state (momentum, Adam's moments; this rank's shards under fsdp) are finite. Reading
+    it is the one device sync. (The engine's optimizers, SGD, Adam and AdamW, keep no inf on purpose.)"""
+    window = t.window.loss_finite()
+    parts = [window] if window is not None else []
+    params = [p for group in t.optimizer.param_groups for p in group["params"]]
+    states = [v for state in t.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in params + states:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+        values = local.detach()
+        if values.is_sparse:
+            values = values.coalesce().values()
+        if values.is_floating_point() or values.is_complex():
+            parts.append(torch.isfinite(values).all())
+    # Each device's flags reduced where they are, then one small copy per device (not one per parameter).
+    on = {f.device: [] for f in parts}
+    for f in parts:
+        on[f.device].append(f)
+    flags = [torch.stack(fs).all().to(device) for fs in on.values()]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+
+
+def save_finite(t: Trainer) -> None:
+    """Save ``t``'s checkpoint once its state is known finite (``t._state_finite()``: one device read,
+    and under ddp/fsdp the ranks' agreement). Otherwise nothing is saved, so the last checkpoint stays
+    the last finite state: the open log window is logged (its record shows the non-finite loss, and
+    ``NonFiniteLoss`` names its steps), or, when every loss was finite but an update made the weights
+    inf or NaN (an inf gradient), ``NonFiniteLoss`` says so."""
+    if not t._state_finite():
+        t._log()
+        raise NonFiniteLoss(f"{WEIGHTS} by step {t.step} while every loss was finite (an inf or NaN update)")
+    save(t)
+
+
+WEIGHTS = "the weights or the optimizer's state became non-finite"
+"""How the message of a run whose weights (or optimizer state), not its loss, went non-finite begins."""
+
+
+def diverged_message(t: Trainer, e: NonFiniteLoss) -> str:
+    """The one line of a run that diverged: where the NaN began when health's replay finds it (its line
+    for weights reads "at step s: first non-finite gradient in …", put after ``WEIGHTS``)."""
+    message = t.run_health.explain(t, str(e))
+    if str(e).startswith(WEIGHTS) and not message.startswith(str(e)):
+        message = f"{WEIGHTS} {message}"
+    return message
 
 
 def save(t: Trainer) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from multilane.engine.parallel import ReplicateEachStep
@@ -13,6 +13,9 @@ from multilane.engine.parallel.tree import move_tree
 from multilane.engine.rundir.runlog import SAMPLES, RunDir
 from multilane.engine.tasks import Task, loss_weight_fn
 from torch import nn
+
+if TYPE_CHECKING:
+    from multilane.engine.run.trainer import Trainer
 
 
 def evaluate(
@@ -79,3 +82,15 @@ def write_sample(task: Task, model: nn.Module, device: torch.device, record: dic
     if text:
         record["sample"] = text
         run_dir.append_text(SAMPLES, f"--- step {record['step']}\n{text}\n")
+
+
+def evaluate_run(t: Trainer) -> None:
+    """A single-process run's evaluation at its step: the record to the callbacks, the task's sample written."""
+    if not t.loader.has_val:
+        return
+    rec = evaluate(t.strategy, t.model, t.task, t.loader.eval_batches(), t._sizes, t.backend.output_device, t.step)
+    assert t.run_dir is not None
+    write_sample(t.task, t.model, t.backend.model_device, rec, t.run_dir)
+    t._last_eval = rec
+    for cb in t.callbacks:
+        cb.on_eval(rec)

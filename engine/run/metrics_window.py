@@ -16,7 +16,7 @@ import torch
 from multilane.engine.parallel import StepOutput
 
 NONFINITE = "loss became "
-"""How the message of a run the engine stopped on a non-finite loss begins (status.json's message)."""
+"""How the message of a run that diverged on a non-finite loss begins (status.json's message)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -95,6 +95,15 @@ class MetricsWindow(ActiveClock):
 
     def end_step(self) -> None:
         self.steps += 1
+
+    def loss_finite(self) -> torch.Tensor | None:
+        """Whether the open window's combined loss is finite: a 0-dim bool tensor on the device (no
+        sync), or None when the window is empty. A sum is finite only when every term is (an inf or
+        NaN term keeps it inf or NaN), so this answers for every step since the last record."""
+        if self.empty:
+            return None
+        assert self._lane_sum is not None
+        return torch.isfinite(self._lane_sum if self._loss_sum is None else self._loss_sum).all()
 
     # -- reading (at log time) --------------------------------------------------------------------
     def record(self, **fields: Any) -> dict[str, Any] | None:

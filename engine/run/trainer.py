@@ -30,13 +30,14 @@ from multilane.engine.run.balance import balance_warnings
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
-from multilane.engine.run.evaluation import evaluate, write_sample
+from multilane.engine.run.evaluation import evaluate_run
 from multilane.engine.run.failures import one_line, outcome, release_cuda_memory, where
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
 from multilane.engine.run.run_end import finish_run
 from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import Task, loss_weight_fn
@@ -240,6 +241,17 @@ class Trainer:
             self._control_file.apply(self.control)
 
     def _loop(self) -> tuple[str, str | None]:
+        """Train to the end or a stop; a non-finite loss or weights end the run "diverged", nothing saved
+        after them (``checkpointer.save_finite``): the last checkpoint stays the last good state."""
+        try:
+            return self._steps()
+        except NonFiniteLoss as e:
+            message = checkpointer.diverged_message(self, e)
+            if self.config.train.on_nonfinite == "pause":
+                self._pause(message)
+            return DIVERGED, message
+
+    def _steps(self) -> tuple[str, str | None]:
         cfg = self.config
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every
         ckpt_every, accum = cfg.train.checkpoint_every, cfg.train.grad_accum
@@ -266,19 +278,16 @@ class Trainer:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
             if self.step % log_every == 0 or last:
-                try:
-                    self._log(memory=self._memory())
-                except NonFiniteLoss as e:
-                    # Keep the last good checkpoint: nothing is saved from here on.
-                    message = self.run_health.explain(self, str(e))
-                    if cfg.train.on_nonfinite == "pause":
-                        self._pause(message)
-                    return "stopped", message
+                self._log(memory=self._memory())
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
             if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
-                checkpointer.save(self)
+                checkpointer.save_finite(self)
         return "finished", None
+
+    def _state_finite(self) -> bool:
+        """Whether the state a checkpoint would hold is finite (``checkpointer.finite_flag``): one read."""
+        return bool(checkpointer.finite_flag(self, self.backend.output_device).item())
 
     def _checkpoint_due(self) -> bool:
         """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""
@@ -357,28 +366,13 @@ class Trainer:
         self._event("epoch_end", epoch=epoch, **energy)
 
     def _evaluate(self) -> None:
-        if not self.loader.has_val:
-            return
-        rec = evaluate(
-            self.strategy,
-            self.model,
-            self.task,
-            self.loader.eval_batches(),
-            self._sizes,
-            self.backend.output_device,
-            self.step,
-        )
-        assert self.run_dir is not None
-        write_sample(self.task, self.model, self.backend.model_device, rec, self.run_dir)
-        self._last_eval = rec
-        for cb in self.callbacks:
-            cb.on_eval(rec)
+        evaluate_run(self)
 
     def _stop(self) -> None:
         """A stop between log points: save the checkpoint (which carries the open log window, so a
         resume logs exactly what an uninterrupted run would), then report that window as a partial
         record, superseded by the resumed run's own record if the run is resumed."""
-        checkpointer.save(self)
+        checkpointer.save_finite(self)
         self._log(partial=True)
 
     def _pause(self, reason: str | None = None) -> None:

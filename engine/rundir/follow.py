@@ -21,7 +21,9 @@ from multilane.engine.rundir.records import CHUNK, MAX_LINE, is_int, parse_recor
 from multilane.engine.rundir.run_lock import writer_gone
 from multilane.engine.rundir.runread import JSON_LIMIT, METRICS, STATUS
 
-TERMINAL_STATES = ("finished", "stopped", "failed", "aborted")
+DIVERGED = "diverged"
+"""The state of a run the engine ended because its loss (or weights) went non-finite: not a user's Stop."""
+TERMINAL_STATES = ("finished", "stopped", "failed", "aborted", DIVERGED)
 STATES = ("running", "paused", *TERMINAL_STATES)
 WRITER_CHECK_S = 2.0  # how often a follower checks that a running run's writer still exists
 

@@ -20,6 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.transforms import offset_copy
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.follow import TERMINAL_STATES, clean_status
+from multilane.engine.rundir.readfile import read_regular_file
+from multilane.engine.rundir.runread import JSON_LIMIT, STATUS
 from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.palette import COMBINED, VALIDATION, device_width, series_color
 from multilane.gui.plots.run_view import (
@@ -73,17 +76,31 @@ class FigureOptions:
 
 
 def run_caption(run_dir: str | Path) -> str | None:
-    """One line of what the run was: task, strategy, devices, batch, optimizer; None without a readable
-    config."""
+    """One line of what the run was: task, strategy, devices, batch, optimizer, and how it ended when it did
+    not finish ("diverged at step 8": its loss went NaN; "stopped at step 40"); None without a readable config."""
     try:
         cfg = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
         task, optim, devices = cfg["task"]["name"], cfg["optim"], cfg["devices"]
         strategy = devices.get("strategy") or "replicate"
         parts = [f"task {task}", f"{strategy} on {devices['use']}", f"batch {cfg['data']['batch_size']}"]
         parts.append(f"{optim['name']} lr {optim['lr']:g}")
-        return " · ".join(parts)[:200]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    end = _run_end(run_dir)
+    return " · ".join(parts)[:200] + (f" · {end}" if end else "")
+
+
+def _run_end(run_dir: str | Path) -> str | None:
+    """ "diverged at step 8" (or stopped, failed, aborted) from the run's status.json; None for a run that
+    finished or is still running, or a status that cannot be read."""
+    try:
+        status = clean_status(json.loads(read_regular_file(Path(run_dir) / STATUS, JSON_LIMIT)))
+    except (OSError, ValueError):
+        return None
+    if status is None or status["state"] not in TERMINAL_STATES or status["state"] == "finished":
+        return None
+    step = status.get("step")
+    return status["state"] + (f" at step {step:,}" if isinstance(step, int) else "")
 
 
 def _finish_axes(ax: Axes, opts: FigureOptions, ylabel: str, log_y: bool = False) -> None:

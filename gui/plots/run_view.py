@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from multilane.engine.numbers import format_number, format_percent
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.gui.runs.run_data import RunData, Series
 
 X_LABELS = {"step": "step", "time": "elapsed time (s)"}
@@ -48,7 +49,7 @@ def pause_spans(run: RunData) -> list[tuple[float, float, int]]:
         wall = float(ev.get("wall_time") or 0.0)
         if name == "paused" and start is None:
             start = (wall - t0, int(ev.get("step") or 0))
-        elif name in ("resumed", "stopped", "finished", "failed") and start is not None:
+        elif name in ("resumed", "stopped", "finished", "failed", DIVERGED) and start is not None:
             spans.append((start[0], wall - t0, start[1]))
             start = None
     if start is not None:
@@ -65,7 +66,7 @@ def run_breaks(run: RunData) -> list[tuple[float, float, str, int]]:
     stop: tuple[float, int] | None = None
     for ev in run.events:
         name, wall = ev.get("event"), float(ev.get("wall_time") or 0.0)
-        if name in ("stopped", "failed", "finished"):
+        if name in ("stopped", "failed", "finished", DIVERGED):
             stop = (wall - t0, int(ev.get("step") or 0))
         elif name == "started" and ev.get("resumed_from_step") is not None and stop is not None:
             spans.append((stop[0], max(stop[0], wall - t0), "stopped", int(ev["resumed_from_step"])))

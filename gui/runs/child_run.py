@@ -24,6 +24,7 @@ from typing import Any
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import CONFIG, ERROR, METRICS, STATUS, TASK_FILE, RunDir, iter_metrics
 from multilane.engine.tasks.loader import check_resume_task_file, is_task_file
 
@@ -171,7 +172,7 @@ class ChildRun:
             return  # someone else writes the folder now: theirs to record
         try:
             old = rd.read_json(STATUS) or {}
-            if old.get("state") in ("finished", "stopped", "failed"):
+            if old.get("state") in ("finished", "stopped", "failed", DIVERGED):
                 return
             if not (self.run_dir / ERROR).exists():
                 rd.write_error(message + "\n")

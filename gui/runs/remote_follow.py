@@ -21,6 +21,7 @@ from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run
 from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
 from multilane.engine.remote.remote_runs import resume_followed
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.gui.hosts.secrets import NotGiven
 from multilane.gui.runs.follow import FollowWorker
 from PySide6.QtCore import Signal
@@ -145,6 +146,6 @@ def unfinished_mirrors(local_runs: str | Path) -> list[Path]:
             state = json.loads((folder / "status.json").read_text(encoding="utf-8")).get("state")
         except (OSError, ValueError, AttributeError):
             state = None
-        if state not in ("finished", "stopped", "failed"):
+        if state not in ("finished", "stopped", "failed", DIVERGED):
             out.append(folder)
     return out

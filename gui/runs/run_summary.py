@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multilane.engine.rundir.follow import DIVERGED
+
 HIGHER_IS_BETTER = ("acc", "r2", "f1", "auc", "precision", "recall", "iou", "bleu", "map", "top")
 
 
@@ -50,7 +52,7 @@ class TrainingClock:
             self.start, self.last, self.paused = wall, wall, True
         elif event == "resumed" and self.paused:
             self.start, self.last, self.paused = wall, wall, False
-        elif event in ("finished", "stopped", "failed"):
+        elif event in ("finished", "stopped", "failed", DIVERGED):
             self._close()
 
     def _close(self) -> None:
@@ -123,7 +125,7 @@ class RunSummary:
             return f"finished all {self.total_steps or self.step:,} steps"
         if self.message:
             return f"{self.state}: {self.message}" if not self.message.startswith(self.state) else self.message
-        if self.state in ("stopped", "failed"):
+        if self.state in ("stopped", "failed", DIVERGED):
             return f"{self.state} at step {self.step:,}"
         return self.state or "unknown"
 

@@ -12,6 +12,7 @@ from multilane.engine.cli.progress import data_wait
 from multilane.engine.cli.terminal_text import printable
 from multilane.engine.config import PROCESS_STRATEGIES, RunConfig, build_config
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import CONFIG, RunDir, iter_metrics
 from multilane.engine.rundir.runs_folder import run_folder_problem
 from multilane.engine.rundir.writefile import check_writable
@@ -249,7 +250,7 @@ class RunControlMixin:
         else:
             text = final_text(status, result["step"], result.get("message"))
             self.status_label.setText(f"{text} · {result['run_dir']}")
-        if status in ("finished", "stopped", "failed") and result.get("run_dir"):
+        if status in ("finished", "stopped", "failed", DIVERGED) and result.get("run_dir"):
             self.show_summary(result["run_dir"])
         self.restore_form_after_follow()
         self.validate()

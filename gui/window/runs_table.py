@@ -9,6 +9,7 @@ from pathlib import Path
 
 from multilane.engine.errors import UserError
 from multilane.engine.numbers import format_number
+from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.runs.run_summary import fmt_duration
 from multilane.gui.window.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
@@ -31,7 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 EDITABLE = ("tags", "note")  # edited in place (double-click, F2); written to the run's meta.json
-STATES = ["all", "running", "paused", "finished", "stopped", "failed"]
+STATES = ["all", "running", "paused", "finished", "stopped", DIVERGED, "failed"]
 POLL_MS = 2000
 
 

@@ -230,3 +230,23 @@ def test_a_single_runs_caption_names_its_strategy(tmp_path):
         config = {"task": {"name": "digits"}, "devices": devices, "data": {"batch_size": 64}}
         (tmp_path / "config.json").write_text(json.dumps(config | {"optim": {"name": "adam", "lr": 0.003}}))
         assert run_caption(tmp_path) == f"task digits · {expected} · batch 64 · adam lr 0.003"
+
+
+@pytest.mark.slow
+def test_the_figure_of_a_run_that_diverged_says_so_under_its_title(tmp_path):
+    # status.json's state is shown in the caption under the title: "diverged at step 3", not "stopped".
+    from helpers import DIVERGE_TASK, diverge_settings
+    from multilane.engine.config import build_config
+    from multilane.engine.run.trainer import Trainer
+    from multilane.engine.tasks import make_task
+    from multilane.gui.plots.export import export_headless
+    from multilane.gui.plots.figures import run_caption
+
+    cfg = diverge_settings(tmp_path / "runs", "cpu:0", "replicate", 3, steps=6)
+    cfg["train"]["log_every"] = 1
+    cfg["health"] = {"nan_replay": False}
+    result = Trainer(build_config(cfg), task=make_task(DIVERGE_TASK, cfg["task"]["params"])).run()
+    assert result.status == "diverged", result.message
+    assert run_caption(result.run_dir).endswith(" · diverged at step 3")
+    (svg,) = [p for p in export_headless(result.run_dir, tmp_path / "out", ["svg"]) if p.name == "loss.svg"]
+    assert "diverged at step 3" in svg.read_text()

@@ -133,3 +133,30 @@ def test_the_table_refreshes_by_itself_as_runs_start_and_end_and_a_live_run_is_n
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_run_that_diverged_shows_as_diverged_not_stopped(qtbot, tmp_path):
+    # A real run whose loss went NaN (and one stopped by the user beside it): the status column says
+    # "diverged", and the state filter tells the two apart.
+    from helpers import DIVERGE_TASK, diverge_settings
+    from multilane.engine.config import build_config
+    from multilane.engine.tasks import make_task
+    from multilane.gui.window.runs_table import RunsTable
+
+    runs = tmp_path / "runs"
+    cfg = diverge_settings(runs, "cpu:0", "replicate", 3, steps=6)
+    assert Trainer(build_config(cfg), task=make_task(DIVERGE_TASK, cfg["task"]["params"])).run().status == "diverged"
+    cfg = diverge_settings(runs, "cpu:0", "replicate", 0, steps=6) | {"run": {"runs_dir": str(runs), "name": "user"}}
+    stopped = Trainer(build_config(cfg), task=make_task(DIVERGE_TASK, cfg["task"]["params"]))
+    stopped.control.request_stop()
+    assert stopped.run().status == "stopped"
+    t = RunsTable()
+    qtbot.addWidget(t)
+    t.load(str(runs))
+    statuses = sorted(t.table.item(r, col("status")).text() for r in range(t.table.rowCount()))
+    assert statuses == ["diverged", "stopped"]
+    t.state.setCurrentText("diverged")
+    assert shown(t) == ["run"]
+    t.state.setCurrentText("stopped")
+    assert shown(t) == ["user"]

@@ -73,17 +73,19 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *words: str) -> None
 
 
 @pytest.mark.slow
-def test_watch_shows_a_real_run_stopped_by_a_nan_loss(tmp_path):
+def test_watch_shows_a_real_run_that_diverged_on_a_nan_loss(tmp_path):
     task = tmp_path / "nan.py"
     task.write_text(NAN_TASK)
     runs = tmp_path / "runs"
     args = ["--task", str(task), "--devices", "cpu:0", "--steps", "20", "--runs-dir", str(runs)]
-    subprocess.run([*CLI, "train", *args, "--set", "train.log_every=1"], capture_output=True, timeout=120)
+    trained = subprocess.run([*CLI, "train", *args, "--set", "train.log_every=1"], capture_output=True, timeout=120)
+    assert trained.returncode == 3, trained.stderr  # EXIT_DIVERGED: neither a Stop (0) nor a failure (1)
     (run,) = list(runs.iterdir())
     assert b'"loss":null' in (run / "metrics.jsonl").read_bytes()
     out = watch(str(run))
     assert "Traceback" not in out.stderr, out.stderr
-    assert out.stdout.strip().splitlines()[-1].startswith("stopped: step 3"), out.stdout
+    assert out.returncode == 3, out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("diverged: step 3"), out.stdout
     assert "loss nan" in out.stdout
 
 

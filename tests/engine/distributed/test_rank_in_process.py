@@ -100,19 +100,19 @@ def test_a_nan_on_a_rank_of_one_is_traced_to_the_module_and_samples_the_one_lane
     ref["data"]["val_fraction"] = 0.0
     ref["optim"] = {"name": "sgd", "lr": 0.01}
     result = Trainer(build_config(ref), task=make_task(NAN, params)).run()
-    assert result.status == "stopped" and "first non-finite" in result.message, result.message
+    assert result.status == "diverged" and "first non-finite" in result.message, result.message
 
     cfg = {
         **ref,
         "devices": {"use": "cpu:0", "strategy": "ddp"},
         "run": {"runs_dir": str(tmp_path / "rank"), "name": "r"},
     }
-    assert run_rank(tmp_path, cfg) == 0  # stopped, not failed: the run ends on the NaN
+    assert run_rank(tmp_path, cfg) == 0  # diverged, not failed: the launcher maps it to exit 3
     run = the_run(tmp_path / "rank")
     status = json.loads((run / "status.json").read_text())
     want = json.loads((result.run_dir / "nan_origin.json").read_text())
     got = json.loads((run / "nan_origin.json").read_text())
-    assert status["state"] == "stopped" and as_lane(status["message"]) == result.message, status["message"]
+    assert status["state"] == "diverged" and as_lane(status["message"]) == result.message, status["message"]
     assert got["step"] == want["step"] and got["samples"] == want["samples"] == [61] and got["kind"] == "output"
     for part in ("inputs", "outputs", "gradients"):
         assert {as_lane(k): v for k, v in got[part].items()} == want[part], part

@@ -72,7 +72,7 @@ def run(make_config, task, devices="cpu:0,cpu:1", **over):
     cfg = make_config(devices__use=devices, **(base | over))
     trainer = Trainer(cfg, task=task)
     result = trainer.run()
-    assert result.status == "stopped"
+    assert result.status == "diverged"
     status = json.loads((trainer.run_dir.path / "status.json").read_text())
     detail = json.loads((trainer.run_dir.path / "nan_origin.json").read_text())
     return result, status, detail, trainer

@@ -35,7 +35,7 @@ def settings(tmp_path: Path, lanes: int, params: dict, name: str) -> dict:
 def lanes_run(tmp_path: Path, lanes: int, params: dict) -> tuple[str, dict]:
     cfg = settings(tmp_path, lanes, params, "lanes")
     result = Trainer(build_config(cfg), task=make_task(TASK, params)).run()
-    assert result.status == "stopped", result.message
+    assert result.status == "diverged", result.message
     return result.message, json.loads((result.run_dir / "nan_origin.json").read_text())
 
 
@@ -47,7 +47,7 @@ def ddp_run(tmp_path: Path, ranks: int, params: dict) -> tuple[str, dict, dict]:
                        timeout=300)  # fmt: skip
     (run,) = [p for p in (tmp_path / "ddp").iterdir() if (p / "status.json").is_file()]
     status = json.loads((run / "status.json").read_text())
-    assert status["state"] == "stopped", r.stderr[-3000:]
+    assert status["state"] == "diverged" and r.returncode == 3, r.stderr[-3000:]
     return status["message"], json.loads((run / "nan_origin.json").read_text()), status
 
 

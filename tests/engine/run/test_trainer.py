@@ -319,7 +319,7 @@ def test_a_nonfinite_loss_stops_naming_the_step_and_device(make_config):
         train__checkpoint_every=1,
     )
     result = Trainer(cfg).run()
-    assert result.status == "stopped"
+    assert result.status == "diverged"
     assert "loss became" in result.message and "at step" in result.message and "cpu:" in result.message
     ck = torch.load(result.run_dir / "checkpoints/last.pt", weights_only=True)
     assert ck["step"] < result.step
