@@ -14,6 +14,7 @@ from typing import Any
 
 from multilane.engine.cli.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
+from multilane.engine.health.noise_scale import format_noise_scale
 from multilane.engine.numbers import format_number, format_percent
 from multilane.engine.rundir.follow import DIVERGED, RunFollower
 from multilane.engine.rundir.readfile import user_path
@@ -120,7 +121,7 @@ class WatchState:
             parts.append(f"val {_value(self.eval['val_loss'])}")
         noise = self.train.get("noise")
         if isinstance(noise, dict) and noise.get("b_simple") is not None:
-            parts.append(f"noise scale ≈ {format_number(noise['b_simple'])}")
+            parts.append(f"noise scale ≈ {format_noise_scale(noise['b_simple'])}")
         if self.health:
             parts.append(self.health)
         text = " · ".join(parts)

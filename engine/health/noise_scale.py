@@ -113,6 +113,11 @@ class NoiseScale:
             self.weight, self.samples = float(state["weight"]), int(state["samples"])
 
 
+def format_noise_scale(b_simple: float) -> str:
+    """The noise scale as every view prints it: a batch size, whole ("1,481"; "0.4" below one)."""
+    return f"{b_simple:,.0f}" if abs(b_simple) >= 1 else f"{b_simple:.1g}"
+
+
 def verdict(batch: float, b_simple: float | None, unit: str = "samples") -> str:
     """One line for the window and the CLI: the batch against the noise scale."""
     if b_simple is None:
@@ -124,4 +129,4 @@ def verdict(batch: float, b_simple: float | None, unit: str = "samples") -> str:
     else:
         hint = "the batch is near the noise scale"
     per = "" if unit == "samples" else f" ({unit})"
-    return f"batch {batch:,.0f}{per} · noise scale ≈ {b_simple:,.0f}: {hint}"
+    return f"batch {batch:,.0f}{per} · noise scale ≈ {format_noise_scale(b_simple)}: {hint}"

@@ -2,23 +2,29 @@
 
 The heatmap draws the run's ``health`` records as they are: one column per sampled step, one row per
 layer (or block), the colour the value's log10 for the norms and ratios (a linear scale for the
-activations' mean and fraction of zeros), a missing value left transparent. Hovering names the layer,
-the step and the value. Below it, the smoothed noise scale ``B_simple`` per logged step with the run's
-batch as a line, and the verdict (engine/health/noise_scale.py). Redrawn from the run's lists on the
+activations' mean and fraction of zeros), a missing value left transparent. An exact zero on the log scale
+(a dead layer's gradient, a frozen one's update) is drawn one decade under the smallest value, the bottom
+of the colour bar, never blank: the sickest rows must not look empty. Hovering names the layer, the step
+and the value. Above it, the diagnosis (engine/health/diagnosis.py): the few layers that need attention
+and why, each a click away from its row. Below it, the smoothed noise scale ``B_simple`` per logged step
+with the run's batch as a line (both in the y range), and the verdict (engine/health/noise_scale.py). A
+run that sampled no health says why (the NaN that ended it first). Redrawn from the run's lists on the
 window's timer, only while the view is shown.
 """
 
 from __future__ import annotations
 
+import html
 import math
 
 import numpy as np
 import pyqtgraph as pg
+from multilane.engine.health.diagnosis import Finding, diagnose
 from multilane.engine.health.monitor import ONE_DEVICE
 from multilane.engine.health.noise_scale import verdict
 from multilane.gui.runs.run_data import RunData
 from PySide6.QtCore import QRectF
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
 QUANTITIES = {
     "grad_norm": ("gradient norm", "rows", True),
@@ -65,6 +71,12 @@ class HealthView(QWidget):
         bar.addWidget(self.quantity)
         bar.addSpacing(12)
         bar.addWidget(self.hover, 1)
+        self.diagnosis = QListWidget()
+        self.diagnosis.setObjectName("health.diagnosis")
+        self.diagnosis.setToolTip("The layers that need attention and why; click one to show its row")
+        self.diagnosis.itemClicked.connect(self._select_finding)
+        self.diagnosis.setVisible(False)
+        self.findings: list[Finding] = []
         self.canvas = pg.GraphicsLayoutWidget()
         self.canvas.setBackground("w")
         self.heat = self.canvas.addPlot(row=0, col=0)
@@ -72,6 +84,9 @@ class HealthView(QWidget):
         self.image = pg.ImageItem()
         self.image.setColorMap(pg.colormap.get("viridis"))
         self.heat.addItem(self.image)
+        self.selected = pg.LinearRegionItem(orientation="horizontal", movable=False, brush=(214, 39, 40, 40))
+        self.selected.setVisible(False)
+        self.heat.addItem(self.selected, ignoreBounds=True)
         self.bar = pg.ColorBarItem(colorMap=pg.colormap.get("viridis"), interactive=False, width=12)
         self.bar.setImageItem(self.image, insert_in=self.heat)
         self.noise = self.canvas.addPlot(row=1, col=0)
@@ -89,6 +104,7 @@ class HealthView(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(bar)
         lay.addWidget(self.noise_line)
+        lay.addWidget(self.diagnosis)
         lay.addWidget(self.canvas, 1)
         self._names: list[str] = []
         self._steps: list[int] = []
@@ -106,6 +122,7 @@ class HealthView(QWidget):
         if state == self._state and not force:
             return
         self._state = state
+        self._draw_diagnosis()
         self._draw_heatmap(key)
         self._draw_noise()
 
@@ -115,12 +132,19 @@ class HealthView(QWidget):
         self._names, self._steps, self._values = names, steps, values
         if not names:
             self.image.clear()
-            self.heat.setTitle("no health sampled yet (health.every)", size="9pt")
+            self.selected.setVisible(False)
+            self.heat.setTitle(self._why_empty(), size="9pt")
             return
         shown = values.copy()
+        zero = None
         if log:
-            shown[~(shown > 0)] = np.nan
+            positive = shown > 0
+            exact_zero = shown == 0
+            shown[~positive] = np.nan
             shown = np.log10(shown)
+            if exact_zero.any():  # one decade under the smallest value (or -12 when all are zero)
+                zero = float(np.nanmin(shown)) - 1.0 if positive.any() else -12.0
+                shown[exact_zero] = zero
         finite = shown[np.isfinite(shown)]
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         if hi <= lo:
@@ -131,7 +155,52 @@ class HealthView(QWidget):
         self.image.setRect(QRectF(steps[0] - width / 2, -0.5, width * len(steps), len(names)))
         self.heat.getAxis("left").setTicks([[(i, n) for i, n in enumerate(names)]])
         self.heat.invertY(True)
-        self.heat.setTitle(f"{label}{' (log10 colour)' if log else ''}: layers × sampled steps", size="9pt")
+        scale = " (log10 colour; exact 0 at the bar's bottom)" if zero is not None else " (log10 colour)" if log else ""
+        self.heat.setTitle(f"{label}{scale}: layers × sampled steps", size="9pt")
+        self._show_selected()
+
+    def _why_empty(self) -> str:
+        """The heatmap's title when there is nothing to draw: why, the NaN that ended the run first."""
+        origin = self.data.nan_origin
+        if origin is not None and not self.data.health:
+            return html.escape(f"no health sampled before the loss went non-finite: {origin.get('message', '')}")
+        return "no health sampled yet (health.every)"
+
+    def _draw_diagnosis(self) -> None:
+        findings = diagnose(self.data.health, self.data.nan_origin)
+        if findings == self.findings and self.diagnosis.count() == len(findings):
+            return
+        self.findings = findings
+        self.diagnosis.clear()
+        for f in findings:
+            item = QListWidgetItem(f.text)
+            item.setToolTip(f.text)
+            self.diagnosis.addItem(item)
+        self.diagnosis.setVisible(bool(findings))
+        rows = min(len(findings), 5)
+        self.diagnosis.setFixedHeight(self.diagnosis.sizeHintForRow(0) * rows + 6 if rows else 0)
+
+    def _select_finding(self, item: QListWidgetItem) -> None:
+        self.select_finding(self.diagnosis.row(item))
+
+    def select_finding(self, k: int) -> None:
+        """Show finding ``k``: its quantity in the heatmap, its layer's row marked."""
+        f = self.findings[k]
+        self._selected_row = f.row
+        index = self.quantity.findData(f.quantity)
+        if index >= 0 and index != self.quantity.currentIndex():
+            self.quantity.setCurrentIndex(index)  # redraws, marking the row
+        else:
+            self._show_selected()
+
+    def _show_selected(self) -> None:
+        row = getattr(self, "_selected_row", None)
+        if row in self._names:
+            i = self._names.index(row)
+            self.selected.setRegion((i - 0.5, i + 0.5))
+            self.selected.setVisible(True)
+        else:
+            self.selected.setVisible(False)
 
     def _draw_noise(self) -> None:
         d = self.data
@@ -139,6 +208,10 @@ class HealthView(QWidget):
         keep = np.isfinite(b)
         self.noise_curve.setData(steps[keep], b[keep])
         batch = d.noise.get("batch")
+        known = np.concatenate([b[keep], batch[np.isfinite(batch)][-1:]])
+        if known.size:  # the curve and the batch it is judged against, both in view
+            top = float(known.max())
+            self.noise.setYRange(min(0.0, float(known.min())), top * 1.1 if top > 0 else 1.0, padding=0)
         if d.noise.rows and np.isfinite(batch[-1]):
             last = float(b[keep][-1]) if keep.any() else None
             self.batch_line.setPos(float(batch[-1]))
@@ -171,5 +244,5 @@ class HealthView(QWidget):
             return ""
         v = self._values[i, j]
         label = QUANTITIES[self.quantity.currentData()][0]
-        value = "no value" if not math.isfinite(v) else f"{v:.4g}"
+        value = "no value" if not math.isfinite(v) else "0 (exact zero)" if v == 0 else f"{v:.4g}"
         return f"{self._names[i]} · step {self._steps[j]} · {label} {value}"

@@ -25,6 +25,8 @@ from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction
 
+ENDS = ("finished", "stopped", "failed", "diverged", "aborted")  # a run's last event: nothing more will come
+
 
 class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
     """Every live plot of one run (plus overlaid past runs, for comparison).
@@ -328,11 +330,14 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         runs = [self.data, *(r for r, _ in self.overlays)]
         trained = [r for r in runs if r.train.rows]
         evaluated = [r for r in runs if r.eval.rows]
+        ended = all(any(e.get("event") in ENDS for e in r.events) for r in runs)
         self.empty_panels = {}
         if trained and not any("grad_norm" in r.train.columns for r in trained):
             self.empty_panels["gradient norm"] = "not logged by this run"
         if evaluated and not any(r.metric_names for r in evaluated):
             self.empty_panels["validation metric"] = "the task reports none"
+        elif trained and not evaluated and ended:
+            self.empty_panels["validation metric"] = "no evaluation in this run"
         for plot, name in ((self.grad_norm, "gradient norm"), (self.metric_plot, "validation metric")):
             plot.setVisible(name not in self.empty_panels and not self.compact)
 

@@ -143,3 +143,69 @@ def test_export_writes_health_in_long_form(tmp_path):
     assert got[("30", "update_ratio", "features.2")] == ""
     assert float(got[("65", "noise_b_simple", "")]) == 600
     assert np.isfinite(float(got[("10", "grad_norm", "features.0")]))
+
+
+def test_exact_zeros_are_drawn_at_the_bottom_of_the_colour_bar_not_blank(qtbot):
+    # a dead layer's gradient is exactly 0: on the log scale it is the sickest row, so it must show
+    d = make_run()
+    for rec in d.health:
+        rec["grad_norm"][0] = 0.0
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    img = view.image.image  # as drawn: (steps, rows)
+    smallest = math.log10(2.0)  # features.2 at step 10
+    assert img[:, 0].tolist() == pytest.approx([smallest - 1.0] * 6)  # a decade under the smallest value
+    assert view.image.levels[0] == pytest.approx(smallest - 1.0)  # the bottom of the bar: its colour
+    assert "exact 0 at the bar's bottom" in view.heat.titleLabel.text
+    assert view.value_at(10.0, 0.0) == "features.0 · step 10 · gradient norm 0 (exact zero)"
+
+
+def test_the_noise_plot_shows_the_batch_line_even_above_the_curve(qtbot):
+    d = make_run()
+    for k in range(1, 4):
+        noise = {"g2": 1.0, "trace": 5.0 * k, "b_simple": 5.0 * k, "batch": 256, "unit": "samples"}
+        d.add({"kind": "train", "step": 10 * k, "wall_time": 3000.0 + k, "loss": 0.5, "noise": noise})
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    lo, hi = view.noise.vb.viewRange()[1]
+    assert lo <= 5.0 and hi >= 256.0, (lo, hi)
+
+
+def test_a_run_that_went_nan_before_any_health_says_why_the_heatmap_is_empty(qtbot):
+    d = RunData("nan")
+    d.add({"kind": "train", "step": 5, "wall_time": 1.0, "loss": None, "device_loss": {"cpu:0": None}})
+    message = "loss became nan at step 3: non-finite values in the input data on cpu:0, from samples 12"
+    d.add({"kind": "event", "event": "nonfinite_origin", "step": 5, "wall_time": 2.0, "message": message})
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    assert "no health sampled before the loss went non-finite" in view.heat.titleLabel.text
+    assert "from samples 12" in view.heat.titleLabel.text
+    assert [view.diagnosis.item(i).text() for i in range(view.diagnosis.count())] == [message]
+
+
+def test_the_diagnosis_lists_the_sick_layers_and_a_click_shows_the_row(qtbot):
+    d = make_run()  # grad norms grow 1..6 per layer: no explosion; update ratios 1e-1 .. 1e-8
+    last = d.health[-1]
+    last["grad_norm"][2] = 400.0  # head.1: 100x its usual: exploding
+    last["act_zero"] = [0.96]  # the ReLU: dead
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    texts = [view.diagnosis.item(i).text() for i in range(view.diagnosis.count())]
+    assert view.diagnosis.isVisibleTo(view)
+    assert texts[0] == "features.1 (ReLU): 96% of its outputs are exact zeros (dead units)", texts
+    assert any(t.startswith("features.2: update/weight 1.0e-07") and "barely moves" in t for t in texts), texts
+    assert not any(t.startswith("features.0") for t in texts), texts  # 1e-6 and growing norms: healthy
+    assert any(t.startswith("head.1: gradient norm 4.00e+02") and "(exploding)" in t for t in texts), texts
+    k = next(i for i, t in enumerate(texts) if t.startswith("head.1: gradient norm"))
+    view.select_finding(k)
+    assert view.quantity.currentData() == "grad_norm"
+    assert view.selected.isVisible() and view.selected.getRegion() == pytest.approx((1.5, 2.5))
+    for rec in d.health:  # every layer's update ratio near the usual 1e-3, the ReLU alive, no spike
+        rec["update_ratio"] = [1e-3, 2e-3, 5e-4]
+    last["act_zero"], last["grad_norm"][2] = [0.3], 18.0
+    view.set_data(d)
+    assert view.diagnosis.count() == 0 and not view.diagnosis.isVisibleTo(view)

@@ -339,3 +339,10 @@ def test_a_panel_with_no_data_is_hidden_and_the_key_says_why(panel, qtbot):
     assert "not shown" not in panel.key.text
     (item,) = [i for i in panel.grad_norm.listDataItems() if i.isVisible()]
     np.testing.assert_allclose(drawn(item)[1], [2.0 + s / 100 for s in range(10, 310, 10)])
+    # a run that ended without evaluating: its metric panel goes too, saying so; while it runs it stays
+    live = make_run(n=5)
+    show(panel, live, qtbot)
+    assert panel.metric_plot.isVisible()
+    live.add({"kind": "event", "event": "finished", "step": 50, "wall_time": 2000.0})
+    show(panel, live, qtbot)
+    assert not panel.metric_plot.isVisible() and "validation metric: no evaluation in this run" in panel.key.text

@@ -205,3 +205,15 @@ def test_one_device_says_why_there_is_no_noise_scale():
     assert mon.noise_note == ONE_DEVICE
     assert "two or more devices" in ONE_DEVICE
     assert math.isfinite(HealthSection().every)
+
+
+def test_watch_prints_the_noise_scale_as_the_view_does():
+    from multilane.engine.cli.watch import WatchState
+    from multilane.engine.health.noise_scale import verdict
+
+    state = WatchState()
+    state.add({"kind": "train", "step": 50, "loss": 1.0, "noise": {"b_simple": 15.2, "batch": 64}})
+    assert "noise scale ≈ 15 ·" in state.line() + " ·" and "15.2000" not in state.line()
+    assert "noise scale ≈ 15:" in verdict(64, 15.2)
+    state.add({"kind": "train", "step": 60, "loss": 1.0, "noise": {"b_simple": 1481.4, "batch": 64}})
+    assert "noise scale ≈ 1,481" in state.line()
