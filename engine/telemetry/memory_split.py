@@ -2,8 +2,10 @@
 
 Counted from the tensors themselves at log time (sizes only: no device sync), per lane or rank:
 
-- replicate: the model, its gradients and the optimizer state live on the model's device; the other
-  devices hold the step's replicas only while a step runs (counted in their rest);
+- replicate: the model, its gradients and the optimizer state live on the model's device; each other
+  device holds a replica of the parameters while every step runs (torch's ``replicate`` broadcasts them
+  per step): its parameters are counted there, marked ``"replica": true`` ("during each step" in the
+  summary), since that is what the device holds at its peak;
 - persistent: lane 0 holds the model, its gradients and the optimizer state; every other lane its
   replica's parameters and gradients;
 - ddp: every rank a whole copy of all three;
@@ -80,12 +82,20 @@ def lanes_memory(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: A
     devices = {n: d.torch_device() for n, d in zip(names, backend.devices, strict=True)}
     parts = {n: dict.fromkeys(KINDS, 0) for n in names}
     replicas = strategy.replicas() if hasattr(strategy, "replicas") else []
+    home = next((n for n in names if devices[n] == backend.model_device), names[0])
     if replicas:  # persistent: lane j runs replica j (replica 0 is the model)
         for name, r in zip(names[1:], replicas[1:], strict=False):
             parts[name] = split(list(r.parameters()), None)
-    home = next((n for n in names if devices[n] == backend.model_device), names[0])
+    elif len(names) > 1:  # replicate: every step copies the parameters to the other lanes (CPU lanes too)
+        copy = {"params": tensor_bytes(model.parameters()), "grads": 0, "optimizer": 0}
+        parts.update({name: dict(copy) for name in names if name != home})
     parts[home] = split(list(model.parameters()), optimizer)
-    return with_rest(parts, devices)
+    out = with_rest(parts, devices)
+    if not replicas:
+        for name in names:
+            if name != home and out[name]["params"]:
+                out[name]["replica"] = True
+    return out
 
 
 def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer, key: str, device: torch.device) -> dict[str, Any]:
@@ -112,7 +122,7 @@ def summary_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for name, m in memory.items():
         rest = "" if m.get("rest") is None else f" · rest {fmt_bytes(m['rest'])}"
-        host = " (in host memory)" if m.get("host") else ""
+        host = " (in host memory)" if m.get("host") else " (a replica, during each step)" if m.get("replica") else ""
         lines.append(
             f"  memory {name}: params {fmt_bytes(m['params'])} · grads {fmt_bytes(m['grads'])}"
             f" · optimizer {fmt_bytes(m['optimizer'])}{host}{rest}"

@@ -8,7 +8,7 @@ import pytest
 from multilane.engine.cli.progress import summary
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import read_metrics
-from multilane.engine.telemetry.memory_split import split, summary_lines, tensor_bytes
+from multilane.engine.telemetry.memory_split import fmt_bytes, split, summary_lines, tensor_bytes
 from torch import nn
 
 
@@ -43,8 +43,11 @@ def test_each_lane_of_a_single_process_run_reports_what_it_holds(make_config, st
     mem = [r for r in read_metrics(result.run_dir) if r["kind"] == "train"][-1]["memory"]
     lane0, lane1 = mem.values()
     assert lane0 == {"params": params, "grads": params, "optimizer": 2 * params, "rest": None}  # Adam: 2 moments
-    # replicate copies the model to lane 1 only while a step runs; persistent keeps a replica there.
-    assert lane1["params"] == (params if strategy == "persistent" else 0)
-    assert lane1["optimizer"] == 0
+    # what lane 1 holds at its peak: its replica's parameters, kept by persistent, broadcast to it by
+    # replicate every step (and said so); no optimizer state
+    assert lane1["params"] == params and lane1["optimizer"] == 0
+    assert lane1.get("replica") is (True if strategy == "replicate" else None)
     text = summary(result)
     assert f"memory {next(iter(mem))}: params " in text and "optimizer " in text
+    during = f"memory {list(mem)[1]}: params {fmt_bytes(params)} (a replica, during each step)"
+    assert (during in text) is (strategy == "replicate"), text
