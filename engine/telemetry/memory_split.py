@@ -122,9 +122,10 @@ def summary_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for name, m in memory.items():
         rest = "" if m.get("rest") is None else f" · rest {fmt_bytes(m['rest'])}"
-        host = " (in host memory)" if m.get("host") else " (a replica, during each step)" if m.get("replica") else ""
+        host = " (in host memory)" if m.get("host") else ""
+        replica = " (a replica, during each step)" if m.get("replica") else ""
         lines.append(
-            f"  memory {name}: params {fmt_bytes(m['params'])} · grads {fmt_bytes(m['grads'])}"
+            f"  memory {name}: params {fmt_bytes(m['params'])}{replica} · grads {fmt_bytes(m['grads'])}"
             f" · optimizer {fmt_bytes(m['optimizer'])}{host}{rest}"
         )
     return lines
