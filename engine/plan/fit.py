@@ -7,10 +7,12 @@ import os
 
 import torch
 from multilane.engine.config import RunConfig
+from multilane.engine.distributed.rank_state import InplaceWriteError
 from multilane.engine.errors import UserError
 from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at, per_rank_at
 from multilane.engine.plan.measure import free_bytes
 from multilane.engine.plan.probe import MemoryLine, probe
+from multilane.engine.run.failures import one_line, where
 from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
 
@@ -36,6 +38,16 @@ def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
         raise UserError(
             f"will not fit: the probe ran out of GPU memory with a few samples per device "
             f"(strategy {config.devices.strategy}, precision {config.train.precision})"
+        ) from None
+    except (UserError, KeyboardInterrupt):
+        raise
+    except InplaceWriteError as e:  # the ddp rank's own refusal, before any rank starts
+        raise UserError(str(e)) from None
+    except (Exception, SystemExit) as e:
+        # The probe takes the run's own steps (probe.py): what fails here fails the run's first step too.
+        raise UserError(
+            f"task {task.name}: the fit check's probe step failed{where(e)}: {one_line(e)} "
+            f"(strategy {config.devices.strategy}; train.fit_check = false skips the check)"
         ) from None
     return forecast_from(lines, config, len(devices))
 
