@@ -215,6 +215,8 @@ class RankRules:
         self.buffers = BufferMerge(model, group)
         self.reached: set[int] | None = set()
         """While this process's first step runs: the parameters this rank's backward reaches."""
+        self.before_backward: Callable[[torch.Tensor], None] | None = None
+        """Called with each loss just before its backward (fsdp: the ranks agree on what it reaches)."""
 
     def forward(self, fn: Callable[[], T], n: int, sizes: list[int]) -> T:
         """``fn()`` (a forward and its loss) by the lanes' rules: a rank with no samples of its own
@@ -235,9 +237,11 @@ class RankRules:
         return out
 
     def note(self, loss: torch.Tensor) -> None:
-        """While probing: remember which parameters ``loss``'s backward reaches."""
+        """Just before ``loss``'s backward. While probing: remember which parameters it reaches."""
         if self.reached is not None:
             self.reached |= reached(loss)
+        if self.before_backward is not None:
+            self.before_backward(loss)
 
     def reduce_probe(self) -> bool:
         """The first step's gradients, reduced by hand; whether DDP must find unused parameters.

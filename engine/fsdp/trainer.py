@@ -132,6 +132,7 @@ class FsdpTrainer(DdpTrainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
         # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
         self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce, sharded=True)

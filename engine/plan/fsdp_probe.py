@@ -56,14 +56,8 @@ def probe_fsdp(config: RunConfig, task: Any, devices: list[Device]) -> list[Memo
 
     if dist.is_available() and dist.is_initialized():
         raise UserError("plan: the fsdp forecast simulates a rank in its own process group; this process has one")
-    with _kept_random_state(devices):
-        if len(devices) > 1:  # a layer only some ranks' samples reach: refused before any rank starts
-            from multilane.engine.fsdp.reach import check_shards
-            from multilane.engine.fsdp.units import choose_units
-
-            check_shards(config, task, lambda m: choose_units(task, m), len(devices), devices[0].torch_device())
-        with _fake_group(len(devices)):
-            phases, data_batch, shards = _probe(config, task, devices)
+    with _kept_random_state(devices), _fake_group(len(devices)):
+        phases, data_batch, shards = _probe(config, task, devices)
     by_memory: dict[str, list[int]] = {}  # each GPU's ranks (two ranks may share one), or the RAM's
     for i, d in enumerate(devices):
         by_memory.setdefault(d.name if d.is_cuda else "cpu", []).append(i)

@@ -3,9 +3,10 @@ above 2, and not at all on a batch without one, so some ranks' (and lanes') shar
 while others take it, and a step where no shard holds such a sample leaves it without a gradient. Each
 sample's output depends on that sample alone, so every strategy can match one device exactly.
 
-``kind`` picks the shape: ``branch`` (one optional layer) or ``experts`` (a hard mixture: each sample goes
+``kind`` picks the shape: ``branch`` (one optional layer), ``experts`` (a hard mixture: each sample goes
 to the expert its first feature picks, so an expert only some shards' samples pick gets a gradient there
-alone). ``rare`` samples (the first ones of the data set, which the shuffled order spreads) take the branch.
+alone) or ``output`` (the layer runs on every shard, and its output enters the loss only on a shard with
+such a sample: the layer's forward runs everywhere, its gradient comes from some shards only). ``rare`` samples (the first ones of the data set, which the shuffled order spreads) take the branch.
 """
 
 from typing import Literal
@@ -18,7 +19,7 @@ from torch.nn import functional as F
 
 
 class Params(BaseModel):
-    kind: Literal["branch", "experts"] = "branch"
+    kind: Literal["branch", "experts", "output"] = "branch"
     samples: int = 40
     rare: int = 3
 
@@ -36,6 +37,16 @@ class Branch(nn.Module):
         if rows.any():  # a layer only some samples reach: a shard without such a sample skips it
             h = h.clone()
             h[rows] = h[rows] + self.extra(h[rows])
+        return self.head(h)
+
+
+class OptionalOutput(Branch):
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        e = self.extra(h)  # every shard runs the layer
+        rows = x[:, 0] > 2.0
+        if rows.any():  # only a shard with such a sample uses its output
+            h = torch.where(rows[:, None], h + e, h)
         return self.head(h)
 
 
@@ -63,7 +74,7 @@ class BranchKinds(Task):
     metric = "mae"
 
     def build_model(self) -> nn.Module:
-        return (Branch() if self.params.kind == "branch" else Experts()).double()
+        return {"branch": Branch, "experts": Experts, "output": OptionalOutput}[self.params.kind]().double()
 
     def data(self) -> ArrayData:
         g = torch.Generator().manual_seed(11)

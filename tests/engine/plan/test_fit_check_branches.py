@@ -36,7 +36,13 @@ from torch import nn
 
 BRANCH = str(TASK_FILES / "branch_kinds.py")
 BOUND = 1e-10
-REFUSAL = "devices.strategy = fsdp cannot train this model: a layer only some samples reach ('extra'"
+REFUSAL = "devices.strategy = fsdp cannot train this model: a layer only some samples reach ("
+REFUSED = {  # what each kind's refusal names
+    "branch": "'extra' runs on rank 1's shard of micro-batch 1 but not on rank 0's",
+    "experts": "'experts.1' runs on rank 1's shard of micro-batch 1 but not on rank 0's",
+    "output": "'extra.weight' gets a gradient from rank 1's shard of micro-batch 1 but not from rank 0's",
+}
+KINDS = list(REFUSED)
 
 
 @pytest.fixture(autouse=True)
@@ -105,19 +111,17 @@ def test_the_chosen_data_puts_the_branch_on_some_shards_and_never_on_the_first()
         assert any(not any(step) for step in took), took  # some step: no shard does (no gradient at all)
 
 
-def test_the_fsdp_check_refuses_before_any_rank_starts_naming_the_layer_and_the_strategies_that_train_it():
-    cfg = build_config(settings(Path("."), "branch", "fsdp", [1, 3]))
-    task = make_task(BRANCH, {})
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fsdp_check_refuses_before_any_rank_starts_naming_the_layer_and_the_strategies_that_train_it(kind):
+    cfg = build_config(settings(Path("."), kind, "fsdp", [1, 3]))
+    task = make_task(BRANCH, {"kind": kind})
     with pytest.raises(UserError) as e:
         check_shards(cfg, task, default_units, 2, torch.device("cpu"))
     line = str(e.value)
-    assert line.startswith(REFUSAL) and "rank 1's shard of micro-batch 1 but not on rank 0's" in line, line
+    assert line.startswith(REFUSAL + REFUSED[kind]), line
     assert '"ddp", "replicate" or "persistent"' in line and "\n" not in line
-    cfg.task.params = {"kind": "experts"}
-    with pytest.raises(UserError, match=r"a layer only some samples reach \('experts\.1'"):
-        check_shards(cfg, make_task(BRANCH, {"kind": "experts"}), default_units, 2, torch.device("cpu"))
-    cfg.devices.weights = [1]  # one rank: nothing to differ
-    check_shards(cfg, task, default_units, 1, torch.device("cpu"))
+    cfg.devices.weights = []
+    check_shards(cfg, task, default_units, 1, torch.device("cpu"))  # one rank: nothing to differ
 
 
 def test_where_the_ranks_units_first_part():
@@ -222,7 +226,7 @@ def test_plan_under_ddp_steps_a_layer_only_some_samples_reach(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["replicate", "persistent"])
-@pytest.mark.parametrize("kind", ["branch", "experts"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_lanes_train_a_layer_only_some_samples_reach_exactly_with_the_fit_check_on(tmp_path, strategy, kind):
     cfg = settings(tmp_path, kind, strategy, [1, 1, 3])
     ref_state, ref = one_device(tmp_path, cfg)
@@ -241,7 +245,7 @@ def launch(tmp_path: Path, cfg: dict, fit_check: bool = True) -> subprocess.Comp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["branch", "experts"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_ddp_trains_a_layer_only_some_samples_reach_exactly_with_the_fit_check_on(tmp_path, kind):
     cfg = settings(tmp_path, kind, "ddp", [1, 3])
     ref_state, ref = one_device(tmp_path, cfg)
@@ -254,24 +258,28 @@ def test_ddp_trains_a_layer_only_some_samples_reach_exactly_with_the_fit_check_o
 
 
 @pytest.mark.slow
-def test_fsdp_refuses_a_layer_only_some_samples_reach_in_one_line_before_any_rank_starts(tmp_path):
-    r = launch(tmp_path, settings(tmp_path, "branch", "fsdp", [1, 3]))
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_refuses_a_layer_only_some_samples_reach_in_one_line_before_any_rank_starts(tmp_path, kind):
+    r = launch(tmp_path, settings(tmp_path, kind, "fsdp", [1, 3]))
     lines = [x for x in r.stderr.splitlines() if x.strip() and "USDT" not in x]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
-    assert lines[0].startswith(f"multilane: error: {REFUSAL}"), lines
+    assert lines[0].startswith(f"multilane: error: {REFUSAL}{REFUSED[kind]}"), lines
     assert not (tmp_path / "fsdp").exists() or not any((tmp_path / "fsdp").iterdir())  # no run folder
 
 
 @pytest.mark.slow
-def test_fsdp_without_the_check_stops_at_the_first_step_the_ranks_part_with_that_line_not_an_abort(tmp_path):
-    """The ranks agree on each unit before its all-gather in their first steps (reach.py ``UnitGuard``): the
-    first step where one rank's shard takes the branch and another's does not fails there with the line."""
-    r = launch(tmp_path, settings(tmp_path, "branch", "fsdp", [1, 3]), fit_check=False)
+@pytest.mark.parametrize("kind", ["branch", "output"])
+def test_fsdp_without_the_check_stops_at_the_first_step_the_ranks_part_with_that_line_not_an_abort(tmp_path, kind):
+    """The ranks agree on each unit before its all-gather, and on the parameters each loss reaches before its
+    backward, in their first steps (reach.py ``UnitGuard``): the first step where one rank's shard takes the
+    branch and another's does not fails there with the line, before any collective went astray."""
+    r = launch(tmp_path, settings(tmp_path, kind, "fsdp", [1, 3]), fit_check=False)
     assert r.returncode != 0
     for abort in ("SIGABRT", "Fatal Python error", "EnforceNotMet", "Traceback"):
         assert abort not in r.stderr, r.stderr[-3000:]
     last = [x for x in r.stderr.splitlines() if x.startswith("failed: ")]
     assert last and "step 1: UnitMismatch: " + REFUSAL in last[-1], r.stderr[-3000:]
+    assert REFUSED[kind].replace("micro-batch 1", "this step") in last[-1], last[-1]
     (run,) = [p for p in (tmp_path / "fsdp").iterdir() if p.is_dir()]
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and REFUSAL in status["message"], status
