@@ -283,3 +283,37 @@ def test_fsdp_without_the_check_stops_at_the_first_step_the_ranks_part_with_that
     (run,) = [p for p in (tmp_path / "fsdp").iterdir() if p.is_dir()]
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and REFUSAL in status["message"], status
+
+
+class DictInputs(Task):
+    """A model that takes its inputs by name: every strategy's probe calls it as the run's step does."""
+
+    name = "dictinputs"
+
+    def build_model(self) -> nn.Module:
+        return _DictInputs()
+
+    def data(self) -> ArrayData:
+        g = torch.Generator().manual_seed(1)
+        inputs = {"x": torch.randn(40, 8, generator=g), "z": torch.randn(40, 3, generator=g)}
+        return ArrayData(inputs, torch.randn(40, 4, generator=g))
+
+    def loss(self, output, target):
+        return ((output - target) ** 2).mean()
+
+
+class _DictInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(3, 4)
+
+    def forward(self, x, z):
+        return self.a(x) + self.b(z)
+
+
+@pytest.mark.slow
+def test_the_fsdp_probe_steps_a_model_with_named_inputs_as_its_rank_does():
+    cfg = build_config({"task": {"name": "mlp"}, "data": {"batch_size": 8}, "devices": {"strategy": "fsdp"}})
+    forecast = plan_run(cfg, DictInputs(), parse_devices("cpu:0,cpu:1"))
+    assert forecast.strategy == "fsdp" and forecast.needs[0].need > 0, forecast
