@@ -214,7 +214,9 @@ def test_a_process_strategys_probe_step_that_fails_is_one_line_exit_2_and_no_run
 
 def test_plan_under_ddp_steps_a_layer_only_some_samples_reach(tmp_path):
     """The probe under ddp (a rank's step on a group of one, as the ddp trainer takes it): the layer that its
-    first batch does not reach keeps DDP from waiting for its gradient; ``multilane plan`` forecasts."""
+    first batch does not reach keeps DDP from waiting for its gradient; ``multilane plan`` forecasts.
+    Unmarked though it can take 3-6 s on the busy 2-core machine: the fast tier's run of rank_probe.py (in a
+    process of its own: a Gloo group in the test's process is a hazard for later forks, test_rank_in_process)."""
     r = subprocess.run(
         [*CLI, "plan", "--task", BRANCH, "--devices", "cpu:0,cpu:1", "--strategy", "ddp", "--batch-size", "11", "--json"],
         capture_output=True, text=True, timeout=120,
