@@ -4,13 +4,12 @@ process's group of one, each phase's peak measured as probe.py measures every st
 The trainer's own pieces drive it, so that what a rank trains the probe measures: the rank's forward by
 the ranks' rules (``RankRules.forward``: buffers merged, a forward that writes a parameter in place
 refused), its shard's loss (``shard_forward``, in the run's autocast), DDP built as the trainer builds it
-(``build_ddp``), and the first step's probe of the parameters the backward reaches (under ``no_sync``,
+(``build_ddp``), and the first steps' probe of the parameters the backward reaches (under ``no_sync``,
 then ``reduce_probe``), after which DDP is rebuilt with ``find_unused_parameters`` when some parameter
 was not reached: a layer only some samples use (a data-dependent branch, an expert no sample picks)
-trains in the probe as in the run. The probe takes several batches where the trainer takes one first
-step: a later batch whose backward misses a parameter that the first one reached is run again with
-``find_unused_parameters`` (its forward repeated), as the run's ranks may need it where their shards
-differ from the probe's.
+trains in the probe as in the run. A probe batch past those steps whose backward misses a parameter
+the earlier ones reached is run again with ``find_unused_parameters`` (its forward repeated), as the
+run's ranks may need it where their shards differ from the probe's.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class RankStepper(Stepper):
 
     def forward(self, x: Any, y: Any, sizes: list[int]) -> Any:
         n = sizes[0]
-        if self.rules.reached is not None:  # the first step: DDP reduces nothing, the rules note what it reaches
+        if self.rules.reached is not None:  # the first steps: DDP reduces nothing, the rules note what they reach
             self._sync.enter_context(self.ddp.no_sync())
         output, loss = self._forward(x, y, n, sizes)
         if self.rules.reached is None and not self.find_unused:

@@ -260,6 +260,24 @@ def test_ddp_trains_a_layer_only_some_samples_reach_exactly_with_the_fit_check_o
 
 
 @pytest.mark.slow
+def test_ddp_trains_exactly_a_branch_every_rank_takes_at_step_1_and_one_rank_skips_at_step_2(tmp_path):
+    """Every rank reaches every parameter at step 1: DDP, left without ``find_unused_parameters``, would wait
+    at step 2 for the gradient one rank never makes (a hang until the collective timeout). The ranks note
+    what their backwards reach for their first steps (RankRules.reduce_probe), so step 2 finds it."""
+    cfg = settings(tmp_path, "branch", "ddp", [1, 1])
+    cfg["task"]["params"]["rare"] = 8
+    cfg["train"]["seed"] = 4
+    took = shards_taking_the_branch(cfg)
+    assert took[0] == [True, True] and took[1] == [True, False], took  # the premise
+    ref_state, ref = one_device(tmp_path, cfg)
+    r = launch(tmp_path, cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = [p for p in (tmp_path / "ddp").iterdir() if p.is_dir()]
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert_equal(state, ref_state, losses(run), ref, "ddp, the branch parting at step 2")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_fsdp_refuses_a_layer_only_some_samples_reach_in_one_line_before_any_rank_starts(tmp_path, kind):
     r = launch(tmp_path, settings(tmp_path, kind, "fsdp", [1, 3]))
