@@ -10,7 +10,8 @@
 - **In-place parameter writes** (``check_param_writes``): the lanes merge them; ddp refuses them with
   one line (each rank renormalises only its own shard's rows, and a tied layer reads them all).
 - **Every parameter in the gradient all-reduce** (``zero_loss``, ``reached``): an empty shard
-  back-propagates zero through every output and, when DDP expects every parameter, every parameter.
+  back-propagates zero through every output and, when DDP expects every parameter, every parameter;
+  the first steps find the parameters each rank reaches (``RankRules.reduce_probe``).
 """
 
 from __future__ import annotations
@@ -206,6 +207,10 @@ def reached(loss: torch.Tensor) -> set[int]:
     return out
 
 
+PROBE_STEPS = 4
+"""This process's first steps, reduced by hand while the ranks note the parameters their backwards reach."""
+
+
 class RankRules:
     """The rules above around one rank's forward and its first step (the trainer's helper)."""
 
@@ -214,7 +219,10 @@ class RankRules:
         self.params = list(model.parameters())
         self.buffers = BufferMerge(model, group)
         self.reached: set[int] | None = set()
-        """While this process's first step runs: the parameters this rank's backward reaches."""
+        """While this process's first steps run (``PROBE_STEPS``): the parameters this rank's backward reaches."""
+        self.probe_steps = PROBE_STEPS
+        self.before_backward: Callable[[torch.Tensor], None] | None = None
+        """Called with each loss just before its backward (fsdp: the ranks agree on what it reaches)."""
 
     def forward(self, fn: Callable[[], T], n: int, sizes: list[int]) -> T:
         """``fn()`` (a forward and its loss) by the lanes' rules: a rank with no samples of its own
@@ -235,25 +243,31 @@ class RankRules:
         return out
 
     def note(self, loss: torch.Tensor) -> None:
-        """While probing: remember which parameters ``loss``'s backward reaches."""
+        """Just before ``loss``'s backward. While probing: remember which parameters it reaches."""
         if self.reached is not None:
             self.reached |= reached(loss)
+        if self.before_backward is not None:
+            self.before_backward(loss)
 
     def reduce_probe(self) -> bool:
-        """The first step's gradients, reduced by hand; whether DDP must find unused parameters.
+        """A probed step's gradients, reduced by hand; whether DDP must find unused parameters.
 
-        That step runs under ``no_sync`` (DDP reduces nothing) while each rank notes the parameters its
-        backward reaches. Then one all-reduce of those marks: a parameter no rank reached keeps no
-        gradient (``None``, as on one device and on lanes: Adam and weight decay leave it alone); the
-        others are summed over the ranks and divided by the world size, as DDP does. If every rank
-        reached every parameter, DDP goes on as it is (no graph walk per step, and no torch warning
-        that the walk found nothing); otherwise it must run with ``find_unused_parameters``, which
-        leaves a parameter no rank used without a gradient and gives one some ranks used theirs.
+        Each of this process's first ``PROBE_STEPS`` steps runs under ``no_sync`` (DDP reduces nothing)
+        while each rank notes the parameters its backward reaches. Then one all-reduce of those marks: a
+        parameter no rank reached keeps no gradient (``None``, as on one device and on lanes: Adam and
+        weight decay leave it alone); the others are summed over the ranks and divided by the world
+        size, as DDP does. Once a step finds a parameter some rank did not reach, DDP must run with
+        ``find_unused_parameters`` (which leaves a parameter no rank used without a gradient and gives one
+        some ranks used theirs) and the probing ends; if every rank reached every parameter in every
+        probed step, DDP goes on as it is (no graph walk per step, and no torch warning that the walk
+        found nothing). A layer only some samples reach whose samples the first steps did not spread
+        unevenly still makes DDP wait, later, for a gradient that never comes (docs/design.md).
         """
         assert self.reached is not None
         params = [p for p in self.params if p.requires_grad]
         mine = [int(id(p) in self.reached) for p in params]
-        self.reached = None
+        self.probe_steps -= 1
+        self.reached = set() if self.probe_steps > 0 else None
         # [used by some rank] and [not used by some rank], in one MAX all-reduce
         marks = torch.tensor(mine + [1 - m for m in mine], dtype=torch.int32)
         dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=self.group)
@@ -266,7 +280,10 @@ class RankRules:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
             p.grad.div_(self.world)
-        return any(missing)
+        if any(missing):
+            self.reached = None
+            return True
+        return False
 
 
 def shard_forward(

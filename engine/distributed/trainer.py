@@ -146,7 +146,7 @@ class DdpTrainer(RankAgreement, Trainer):
         self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce)
         # A NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
         self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
-        # This process's first step finds out which parameters each rank's backward reaches (see
+        # This process's first steps find out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
         self._build_ddp(find_unused=False)
         keys: list[Any] = [None] * info.world
@@ -209,7 +209,7 @@ class DdpTrainer(RankAgreement, Trainer):
             inputs, target, n, size = self.loader.next_shard()
             timer.add("data", time.perf_counter() - t_data)
             # Gradients are averaged across ranks once per optimizer step, at its last micro-batch
-            # (this process's first step: by hand, after it; see _reduce_probe).
+            # (this process's first steps: by hand, after each; see RankRules.reduce_probe).
             probing = self.rules.reached is not None
             last = k == accum - 1 and not probing
             sync = contextlib.nullcontext() if last else self.ddp.no_sync()

@@ -30,6 +30,7 @@ from multilane.engine.distributed.rank_state import RankRules, RankStreams
 from multilane.engine.distributed.trainer import DdpTrainer
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
+from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import choose_units, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
@@ -107,6 +108,9 @@ class FsdpTrainer(DdpTrainer):
                 cpu_offload=cfg.devices.fsdp_cpu_offload,
                 device=dev,
             )
+        # The ranks agree on each unit before its all-gather during this process's first steps (reach.py)
+        self.unit_guard = UnitGuard(self.model, self.units, self._control_group)
+        self._guard_steps = REACH_STEPS
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
@@ -128,6 +132,7 @@ class FsdpTrainer(DdpTrainer):
         self.streams.begin(saved_streams)
         self.rules = RankRules(self.model, dev, info.world, self._control_group)
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
         # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
         self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce, sharded=True)
@@ -140,6 +145,14 @@ class FsdpTrainer(DdpTrainer):
         dist.all_gather_object(keys, info.key)
         self._keys = keys
         self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
+
+    def _train_step(self, accum: int) -> None:
+        self.unit_guard.active = self._guard_steps > 0
+        try:
+            super()._train_step(accum)
+        finally:
+            self.unit_guard.active = False
+            self._guard_steps -= 1
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's

@@ -7,10 +7,12 @@ import os
 
 import torch
 from multilane.engine.config import RunConfig
+from multilane.engine.distributed.rank_state import InplaceWriteError
 from multilane.engine.errors import UserError
 from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at, per_rank_at
 from multilane.engine.plan.measure import free_bytes
-from multilane.engine.plan.probe import MemoryLine, probe
+from multilane.engine.plan.probe import MemoryLine, _kept_random_state, probe
+from multilane.engine.run.failures import one_line, where
 from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
 
@@ -37,7 +39,47 @@ def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
             f"will not fit: the probe ran out of GPU memory with a few samples per device "
             f"(strategy {config.devices.strategy}, precision {config.train.precision})"
         ) from None
+    except (UserError, KeyboardInterrupt):
+        raise
+    except InplaceWriteError as e:  # the ddp rank's own refusal, before any rank starts
+        raise UserError(str(e)) from None
+    except (Exception, SystemExit) as e:
+        raise _failed_step(config, task, e) from None
     return forecast_from(lines, config, len(devices))
+
+
+def _failed_step(config: RunConfig, task: Task, e: BaseException) -> UserError:
+    """One line for a step of the check that failed: its steps are the run's own (probe.py, reach.py), so
+    the run's first step would fail the same way."""
+    return UserError(
+        f"task {task.name}: the fit check's probe step failed{where(e)}: {one_line(e)} "
+        f"(strategy {config.devices.strategy}; train.fit_check = false skips the check)"
+    )
+
+
+def check_reach(config: RunConfig, task: Task, devices: list[Device]) -> None:
+    """fsdp on several devices: ``UserError`` for a layer only some ranks' shards reach (engine/fsdp/reach.py),
+    whose collectives would differ between the ranks; each rank's shard of the run's first micro-batches."""
+    if config.devices.strategy != "fsdp" or len(devices) < 2:
+        return
+    from multilane.engine.fsdp.reach import check_shards
+    from multilane.engine.fsdp.units import choose_units
+
+    try:
+        with _kept_random_state(devices):  # the run draws what it would have drawn
+            check_shards(config, task, lambda m: choose_units(task, m), len(devices), devices[0].torch_device())
+    except (UserError, KeyboardInterrupt):
+        raise
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        raise UserError(
+            "will not fit: one rank's shard of the batch ran out of GPU memory in the whole model (strategy fsdp)"
+        ) from None
+    except (Exception, SystemExit) as e:
+        raise _failed_step(config, task, e) from None
+    finally:
+        if devices[0].is_cuda:
+            torch.cuda.empty_cache()
 
 
 def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecast:
@@ -70,4 +112,5 @@ def check_fit(config: RunConfig, task: Task, devices: list[Device]) -> Forecast 
     refusal = forecast.refusal()
     if refusal:
         raise UserError(refusal)
+    check_reach(config, task, devices)  # once it is known to fit: each shard in the whole model
     return forecast

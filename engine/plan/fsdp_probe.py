@@ -23,10 +23,12 @@ own: a rank's memory holds the whole model before ``fully_shard`` frees it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
 from multilane.engine.config import RunConfig
+from multilane.engine.distributed.rank_state import RankRules, shard_forward
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.plan import measure
@@ -43,6 +45,7 @@ from multilane.engine.plan.probe import (
 )
 from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.run.optim import build_optimizer
+from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from torch.utils._pytree import tree_map
 
@@ -128,7 +131,8 @@ def _need(points: dict[str, list[tuple[int, int]]], b: int) -> int:
 
 
 class _RankStepper:
-    """The fsdp trainer's step on one rank (engine/fsdp/trainer.py, engine/distributed/trainer.py)."""
+    """The fsdp trainer's step on one rank (engine/fsdp/trainer.py, engine/distributed/trainer.py): its
+    forward by the trainer's own ``RankRules.forward`` and ``shard_forward``."""
 
     def __init__(self, config: RunConfig, task: Any, dev: torch.device, n: int, count: measure.StorageCount) -> None:
         from multilane.engine.fsdp.units import choose_units, shard_model
@@ -160,6 +164,11 @@ class _RankStepper:
         )
         self.opt = build_optimizer(self.model.parameters(), config.optim)
         self.setup_peak = self._peak()
+        # The rank's forward as the trainer takes it: the ranks' rules (buffers merged over the fake group)
+        # and the shard's loss (the task's inputs as the model takes them, its loss and weight checked).
+        self.rules = RankRules(self.model, dev, n, None)
+        self.rules.reached = None
+        self.n, self.weight_fn = n, loss_weight_fn(task)
 
     def _reset(self) -> None:
         if self.dev.type == "cuda":
@@ -175,8 +184,8 @@ class _RankStepper:
         take = lambda t: t[:b].clone().to(self.dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
         x, y = tree_map(take, inputs), tree_map(take, target)
         self._reset()
-        out = self.model(x)
-        loss = self.task.loss(out, y)
+        fwd = functools.partial(shard_forward, self.model, self.task, self.weight_fn, self.dev.type, None, x, y, b)
+        out, loss, _ = self.rules.forward(fwd, b, [b] * self.n)
         forward = self._peak()
         self._reset()
         self.opt.zero_grad(set_to_none=True)

@@ -159,7 +159,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
     points: list[tuple[int, list[list[int]]]] = []  # (global batch, each phase's peak on each pool)
     try:
         with counting, group:
-            step = _Stepper(config, task, backend, ddp, count, pools)
+            step = _stepper(config, task, backend, ddp and ddp_group, count, pools)
             step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
             # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
             # ddp each rank's, rank_replay.py), held on the model's device for the whole run when it is
@@ -284,12 +284,20 @@ def _one_rank_group() -> Any:
         dist.destroy_process_group()
 
 
-class _Stepper:
+def _stepper(config: RunConfig, task: Task, backend: Any, rank: bool, count: measure.StorageCount, pools: list) -> Any:
+    """The run's step: the single-process trainer's (``Stepper``), or with ``rank`` a ddp rank's, driven by the
+    ddp trainer's own rules on this process's group of one (``RankStepper``, rank_probe.py)."""
+    if rank and _group_ready():
+        from multilane.engine.plan.rank_probe import RankStepper
+
+        return RankStepper(config, task, backend, count, pools)
+    return Stepper(config, task, backend, count, pools)
+
+
+class Stepper:
     """The trainer's step (trainer.py ``_train_step``), with each phase's peak read per memory."""
 
-    def __init__(
-        self, config: RunConfig, task: Task, backend: Any, ddp: bool, count: measure.StorageCount, pools: list
-    ) -> None:
+    def __init__(self, config: RunConfig, task: Task, backend: Any, count: measure.StorageCount, pools: list) -> None:
         self.cfg, self.task, self.backend, self.count = config, task, backend, count
         torch.manual_seed(config.train.seed)
         self.device = backend.model_device
@@ -297,14 +305,10 @@ class _Stepper:
         if self.device.type != "cuda":
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 count.add_tensor(t)  # weights loaded from a file were not made by an op
-        self.module = self.model
-        if ddp and _group_ready():
-            from multilane.engine.distributed.rank_state import build_ddp
-
-            self.module = build_ddp(self.model, Device(self.device.type, self.device.index or 0), False)
         self.opt = build_optimizer(self.model.parameters(), config.optim)
         precision = config.train.precision
-        self.strategy = make_strategy("replicate" if ddp else config.devices.strategy, backend, precision, 0)
+        strategy = config.devices.strategy
+        self.strategy = make_strategy("replicate" if strategy == "ddp" else strategy, backend, precision, 0)
         self.scaler = torch.amp.GradScaler(backend.device_type, enabled=precision == "fp16")
         self.timer = backend.make_timer()
         self.weight_fn = loss_weight_fn(task)
@@ -328,12 +332,11 @@ class _Stepper:
         """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
         self._reset()
         x, y = (tree_map(self._take(b), z) for z in (inputs, target))
-        out = self.strategy.forward_loss(self.module, x, y, self.task.loss, sizes, self.timer, self.weight_fn)
+        out = self.forward(x, y, sizes)
         forward = self._peaks()
         self._reset()
         self.opt.zero_grad(set_to_none=True)
-        self.strategy.backward(out, self.scaler.scale(out.loss))
-        self.strategy.reduce_gradients(self.timer)
+        self.backward(out)
         del out, x, y
         backward = self._peaks()
         self._reset()
@@ -344,6 +347,15 @@ class _Stepper:
         self.scaler.update()
         self.strategy.sync_replicas(self.model, self.timer)
         return [forward, backward, self._peaks()]
+
+    def forward(self, x: Any, y: Any, sizes: list[int]) -> Any:
+        """The trainer's forward and loss on every lane (the strategy's ``forward_loss``)."""
+        return self.strategy.forward_loss(self.model, x, y, self.task.loss, sizes, self.timer, self.weight_fn)
+
+    def backward(self, out: Any) -> None:
+        """The trainer's backward and gradient reduce (the strategy's)."""
+        self.strategy.backward(out, self.scaler.scale(out.loss))
+        self.strategy.reduce_gradients(self.timer)
 
 
 def _group_ready() -> bool:
