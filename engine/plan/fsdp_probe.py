@@ -29,6 +29,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
+from multilane.engine.parallel.strategy import model_args
 from multilane.engine.plan import measure
 from multilane.engine.plan.probe import (
     PROBE_SHARE,
@@ -72,11 +73,18 @@ def _fake_group(n: int) -> Any:
     """This process as rank 0 of ``n`` over torch's ``fake`` backend (no other process, nothing sent)."""
     import torch.distributed as dist
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     dist.init_process_group("fake", rank=0, world_size=n)  # torch registers the backend with its store
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's sharding-propagation caches (Python's and the C++ fast path's) key a spec by its
+        # mesh, and a mesh's equality ignores the rank: left here, they would hand this probe's rank-0
+        # specs to every rank forked from this process later (the ranks' server forks from the launcher),
+        # so each rank's shards would claim rank 0's offsets and the first sharded checkpoint fails.
+        _clear_sharding_prop_cache()
 
 
 def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[str, Any], int | None, list[int]]:
@@ -175,7 +183,8 @@ class _RankStepper:
         take = lambda t: t[:b].clone().to(self.dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
         x, y = tree_map(take, inputs), tree_map(take, target)
         self._reset()
-        out = self.model(x)
+        args, kwargs = model_args(x)  # a tuple as positional arguments, a dict as keywords: as the run calls it
+        out = self.model(*args, **kwargs)
         loss = self.task.loss(out, y)
         forward = self._peak()
         self._reset()
