@@ -72,7 +72,6 @@ def probe_fsdp(config: RunConfig, task: Any, devices: list[Device]) -> list[Memo
 def _fake_group(n: int) -> Any:
     """This process as rank 0 of ``n`` over torch's ``fake`` backend (no other process, nothing sent)."""
     import torch.distributed as dist
-
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     dist.init_process_group("fake", rank=0, world_size=n)  # torch registers the backend with its store
