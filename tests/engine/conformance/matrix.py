@@ -101,7 +101,9 @@ INSTRUMENTS: dict[str, Instrument] = {
         {"MULTILANE_FIT_CHECK": "1"},
         lambda run, records: any(r.get("event") == "memory_peaks" or "peaks" in r for r in records),
     ),
-    "memory split": Instrument({}, shows=lambda run, records: all("memory" in r for r in records if r["kind"] == "train")),
+    "memory split": Instrument(
+        {}, shows=lambda run, records: all("memory" in r for r in records if r["kind"] == "train")
+    ),
     "health every step, activations": Instrument(
         {"health.enabled": True, "health.every": 1, "health.activations": "Tanh,ReLU,GELU"},
         shows=_health_every_step,
@@ -110,6 +112,7 @@ INSTRUMENTS: dict[str, Instrument] = {
     "telemetry": Instrument({"telemetry.enabled": True, "telemetry.rate_hz": 10.0, "telemetry.record_s": 0.2}),
     "TensorBoard": Instrument({"train.tensorboard": True}, shows=_has_tfevents),
 }
+
 
 @dataclass(frozen=True)
 class Expect:
