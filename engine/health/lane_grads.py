@@ -65,7 +65,9 @@ class LaneGradProbe:
     def _hook(self, lane: int, j: int) -> Callable[[torch.Tensor], None]:
         store = self._grads[lane]
 
-        def hook(g: torch.Tensor) -> None:
+        def hook(g: torch.Tensor | None) -> None:
+            if g is None:  # this lane's copy got no gradient (a parameter its shard never used): adds 0
+                return
             old = store.get(j)
             # out of place: ``g`` is the very tensor LaneCopies then sums
             store[j] = g.detach() if old is None else old + g.detach()

@@ -136,6 +136,13 @@ class PersistentReplicas(ReplicateEachStep):
 
     def _build(self, model: nn.Module) -> None:
         replicas = [model]
+        made = [name for name, b in model.named_buffers() if b.grad_fn is not None]
+        if made and len(self.backend.devices) > 1:  # what copy.deepcopy refuses, named in the model's words
+            raise ReplicaCopyError(
+                f"persistent replicas: buffer {made[0]!r} requires grad and is the output of a computation "
+                f"(not a leaf), which cannot be copied to the other devices; "
+                f'use devices.strategy = "replicate", or register the buffer detached'
+            )
         for device in self.backend.devices[1:]:
             try:
                 r = copy.deepcopy(model)

@@ -74,12 +74,18 @@ def probe_fsdp(config: RunConfig, task: Any, devices: list[Device]) -> list[Memo
 def _fake_group(n: int) -> Any:
     """This process as rank 0 of ``n`` over torch's ``fake`` backend (no other process, nothing sent)."""
     import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     dist.init_process_group("fake", rank=0, world_size=n)  # torch registers the backend with its store
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's sharding-propagation caches (Python's and the C++ fast path's) key a spec by its
+        # mesh, and a mesh's equality ignores the rank: left here, they would hand this probe's rank-0
+        # specs to every rank forked from this process later (the ranks' server forks from the launcher),
+        # so each rank's shards would claim rank 0's offsets and the first sharded checkpoint fails.
+        _clear_sharding_prop_cache()
 
 
 def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[str, Any], int | None, list[int]]:
