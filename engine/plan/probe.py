@@ -110,6 +110,21 @@ def probe_batches(batch: int, n: int) -> list[int]:
     return out
 
 
+def _whole_shards(batches: list[int], shares: Any) -> list[int]:
+    """The probe's batches, each raised (never past the run's, the last) until every device's shard holds
+    as many samples as the run's own shard does, up to 2: a probe never steps a device on the one sample
+    that no step of the run gives it (BatchNorm refuses a batch of 1: the probe would refuse a run that
+    trains)."""
+    run = batches[-1]
+    need = [min(2, s) for s in shares(run)]
+    out = set()
+    for b in batches:
+        while b < run and any(s < k for s, k in zip(shares(b), need, strict=True)):
+            b += 1
+        out.add(b)
+    return sorted(out)
+
+
 @contextlib.contextmanager
 def _kept_random_state(devices: list[Device]) -> Any:
     """The global random generators as they were: the probe draws nothing the run would."""
@@ -148,6 +163,8 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
 
     def shares(b: int) -> list[int]:
         return [b] if ddp else chunk_sizes(b, len(devices), weights)
+
+    batches = _whole_shards(batches, shares)
 
     count = measure.StorageCount()
     if not cuda:

@@ -130,25 +130,15 @@ SPARSE = (
     "sparse gradients: the gradient-norm walkers call dense-only ops on a sparse .grad "
     "('aten::linalg_vector_norm' is not available for SparseCPU) at step 1 (branch walkers)"
 )
-DDP_PROBE = (
-    "ddp's fit probe: DDP's 'did not receive grad' for a parameter the probe's batch does not reach: "
-    "a traceback, exit 1, no run folder (branch probe-branches)"
-)
 LAUNCHER_LINE = (
     "a rank's refusal (Embedding(max_norm) under ddp, at step 1) is reported with exit 1, status failed and "
     "torch's SIGTERM warning, not as the launcher's one line with exit 2 (branch fsdp-ckpt)"
 )
-FSDP_DATA_DEPENDENT = "fsdp, a data-dependent branch: rank 0 dies on SIGABRT, no refusal (branch probe-branches)"
 FSDP_ZERO_DIM = "fsdp: a 0-dim parameter fails in fully_shard at set-up, in torch's words (branch walkers)"
 FSDP_READS_PARAMS = (
     "fsdp: a forward reading self.parameters() fails with torch's 'mixed torch.Tensor and DTensor' (branch walkers)"
 )
 FSDP_MAX_NORM = "fsdp: Embedding(max_norm) silently trains to a different model (losses differ) (branch walkers)"
-PROBE_HALF_BATCH = (
-    "new finding, not fixed: the fit probe steps at half the run's batch (plan/probe.py probe_batches: 6 of 12), "
-    "where shares [3, 1, 2] give lane 1 one sample and BatchNorm raises 'Expected more than 1 value per "
-    "channel': a run that trains (12 = 6, 2, 4) is refused as 'setup failed'"
-)
 FSDP_GRAD_PENALTY = (
     "new finding, not fixed: fsdp with autograd.grad(create_graph=True) in the forward fails in the probe and "
     "then at step 1 in torch's words ('setStorage: ... out of bounds for storage of size 0': the double "
@@ -156,11 +146,7 @@ FSDP_GRAD_PENALTY = (
 )
 
 EXPECTED: dict[tuple[str, str], Expect] = {
-    ("BatchNorm", "replicate"): Expect(xfail=PROBE_HALF_BATCH),
-    ("unused parameter", "ddp"): Expect(xfail=DDP_PROBE),
-    ("never-taken branch", "ddp"): Expect(xfail=DDP_PROBE),
-    ("data-dependent branch", "ddp"): Expect(xfail=DDP_PROBE),
-    ("data-dependent branch", "fsdp"): Expect(xfail=FSDP_DATA_DEPENDENT),
+    ("data-dependent branch", "fsdp"): Expect(refused=("cannot train this model: a layer only some samples reach",)),
     ("tied embedding, max_norm", "ddp"): Expect(refused=("Embedding(max_norm", '"replicate"'), xfail=LAUNCHER_LINE),
     ("tied embedding, max_norm", "fsdp"): Expect(xfail=FSDP_MAX_NORM),
     ("sparse embedding", "replicate"): Expect(xfail=SPARSE),

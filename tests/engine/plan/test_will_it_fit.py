@@ -219,3 +219,18 @@ def test_plan_prints_each_memory_against_its_free_memory(capsys):
     plan = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert plan["batch"] == 32 and plan["needs"][0]["name"] == "cpu"
     assert 0 < plan["needs"][0]["need"] < plan["needs"][0]["free"]
+
+
+def test_the_probe_never_steps_a_device_on_one_sample_the_run_never_gives_it():
+    from multilane.engine.parallel import chunk_sizes
+    from multilane.engine.plan.probe import _whole_shards, probe_batches
+
+    def shares(b):
+        return chunk_sizes(b, 3, [3, 1, 2])
+
+    batches = _whole_shards(probe_batches(12, 3), shares)  # the run: 12 = 6, 2, 4
+    assert batches[-1] == 12 and len(batches) == 2
+    assert all(min(shares(b)) >= 2 for b in batches), [shares(b) for b in batches]
+    # a run that itself gives a device one sample (6 = 3, 1, 2): its probe gives that device one, not 0
+    small = _whole_shards([3, 6], shares)
+    assert small == [5, 6] and all(min(shares(b)) >= 1 for b in small)
