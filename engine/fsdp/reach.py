@@ -43,6 +43,32 @@ REACH_STEPS = 4
 END = -1  # the forward's end, where a rank that skipped the last units arrives
 
 
+DOUBLE_BACKWARD = (
+    "devices.strategy = fsdp cannot train this model: its forward takes a gradient with create_graph=True (a "
+    "gradient penalty), whose second backward reads parameters FSDP has already freed; train it with "
+    'devices.strategy = "ddp", "replicate" or "persistent"'
+)
+
+
+@contextlib.contextmanager
+def no_double_backward() -> Iterator[None]:
+    """``UserError`` (``DOUBLE_BACKWARD``) where the code inside asks ``torch.autograd.grad`` for
+    ``create_graph=True``: under fsdp that graph's backward meets freed parameters (torch's "setStorage:
+    ... out of bounds for storage of size 0"), so the check's forward and a rank's first steps refuse it."""
+    real = torch.autograd.grad
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("create_graph") or (len(args) > 4 and args[4]):
+            raise UserError(DOUBLE_BACKWARD)
+        return real(*args, **kwargs)
+
+    torch.autograd.grad = grad
+    try:
+        yield
+    finally:
+        torch.autograd.grad = real
+
+
 class UnitMismatch(RuntimeError):
     """The ranks' forwards ran different FSDP units, or reached different parameters: their collectives
     would not match."""
@@ -153,9 +179,10 @@ def _shard_reach(model: nn.Module, units: list[nn.Module], params: list, task: A
     from multilane.engine.parallel.strategy import model_args
 
     args, kwargs = model_args(x)
-    with recording(units) as seen:
+    with recording(units) as seen, no_double_backward():
         out = model(*args, **kwargs)
-    ids = reached(task.loss(out, y))
+        loss = task.loss(out, y)
+    ids = reached(loss)
     return list(seen), [int(id(p) in ids) for _, p in params]
 
 

@@ -30,7 +30,7 @@ from multilane.engine.distributed.rank_state import RankRules, RankStreams
 from multilane.engine.distributed.trainer import DdpTrainer
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
-from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard
+from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import choose_units, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
@@ -149,7 +149,8 @@ class FsdpTrainer(DdpTrainer):
     def _train_step(self, accum: int) -> None:
         self.unit_guard.active = self._guard_steps > 0
         try:
-            super()._train_step(accum)
+            with no_double_backward() if self.unit_guard.active else contextlib.nullcontext():
+                super()._train_step(accum)
         finally:
             self.unit_guard.active = False
             self._guard_steps -= 1

@@ -30,6 +30,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank_state import RankRules, shard_forward
 from multilane.engine.errors import UserError
+from multilane.engine.fsdp.reach import no_double_backward
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.plan import measure
 from multilane.engine.plan.probe import (
@@ -191,7 +192,8 @@ class _RankStepper:
         x, y = tree_map(take, inputs), tree_map(take, target)
         self._reset()
         fwd = functools.partial(shard_forward, self.model, self.task, self.weight_fn, self.dev.type, None, x, y, b)
-        out, loss, _ = self.rules.forward(fwd, b, [b] * self.n)
+        with no_double_backward():  # a gradient penalty: refused as the run would be (reach.py)
+            out, loss, _ = self.rules.forward(fwd, b, [b] * self.n)
         forward = self._peak()
         self._reset()
         self.opt.zero_grad(set_to_none=True)

@@ -139,11 +139,6 @@ FSDP_READS_PARAMS = (
     "fsdp: a forward reading self.parameters() fails with torch's 'mixed torch.Tensor and DTensor' (branch walkers)"
 )
 FSDP_MAX_NORM = "fsdp: Embedding(max_norm) silently trains to a different model (losses differ) (branch walkers)"
-FSDP_GRAD_PENALTY = (
-    "new finding, not fixed: fsdp with autograd.grad(create_graph=True) in the forward fails in the probe and "
-    "then at step 1 in torch's words ('setStorage: ... out of bounds for storage of size 0': the double "
-    "backward reads gathered parameters FSDP has freed), exit 1; it should be refused before step 1 naming ddp"
-)
 
 EXPECTED: dict[tuple[str, str], Expect] = {
     ("data-dependent branch", "fsdp"): Expect(refused=("cannot train this model: a layer only some samples reach",)),
@@ -155,7 +150,7 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("sparse embedding", "fsdp"): Expect(xfail=SPARSE),
     ("0-dim parameter", "fsdp"): Expect(xfail=FSDP_ZERO_DIM),
     ("forward reads its own parameters", "fsdp"): Expect(xfail=FSDP_READS_PARAMS),
-    ("gradient penalty (create_graph)", "fsdp"): Expect(refused=("create_graph", "ddp"), xfail=FSDP_GRAD_PENALTY),
+    ("gradient penalty (create_graph)", "fsdp"): Expect(refused=("create_graph=True", '"ddp"')),
     ("buffer that requires grad", "persistent"): Expect(refused=("buffer 'shift' requires grad", '"replicate"')),
 }
 """(kind, strategy) -> what the cell does instead of training exactly; every other cell is exact."""
