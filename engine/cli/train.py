@@ -117,6 +117,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             from multilane.engine.fsdp.units import mixed_precision
 
             mixed_precision(config.train.precision)
+        from multilane.engine.tensors.features import check as check_features
+
+        check_features(config, task)  # here, not once per rank (each rank checks it again)
         if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
             from multilane.engine.plan.fit import check_fit
             from multilane.engine.plan.meter import FORECAST_ENV

@@ -31,7 +31,7 @@ from multilane.engine.distributed.trainer import DdpTrainer
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
-from multilane.engine.fsdp.units import choose_units, shard_model
+from multilane.engine.fsdp.units import choose_units, parameters_read_in_forward, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.health.run_health import RunHealth, make_monitor
@@ -142,10 +142,11 @@ class FsdpTrainer(DdpTrainer):
         self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
-            with self.health.no_activations():
-                return super()._forward(inputs, target, n)
-        return super()._forward(inputs, target, n)
+        with parameters_read_in_forward():
+            if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
+                with self.health.no_activations():
+                    return super()._forward(inputs, target, n)
+            return super()._forward(inputs, target, n)
 
     def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
         raise AssertionError("fsdp has no DDP to rebuild")

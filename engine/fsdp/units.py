@@ -16,6 +16,7 @@ recomputed in backward (``recomputed``), the shards kept in host memory (``offlo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +73,29 @@ def choose_units(task: Any, model: nn.Module) -> list[nn.Module]:
                 f"(not the model itself), got {type(u).__name__}"
             )
     return units
+
+
+MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
+"""torch's words when an op meets a gathered (plain) parameter and a sharded one (a DTensor)."""
+
+READS_PARAMETERS = (
+    "devices.strategy = fsdp: the model's forward computes with parameters outside the unit that is "
+    "computing (as a penalty over self.parameters() in forward does), which FSDP holds sharded there: use "
+    'devices.strategy = "ddp", "replicate" or "persistent", or give the task fsdp_units(model) returning [] '
+    "(the whole model one unit, gathered for each forward)"
+)
+
+
+@contextlib.contextmanager
+def parameters_read_in_forward() -> Iterator[None]:
+    """A forward inside: torch's "mixed torch.Tensor and DTensor" error becomes one line (``UserError``)
+    naming the model feature that causes it and what trains it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if MIXED_TENSORS not in str(e):
+            raise
+        raise UserError(READS_PARAMETERS) from None
 
 
 def mixed_precision(precision: str) -> Any:

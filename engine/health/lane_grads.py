@@ -21,14 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-
-def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``Σ |g|²`` over ``grads`` as a float64 0-dim tensor on ``device`` (no sync)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g.detach() for g in grads])
-    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+from multilane.engine.tensors.grads import grad_sum, squared_norm
 
 
 class LaneGradProbe:
@@ -65,10 +58,12 @@ class LaneGradProbe:
     def _hook(self, lane: int, j: int) -> Callable[[torch.Tensor], None]:
         store = self._grads[lane]
 
-        def hook(g: torch.Tensor) -> None:
+        def hook(g: torch.Tensor | None) -> None:
+            if g is None:  # a parameter copy no sample of this lane reached (an undefined gradient)
+                return
             old = store.get(j)
             # out of place: ``g`` is the very tensor LaneCopies then sums
-            store[j] = g.detach() if old is None else old + g.detach()
+            store[j] = g.detach() if old is None else grad_sum(old, g.detach())
 
         return hook
 

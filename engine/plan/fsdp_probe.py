@@ -44,6 +44,7 @@ from multilane.engine.plan.probe import (
 from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.run.optim import build_optimizer
 from multilane.engine.telemetry.devices import Device
+from multilane.engine.tensors.grads import clip_grad_norm
 from torch.utils._pytree import tree_map
 
 FSDP_PHASES = ("setup", "forward", "backward", "optimizer")
@@ -175,7 +176,10 @@ class _RankStepper:
         take = lambda t: t[:b].clone().to(self.dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
         x, y = tree_map(take, inputs), tree_map(take, target)
         self._reset()
-        out = self.model(x)
+        from multilane.engine.fsdp.units import parameters_read_in_forward
+
+        with parameters_read_in_forward():  # refused in one line, before any rank starts
+            out = self.model(x)
         loss = self.task.loss(out, y)
         forward = self._peak()
         self._reset()
@@ -185,6 +189,6 @@ class _RankStepper:
         backward = self._peak()
         self._reset()
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()
         return [forward, backward, self._peak()]
