@@ -88,10 +88,28 @@ def _run_config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
     return build_config(merge(base, overrides), args.config or "config")
 
 
+def _share_warnings_shown() -> None:
+    """A folder where this launcher and its ranks note the warnings they have shown, removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from multilane.engine.errors import WARNINGS_SHOWN_ENV
+
+    if os.environ.get(WARNINGS_SHOWN_ENV):  # a node of a multi-host run, started by another launcher
+        return
+    folder = tempfile.mkdtemp(prefix="multilane-warnings-")
+    os.environ[WARNINGS_SHOWN_ENV] = folder
+    pid = os.getpid()
+    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(folder, ignore_errors=True))
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from multilane.engine.config import PROCESS_STRATEGIES
     from multilane.engine.distributed import in_worker
+    from multilane.engine.errors import show_warnings_once
 
+    show_warnings_once()  # a model's warning once, however often the filters change (errors.py)
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
@@ -104,6 +122,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from multilane.engine.distributed.launcher import launch
         from multilane.engine.tasks import make_task
 
+        _share_warnings_shown()  # the launcher's and its ranks' warnings, each shown once (errors.py)
         try:  # a bad task is one line here, not one per rank
             task = make_task(config.task.name, config.task.params)
         except UserError as e:

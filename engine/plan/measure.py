@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -123,9 +122,10 @@ class StorageCount:
 
 
 def _live_tensors() -> Iterator[torch.Tensor]:
-    with warnings.catch_warnings():  # isinstance() on a deprecated module attribute warns
-        warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # issubclass of the type, not isinstance(): isinstance() reads an object's ``__class__``, which warns on
+    # a deprecated module attribute, and silencing that here (catch_warnings) would reset every module's
+    # "shown once" record: a user's own warning would then be printed again after every probe step.
+    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     yield from found
 
 

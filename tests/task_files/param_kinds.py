@@ -17,6 +17,7 @@ that reads ``self.parameters()`` sees every parameter gathered.
 Input: token ids ``(N, 4)``; target: a class out of ``VOCAB``.
 """
 
+import warnings
 from typing import Literal
 
 import torch
@@ -31,6 +32,7 @@ VOCAB, DIM = 13, 6
 class Params(BaseModel):
     kind: Literal["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar", "maxnorm"] = "sparse"
     samples: int = 40
+    warn: bool = False  # the model's forward raises a warning of its own (it must reach the user once)
     one_unit: bool = False  # fsdp: the whole model one unit (``fsdp_units`` returns none)
 
 
@@ -94,6 +96,18 @@ class MaxNorm(nn.Module):
         return self.head(torch.tanh(self.emb(tokens).mean(1)))
 
 
+class Warns(nn.Module):
+    """Wraps a model; its forward warns (a UserWarning of the user's own) every call."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens):
+        warnings.warn("paramkinds: this model warns in its forward", UserWarning, stacklevel=1)
+        return self.inner(tokens)
+
+
 class ParamKinds(Task):
     name = "paramkinds"
     Params = Params
@@ -101,8 +115,10 @@ class ParamKinds(Task):
     def build_model(self) -> nn.Module:
         kind = self.params.kind
         if kind in ("sparse", "sparse_tied"):
-            return Sparse(kind == "sparse_tied").double()
-        return {"sparse_bag": SparseBag, "paramread": ParamRead, "scalar": Scalar, "maxnorm": MaxNorm}[kind]().double()
+            model = Sparse(kind == "sparse_tied")
+        else:
+            model = {"sparse_bag": SparseBag, "paramread": ParamRead, "scalar": Scalar, "maxnorm": MaxNorm}[kind]()
+        return (Warns(model) if self.params.warn else model).double()
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         from multilane.engine.fsdp.units import default_units
