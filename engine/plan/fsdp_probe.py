@@ -132,7 +132,7 @@ class _RankStepper:
     """The fsdp trainer's step on one rank (engine/fsdp/trainer.py, engine/distributed/trainer.py)."""
 
     def __init__(self, config: RunConfig, task: Any, dev: torch.device, n: int, count: measure.StorageCount) -> None:
-        from multilane.engine.fsdp.units import choose_units, shard_model
+        from multilane.engine.fsdp.units import ViewOutputs, choose_units, shard_model
         from torch.distributed.device_mesh import init_device_mesh
 
         self.cfg, self.task, self.dev, self.count = config, task, dev, count
@@ -150,7 +150,7 @@ class _RankStepper:
         ]
         del whole
         mesh = init_device_mesh(dev.type, (n,))
-        shard_model(
+        units = shard_model(
             self.model,
             choose_units(task, self.model),
             config.train.precision,
@@ -159,6 +159,7 @@ class _RankStepper:
             cpu_offload=config.devices.fsdp_cpu_offload,
             device=dev,
         )
+        self.views = ViewOutputs([*units, self.model])  # as the trainer: a view changed in place is refused
         self.opt = build_optimizer(self.model.parameters(), config.optim)
         self.setup_peak = self._peak()
 
@@ -181,6 +182,7 @@ class _RankStepper:
         with parameters_read_in_forward():  # refused in one line, before any rank starts
             out = self.model(x)
         loss = self.task.loss(out, y)
+        self.views.check()
         forward = self._peak()
         self._reset()
         self.opt.zero_grad(set_to_none=True)

@@ -9,7 +9,9 @@
   that no sample uses (no gradient at all);
 - ``paramread``: a forward that reads ``self.parameters()`` (an L2 penalty added to the output);
 - ``scalar``: a 0-dim learnable scale (``nn.Parameter(torch.tensor(1.5))``) and a 0-dim bias;
-- ``maxnorm``: ``Embedding(max_norm=1.0)`` (the forward renormalises the rows it reads, in place).
+- ``maxnorm``: ``Embedding(max_norm=1.0)`` (the forward renormalises the rows it reads, in place);
+- ``viewadd``: a ``Linear`` on a 3-d input (its output is a view) whose output the parent changes in
+  place (``h += ...``): fine on one device, wrong gradients under FSDP2 (it skips the unit's gathering).
 
 ``one_unit``: under fsdp the whole model is one unit (``fsdp_units`` returns none), so that a forward
 that reads ``self.parameters()`` sees every parameter gathered.
@@ -30,7 +32,7 @@ VOCAB, DIM = 13, 6
 
 
 class Params(BaseModel):
-    kind: Literal["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar", "maxnorm"] = "sparse"
+    kind: Literal["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar", "maxnorm", "viewadd"] = "sparse"
     samples: int = 40
     warn: bool = False  # the model's forward raises a warning of its own (it must reach the user once)
     one_unit: bool = False  # fsdp: the whole model one unit (``fsdp_units`` returns none)
@@ -108,6 +110,19 @@ class Warns(nn.Module):
         return self.inner(tokens)
 
 
+class ViewAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.mix(self.emb(tokens))  # (N, 4, DIM): a view
+        h += 0.5
+        return self.head(torch.tanh(h).mean(1))
+
+
 class ParamKinds(Task):
     name = "paramkinds"
     Params = Params
@@ -117,7 +132,13 @@ class ParamKinds(Task):
         if kind in ("sparse", "sparse_tied"):
             model = Sparse(kind == "sparse_tied")
         else:
-            model = {"sparse_bag": SparseBag, "paramread": ParamRead, "scalar": Scalar, "maxnorm": MaxNorm}[kind]()
+            model = {
+                "sparse_bag": SparseBag,
+                "paramread": ParamRead,
+                "scalar": Scalar,
+                "maxnorm": MaxNorm,
+                "viewadd": ViewAdd,
+            }[kind]()
         return (Warns(model) if self.params.warn else model).double()
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
