@@ -11,7 +11,8 @@
 - ``scalar``: a 0-dim learnable scale (``nn.Parameter(torch.tensor(1.5))``) and a 0-dim bias;
 - ``maxnorm``: ``Embedding(max_norm=1.0)`` (the forward renormalises the rows it reads, in place);
 - ``viewadd``: a ``Linear`` on a 3-d input (its output is a view) whose output the parent changes in
-  place (``h += ...``): fine on one device, wrong gradients under FSDP2 (it skips the unit's gathering).
+  place (``h += ...``): fine on one device, wrong gradients under FSDP2 (it skips the unit's gathering);
+- ``views``: the same with ``h = h + ...`` (out of place): every strategy trains it.
 
 ``one_unit``: under fsdp the whole model is one unit (``fsdp_units`` returns none), so that a forward
 that reads ``self.parameters()`` sees every parameter gathered.
@@ -32,7 +33,9 @@ VOCAB, DIM = 13, 6
 
 
 class Params(BaseModel):
-    kind: Literal["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar", "maxnorm", "viewadd"] = "sparse"
+    kind: Literal["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar", "maxnorm", "viewadd", "views"] = (
+        "sparse"
+    )
     samples: int = 40
     warn: bool = False  # the model's forward raises a warning of its own (it must reach the user once)
     one_unit: bool = False  # fsdp: the whole model one unit (``fsdp_units`` returns none)
@@ -111,15 +114,19 @@ class Warns(nn.Module):
 
 
 class ViewAdd(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, inplace: bool) -> None:
         super().__init__()
+        self.inplace = inplace
         self.emb = nn.Embedding(VOCAB, DIM)
         self.mix = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens):
         h = self.mix(self.emb(tokens))  # (N, 4, DIM): a view
-        h += 0.5
+        if self.inplace:
+            h += 0.5
+        else:
+            h = h + 0.5
         return self.head(torch.tanh(h).mean(1))
 
 
@@ -137,7 +144,8 @@ class ParamKinds(Task):
                 "paramread": ParamRead,
                 "scalar": Scalar,
                 "maxnorm": MaxNorm,
-                "viewadd": ViewAdd,
+                "viewadd": lambda: ViewAdd(True),
+                "views": lambda: ViewAdd(False),
             }[kind]()
         return (Warns(model) if self.params.warn else model).double()
 

@@ -1,0 +1,136 @@
+"""Sparse, absent, tied and 0-dim parameters and gradients on lanes, every instrument on, equal a hand loop.
+
+The kinds are tests/task_files/param_kinds.py's: ``Embedding(sparse=True)`` (alone, tied to the output
+layer, and an ``EmbeddingBag(sparse=True)`` beside a layer no sample uses), a forward that reads
+``self.parameters()``, 0-dim parameters. Each run has the fit check, health every step with
+activations, the NaN replay's copy, telemetry, two micro-batches a step and clipping; the reference is
+the loop a user writes for one device (torch's SGD, the same clipping arithmetic), on the very batches the
+trainer takes, in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TASK_FILES
+from multilane.engine.errors import UserError
+from multilane.engine.run.trainer import Trainer, TrainerCallback
+from multilane.engine.tensors.grads import clip_grad_norm, norms, tensor_bytes
+
+KINDS = str(TASK_FILES / "param_kinds.py")
+BOUND = 1e-10
+STEPS, ACCUM, CLIP = 4, 2, 0.3
+
+
+class Records(TrainerCallback):
+    def __init__(self) -> None:
+        self.train: list[dict] = []
+
+    def on_log(self, record: dict) -> None:
+        self.train.append(record)
+
+
+def config(make_config, kind: str, strategy: str, devices: str, weights, optim: str = "sgd"):
+    return make_config(
+        task__name=KINDS,
+        task__params={"kind": kind, "samples": 41},  # 30 to train in batches of 8: a last batch of 6
+        devices__use=devices,
+        devices__weights=weights or [],
+        devices__strategy=strategy,
+        train__steps=STEPS,
+        train__grad_accum=ACCUM,
+        train__grad_clip=CLIP,
+        train__fit_check=True,
+        data__batch_size=8,
+        optim__name=optim,
+        optim__lr=0.1,
+        optim__momentum=0.9,
+        health__every=1,
+        telemetry__enabled=True,
+    )
+
+
+def hand_loop(cfg) -> tuple[torch.nn.Module, list[float]]:
+    ref = Trainer(cfg.model_copy(update={"devices": cfg.devices.model_copy(update={"use": "cpu:0", "weights": []})}))
+    ref._setup()  # the task, its seeded model, and the very batches the run takes
+    ref.backend.close()
+    model, task = ref.model, ref.task
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(ACCUM):
+            x, y, _ = ref.loader.batches.get(s * ACCUM + k)
+            loss = task.loss(model(x), y) / ACCUM
+            loss.backward()
+            total += loss.item()
+        clip_grad_norm(list(model.parameters()), CLIP)  # torch's own where no gradient is sparse
+        opt.step()
+        losses.append(total)
+    return model, losses
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def check_against_hand_loop(make_config, kind: str, strategy: str, devices: str, weights) -> Trainer:
+    cfg = config(make_config, kind, strategy, devices, weights)
+    ref_model, ref_losses = hand_loop(cfg)
+    records = Records()
+    trainer = Trainer(cfg, callbacks=[records])
+    result = trainer.run()
+    assert result.status == "finished", result.message
+    assert [r["step"] for r in records.train] == list(range(1, STEPS + 1))
+    for r, b in zip(records.train, ref_losses, strict=True):
+        assert abs(r["loss"] - b) <= BOUND * abs(b), (kind, strategy, r["step"], r["loss"], b)
+        assert r["memory"], "the memory split of every lane at every log"
+    for (name, p), q in zip(trainer.model.named_parameters(), ref_model.parameters(), strict=True):
+        assert rel(p.detach(), q.detach()) <= BOUND, f"{kind} {strategy} {devices}: {name} differs"
+    layers = [h for h in (trainer.run_dir.path / "health_layers.jsonl").read_text().splitlines() if h]
+    assert len(layers) == STEPS, "a health record of every layer at every step"
+    return trainer
+
+
+def test_a_sparse_embedding_trains_on_two_persistent_lanes_as_on_one_device(make_config):
+    trainer = check_against_hand_loop(make_config, "sparse", "persistent", "cpu:0,cpu:1", [1, 3])
+    assert trainer.model.emb.weight.grad.layout == torch.sparse_coo  # kept sparse, as one device's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("devices", "weights"), [("cpu:0,cpu:1", [1, 3]), ("cpu:0,cpu:1,cpu:2", [3, 1, 2])])
+@pytest.mark.parametrize("strategy", ["replicate", "persistent"])
+@pytest.mark.parametrize("kind", ["sparse", "sparse_tied", "sparse_bag", "paramread", "scalar"])
+def test_every_parameter_kind_trains_on_lanes_as_on_one_device(make_config, kind, strategy, devices, weights):
+    check_against_hand_loop(make_config, kind, strategy, devices, weights)
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_sparse_gradients_with_adam_are_refused_before_anything_starts(make_config, tmp_path, optim):
+    cfg = config(make_config, "sparse", "replicate", "cpu:0,cpu:1", None, optim=optim)
+    with pytest.raises(UserError) as e:
+        Trainer(cfg).run()
+    assert f"emb (Embedding(sparse=True)) makes sparse gradients, which optim.name = {optim}" in str(e.value)
+    assert "use optim.name = sgd" in str(e.value)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "no run folder"
+
+
+def test_sparse_gradients_have_norms_bytes_and_clipping_of_their_dense_equal():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(9, 4, sparse=True).double()
+    emb(torch.tensor([[1, 2, 1], [7, 1, 3]])).pow(2).sum().backward()
+    sparse = emb.weight.grad
+    assert not sparse.is_coalesced()  # index 1 three times: a norm of its raw values would be wrong
+    dense = sparse.to_dense()
+    assert abs(float(norms([sparse])[0]) - float(dense.norm())) <= 1e-15 * float(dense.norm())
+    assert tensor_bytes([sparse]) == sparse._indices().nbytes + sparse._values().nbytes
+    tied = torch.nn.Linear(4, 4).double()
+    assert tensor_bytes([tied.weight, tied.weight, None]) == tied.weight.nbytes  # a tied tensor counted once
+    twin = torch.nn.Parameter(emb.weight.detach().clone())
+    twin.grad = dense.clone()
+    got = clip_grad_norm([emb.weight], 0.5)
+    want = torch.nn.utils.clip_grad_norm_([twin], 0.5)
+    assert abs(float(got) - float(want)) <= 1e-15 * float(want)
+    assert emb.weight.grad.layout == torch.sparse_coo
+    assert rel(emb.weight.grad.to_dense(), twin.grad) <= 1e-15
