@@ -38,6 +38,7 @@ class Params(BaseModel):
     )
     samples: int = 40
     warn: bool = False  # the model's forward raises a warning of its own (it must reach the user once)
+    nan_token: int = -1  # >= 0: that row of the sparse embedding is NaN (the NaN replay's case)
     one_unit: bool = False  # fsdp: the whole model one unit (``fsdp_units`` returns none)
 
 
@@ -138,6 +139,9 @@ class ParamKinds(Task):
         kind = self.params.kind
         if kind in ("sparse", "sparse_tied"):
             model = Sparse(kind == "sparse_tied")
+            if self.params.nan_token >= 0:
+                with torch.no_grad():
+                    model.emb.weight[self.params.nan_token] = float("nan")
         else:
             model = {
                 "sparse_bag": SparseBag,
