@@ -10,6 +10,7 @@ a warning of the model's own is shown once for the whole run (launcher, probe an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def train(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
     cfg = {**cfg, "run": {"runs_dir": str(tmp_path / "runs"), "name": "fsdp"}}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(cfg))
-    return subprocess.run([*CLI, "train", "--config", str(path)], capture_output=True, text=True, timeout=280)
+    env = {**os.environ, "MULTILANE_FIT_CHECK": "1"}  # the fit check on (the suite turns it off)
+    return subprocess.run([*CLI, "train", "--config", str(path)], capture_output=True, text=True, timeout=280, env=env)
 
 
 def assert_refused(tmp_path: Path, r: subprocess.CompletedProcess, *words: str) -> None:

@@ -22,6 +22,11 @@ BOUND = 1e-10
 STEPS, ACCUM, CLIP = 4, 2, 0.3
 
 
+@pytest.fixture(autouse=True)
+def _fit_check_on(monkeypatch):
+    monkeypatch.setenv("MULTILANE_FIT_CHECK", "1")  # every instrument on (the suite turns the fit check off)
+
+
 class Records(TrainerCallback):
     def __init__(self) -> None:
         self.train: list[dict] = []
@@ -93,6 +98,7 @@ def check_against_hand_loop(make_config, kind: str, strategy: str, devices: str,
     return trainer
 
 
+@pytest.mark.slow
 def test_a_sparse_embedding_trains_on_two_persistent_lanes_as_on_one_device(make_config):
     trainer = check_against_hand_loop(make_config, "sparse", "persistent", "cpu:0,cpu:1", [1, 3])
     assert trainer.model.emb.weight.grad.layout == torch.sparse_coo  # kept sparse, as one device's
@@ -134,3 +140,13 @@ def test_sparse_gradients_have_norms_bytes_and_clipping_of_their_dense_equal():
     assert abs(float(got) - float(want)) <= 1e-15 * float(want)
     assert emb.weight.grad.layout == torch.sparse_coo
     assert rel(emb.weight.grad.to_dense(), twin.grad) <= 1e-15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicate", "persistent"])
+def test_a_nan_in_a_sparse_embedding_is_named_by_the_replay(make_config, strategy):
+    cfg = config(make_config, "sparse", strategy, "cpu:0,cpu:1", [1, 3])
+    cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={"params": {"kind": "sparse", "nan_token": 5}})})
+    result = Trainer(cfg).run()
+    assert result.status != "finished"
+    assert "emb.weight" in (result.message or ""), result.message  # the replay ran over sparse gradients
