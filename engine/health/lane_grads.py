@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from multilane.engine.tensors.grads import grad_sum, squared_norm
+from multilane.engine.tensors.grads import dense_part, grad_sum, squared_norm
 
 
 class LaneGradProbe:
@@ -77,7 +77,9 @@ class LaneGradProbe:
 
     # -- ddp: this rank's buckets before the all-reduce -----------------------------------------
     def add_bucket(self, lane: int, flat: torch.Tensor, scale: float) -> None:
-        self._add(lane, flat.detach().to(torch.float64).square().sum().to(self.device) * (scale * scale))
+        # a sparse bucket (DDP gives an Embedding(sparse=True)'s gradient a bucket of its own) is uncoalesced:
+        # its |·|² is that of its coalesced values
+        self._add(lane, dense_part(flat.detach()).to(torch.float64).square().sum().to(self.device) * (scale * scale))
 
     def add_grads(self, lane: int, grads: Sequence[torch.Tensor], scale: float) -> None:
         """``lane``'s whole gradient at once (a ddp rank's first step, reduced by hand, not in DDP's

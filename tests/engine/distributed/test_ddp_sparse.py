@@ -76,6 +76,14 @@ def test_sparse_gradients_under_ddp_equal_one_device(tmp_path, kind):
         assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss), (kind, step)
         assert abs(norm - ref_norm) <= 1e-10 * abs(ref_norm), (kind, step)
     assert all(x["memory"] for x in read_metrics(run) if x["kind"] == "train")
+    # The noise scale from each rank's gradient (DDP's sparse buckets are uncoalesced) equals two lanes'.
+    lanes = {**cfg, "devices": {**cfg["devices"], "strategy": "persistent"}}
+    lanes["run"] = {"runs_dir": str(tmp_path / "lanes"), "name": "lanes"}
+    trainer = Trainer(build_config(lanes), task=make_task(KINDS, cfg["task"]["params"]))
+    assert trainer.run().status == "finished"
+    noise = [x.get("noise") for x in read_metrics(run) if x["kind"] == "train"]
+    assert noise == [x.get("noise") for x in read_metrics(trainer.run_dir.path) if x["kind"] == "train"]
+    assert all(n is not None for n in noise)
 
 
 @pytest.mark.parametrize(
