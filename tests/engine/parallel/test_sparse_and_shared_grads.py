@@ -150,3 +150,58 @@ def test_a_nan_in_a_sparse_embedding_is_named_by_the_replay(make_config, strateg
     result = Trainer(cfg).run()
     assert result.status != "finished"
     assert "emb.weight" in (result.message or ""), result.message  # the replay ran over sparse gradients
+
+
+def _step_loop(kind: str, strategy=None, lanes_n: int = 1, weights=None) -> list[list[torch.Tensor | None]]:
+    """Three SGD steps of two micro-batches of ``kind`` (param_kinds.py), through ``strategy`` (None: the
+    hand loop on one device); every step's gradients (dense copies) and the final weights."""
+    from multilane.engine.parallel import chunk_sizes
+    from multilane.engine.parallel.timing import PhaseTimer
+    from multilane.engine.tasks import make_task
+
+    task = make_task(KINDS, {"kind": kind, "samples": 54})
+    torch.manual_seed(3)
+    model = task.build_model()
+    data = task.data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    timer, out = PhaseTimer(), []
+    for s in range(3):
+        opt.zero_grad(set_to_none=True)
+        for k in range(2):
+            idx = torch.arange(9) + 9 * (2 * s + k)
+            x, y = data.take(idx)
+            if strategy is None:
+                (task.loss(model(x), y) / 2).backward()
+            else:
+                res = strategy.forward_loss(model, x, y, task.loss, chunk_sizes(9, lanes_n, weights), timer)
+                strategy.backward(res, res.loss / 2)
+        if strategy is not None:
+            strategy.reduce_gradients(timer)
+        out.append([None if p.grad is None else p.grad.to_dense().clone() for p in model.parameters()])
+        opt.step()
+        if strategy is not None:
+            strategy.sync_replicas(model, timer)
+    out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sparse", "sparse_tied", "sparse_bag"])
+def test_gradient_buckets_sum_sparse_gradients_while_backward_runs(kind):
+    """``PersistentReplicas(overlap=True)``: the buckets of gradients summed during backward (on GPUs by
+    default), here on 3 CPU lanes [3, 1, 2], equal the hand loop's gradients step by step."""
+    from multilane.engine.parallel import PersistentReplicas, make_backend
+    from multilane.engine.telemetry.devices import parse_devices
+
+    backend = make_backend(parse_devices("cpu:0,cpu:1,cpu:2"))
+    strategy = PersistentReplicas(backend, overlap=True)
+    try:
+        got = _step_loop(kind, strategy, 3, [3, 1, 2])
+    finally:
+        strategy.close()
+        backend.close()
+    want = _step_loop(kind)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for j, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert (x is None) == (y is None), (kind, step, j)
+            if x is not None:
+                assert rel(x, y) <= BOUND, (kind, step, j, rel(x, y))
