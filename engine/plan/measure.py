@@ -63,9 +63,13 @@ class StorageCount:
             for name in t.__tensor_flatten__()[0]:
                 self.add_tensor(getattr(t, name))
             return
+        if t.layout == torch.sparse_coo:  # Embedding(sparse=True)'s gradient: its indices and values hold the bytes
+            self.add_tensor(t._indices())
+            self.add_tensor(t._values())
+            return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a sparse or otherwise storage-less tensor
+        except (RuntimeError, NotImplementedError):  # another storage-less tensor
             return
         key = id(storage)
         if key in self._live or storage in self._foreign:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import TASK_FILES
 from multilane.engine.errors import UserError
+from multilane.engine.plan.measure import StorageCount
 from multilane.engine.run.trainer import Trainer, TrainerCallback
 from multilane.engine.tensors.grads import clip_grad_norm, norms, tensor_bytes
 
@@ -131,6 +132,9 @@ def test_sparse_gradients_have_norms_bytes_and_clipping_of_their_dense_equal():
     dense = sparse.to_dense()
     assert abs(float(norms([sparse])[0]) - float(dense.norm())) <= 1e-15 * float(dense.norm())
     assert tensor_bytes([sparse]) == sparse._indices().nbytes + sparse._values().nbytes
+    count = StorageCount()  # the fit check's and the run's peak measure on CPU lanes
+    count.add_tensor(sparse)
+    assert count.current == tensor_bytes([sparse])
     tied = torch.nn.Linear(4, 4).double()
     assert tensor_bytes([tied.weight, tied.weight, None]) == tied.weight.nbytes  # a tied tensor counted once
     twin = torch.nn.Parameter(emb.weight.detach().clone())
