@@ -10,6 +10,8 @@ trainer takes, in float64.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import TASK_FILES
@@ -56,13 +58,24 @@ def config(make_config, kind: str, strategy: str, devices: str, weights, optim: 
     )
 
 
-def hand_loop(cfg) -> tuple[torch.nn.Module, list[float]]:
+def layer_grad_norms(model: torch.nn.Module) -> list[float]:
+    """Per layer (a module with parameters of its own), the norm of its gradients, made dense."""
+    out = []
+    for _, m in model.named_modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if own:
+            sq = sum(float(p.grad.to_dense().pow(2).sum()) for p in own if p.grad is not None)
+            out.append(sq**0.5)
+    return out
+
+
+def hand_loop(cfg) -> tuple[torch.nn.Module, list[float], list[list[float]]]:
     ref = Trainer(cfg.model_copy(update={"devices": cfg.devices.model_copy(update={"use": "cpu:0", "weights": []})}))
     ref._setup()  # the task, its seeded model, and the very batches the run takes
     ref.backend.close()
     model, task = ref.model, ref.task
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    losses = []
+    losses, layer_norms = [], []
     for s in range(STEPS):
         opt.zero_grad()
         total = 0.0
@@ -71,10 +84,11 @@ def hand_loop(cfg) -> tuple[torch.nn.Module, list[float]]:
             loss = task.loss(model(x), y) / ACCUM
             loss.backward()
             total += loss.item()
+        layer_norms.append(layer_grad_norms(model))  # health's per-layer norms: before clipping
         clip_grad_norm(list(model.parameters()), CLIP)  # torch's own where no gradient is sparse
         opt.step()
         losses.append(total)
-    return model, losses
+    return model, losses, layer_norms
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,7 +97,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_against_hand_loop(make_config, kind: str, strategy: str, devices: str, weights) -> Trainer:
     cfg = config(make_config, kind, strategy, devices, weights)
-    ref_model, ref_losses = hand_loop(cfg)
+    ref_model, ref_losses, ref_norms = hand_loop(cfg)
     records = Records()
     trainer = Trainer(cfg, callbacks=[records])
     result = trainer.run()
@@ -94,8 +108,11 @@ def check_against_hand_loop(make_config, kind: str, strategy: str, devices: str,
         assert r["memory"], "the memory split of every lane at every log"
     for (name, p), q in zip(trainer.model.named_parameters(), ref_model.parameters(), strict=True):
         assert rel(p.detach(), q.detach()) <= BOUND, f"{kind} {strategy} {devices}: {name} differs"
-    layers = [h for h in (trainer.run_dir.path / "health_layers.jsonl").read_text().splitlines() if h]
-    assert len(layers) == STEPS, "a health record of every layer at every step"
+    layers = [json.loads(h) for h in (trainer.run_dir.path / "health_layers.jsonl").read_text().splitlines() if h]
+    assert [h["step"] for h in layers] == list(range(1, STEPS + 1)), "every layer's health at every step"
+    for h, want in zip(layers, ref_norms, strict=True):  # the records keep 4 significant digits
+        got = [g or 0.0 for g in h["grad_norm"]]
+        assert all(abs(a - b) <= 6e-4 * b + 1e-12 for a, b in zip(got, want, strict=True)), (kind, got, want)
     return trainer
 
 
