@@ -57,7 +57,7 @@ from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
-from multilane.engine.tensors.features import refusal as feature_refusal
+from multilane.engine.tensors.features import check_model
 from multilane.engine.tensors.grads import clip_grad_norm
 
 RANK_LOCK_WAIT_S = 20.0
@@ -107,9 +107,7 @@ class DdpTrainer(RankAgreement, Trainer):
         if getattr(self, "memory", None) is not None:  # the rank's peak meter: the data is not counted
             self.memory.before_model()
         self.model = self.task.build_model().to(dev)
-        refused = feature_refusal(self.model, cfg.devices.strategy, cfg.optim.name)
-        if refused:  # every rank finds the same, before any collective
-            raise UserError(refused)
+        check_model(self.model, cfg)  # every rank finds the same, before any collective
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
         # group: no device sync per step on GPUs.
         self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None

@@ -43,8 +43,7 @@ from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
-from multilane.engine.tensors.features import check as check_features
-from multilane.engine.tensors.features import refusal as feature_refusal
+from multilane.engine.tensors import features
 from multilane.engine.tensors.grads import clip_grad_norm
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
@@ -113,9 +112,7 @@ class Trainer:
         if self.memory is not None:
             self.memory.before_model()
         self.model = self.task.build_model().to(dev)
-        refused = feature_refusal(self.model, cfg.devices.strategy, cfg.optim.name)
-        if refused:
-            raise UserError(refused)
+        features.check_model(self.model, cfg)  # before step 1 (a model the meta device could not build)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -171,7 +168,7 @@ class Trainer:
             except MissingExtra as e:
                 raise UserError(str(e)) from None
         try:
-            check_features(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
+            features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
             self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
             self._setup()
         except (UserError, KeyboardInterrupt):

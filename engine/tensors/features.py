@@ -100,6 +100,11 @@ def check(config: Any, task: Any) -> None:
             model = task.build_model()
     except Exception:
         return
+    check_model(model, config)
+
+
+def check_model(model: nn.Module, config: Any) -> None:
+    """``UserError`` (one line) if ``model`` has a feature the run's strategy or optimizer cannot train."""
     refused = refusal(model, config.devices.strategy, config.optim.name)
     if refused:
         raise UserError(refused)

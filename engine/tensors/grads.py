@@ -32,6 +32,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sparse(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a sparse tensor (COO or compressed), not a dense one, a DTensor or None."""
     return t is not None and t.layout != torch.strided and not hasattr(t, "to_local")
 
 
@@ -64,8 +65,14 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     t = local(t)
     if t.layout == torch.sparse_coo:
         return [t._indices(), t._values()]
-    if t.layout != torch.strided:
-        return [t.values(), *(x for x in (getattr(t, n)() for n in ("crow_indices", "col_indices")) if x is not None)]
+    if t.layout != torch.strided:  # CSR, CSC, BSR, BSC: values and whichever index tensors the layout has
+        parts = [t.values()]
+        for name in ("crow_indices", "col_indices", "ccol_indices", "row_indices"):
+            try:
+                parts.append(getattr(t, name)())
+            except RuntimeError:
+                pass
+        return parts
     return [t]
 
 
