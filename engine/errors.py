@@ -36,3 +36,48 @@ def one_line_text(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+WARNINGS_SHOWN_ENV = "MULTILANE_WARNINGS_SHOWN"
+
+
+def show_warnings_once() -> None:
+    """From now on this process shows each warning (category, text, file and line) at most once.
+
+    Python's default already shows a warning once per place, but it keeps that record per module and
+    forgets it whenever any code changes the warning filters (a ``warnings.catch_warnings`` block, a
+    module that calls ``filterwarnings`` as it is imported: torch's lazy imports do, mid-run): a model's
+    own warning then came back after a few steps. A user who asks for more (``python -W ...``,
+    ``PYTHONWARNINGS``) keeps Python's own rules.
+
+    With ``$MULTILANE_WARNINGS_SHOWN`` naming a folder (a ddp/fsdp launcher makes one for its ranks),
+    "once" holds across the processes that share it: the first to show a warning leaves a file named for
+    it there, and the others (the other ranks, and the ranks after the launcher's fit-check probe) skip it."""
+    import hashlib
+    import os
+    import sys
+    import warnings
+
+    show = warnings.showwarning
+    if sys.warnoptions or getattr(show, "once", False):
+        return
+    shown: set[tuple[type, str, str, int]] = set()
+
+    def once(message, category, filename, lineno, file=None, line=None):  # warnings.showwarning's signature
+        key = (category, str(message), filename, lineno)
+        if key in shown:
+            return
+        shown.add(key)
+        folder = os.environ.get(WARNINGS_SHOWN_ENV)
+        if folder:
+            name = hashlib.sha256(repr((category.__qualname__, *key[1:])).encode()).hexdigest()[:32]
+            try:
+                os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                return  # another process of the run showed it
+            except OSError:
+                pass  # the folder is gone: show it
+        show(message, category, filename, lineno, file, line)
+
+    once.once = True  # type: ignore[attr-defined]
+    warnings.showwarning = once

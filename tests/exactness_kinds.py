@@ -269,6 +269,19 @@ def seq_batches(steps: int = 3, batch: int = 9) -> list:
     return res
 
 
+class ScalarScale(nn.Module):
+    """Two 0-dim parameters: a learnable scale and shift around an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(8, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.shift = nn.Parameter(torch.tensor(0.25))
+
+    def forward(self, x):
+        return self.scale * self.body(x) + self.shift
+
+
 def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         torch.manual_seed(7)
@@ -295,6 +308,7 @@ KINDS: dict[str, Kind] = {
     "tied weights": Kind(seeded(TiedLinear), regression_batches(), F.mse_loss),
     "unused parameters (Adam)": Kind(seeded(UnusedParams), regression_batches(), F.mse_loss, optimizer=adam),
     "LSTM": Kind(seeded(LSTMModel), seq_batches(), F.mse_loss),
+    "0-dim parameters": Kind(seeded(ScalarScale), regression_batches(), F.mse_loss),
     "grad accumulation (3)": Kind(seeded(mlp), class_batches(steps=6), class_weighted_ce, class_weight_sum, accum=3),
     "clipping": Kind(seeded(TiedLinear), regression_batches(), F.mse_loss, clip=0.05),
 }

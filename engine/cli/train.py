@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +115,69 @@ def _refuse_if_trained(run: str, step: Any, config: Any, overrides: dict[str, An
         raise nothing_to_train(run, step, total)
 
 
+@contextlib.contextmanager
+def _warnings_shown_folder() -> Iterator[None]:
+    """While inside: a folder where this launcher and its ranks note the warnings they have shown
+    (``$MULTILANE_WARNINGS_SHOWN``, errors.py), removed after (the environment as it was)."""
+    import shutil
+    import tempfile
+
+    from multilane.engine.errors import WARNINGS_SHOWN_ENV
+
+    if os.environ.get(WARNINGS_SHOWN_ENV):  # inside another launch of this process: its folder
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="multilane-warnings-")
+    os.environ[WARNINGS_SHOWN_ENV] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop(WARNINGS_SHOWN_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int:
+    """A ddp/fsdp run from its launcher: the task, the refusals and the fit check once for every rank,
+    then the ranks (engine/distributed/launcher.py)."""
+    from multilane.engine.distributed.launcher import launch
+    from multilane.engine.tasks import make_task
+
+    try:  # a bad task is one line here, not one per rank
+        task = make_task(config.task.name, config.task.params)
+    except UserError as e:
+        if not args.resume or args.task is not None:
+            raise
+        from multilane.engine.rundir.runlog import CHECKPOINT
+
+        where = Path(args.resume).expanduser() / CHECKPOINT
+        raise UserError(f"resume: {where}: the task it was trained with cannot be made here: {e}") from None
+    if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
+        from multilane.engine.fsdp.units import mixed_precision
+
+        mixed_precision(config.train.precision)
+    from multilane.engine.tensors.features import check as check_features
+
+    check_features(config, task)  # here, not once per rank (each rank checks it again)
+    if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
+        from multilane.engine.plan.fit import check_fit
+        from multilane.engine.plan.meter import FORECAST_ENV
+        from multilane.engine.telemetry.devices import parse_devices
+
+        os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
+        forecast = check_fit(config, task, parse_devices(config.devices.use))
+        if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
+            os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
+    return launch(
+        argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
+    )
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from multilane.engine.config import PROCESS_STRATEGIES
     from multilane.engine.distributed import in_worker
+    from multilane.engine.errors import show_warnings_once
 
+    show_warnings_once()  # a model's warning once, however often the filters change (errors.py)
     overrides = _overrides(args)
     if args.task is not None and "task.params" in overrides and overrides["task.params"] == {}:
         del overrides["task.params"]
@@ -126,38 +187,12 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             from multilane.engine.distributed.worker import run_rank
 
             return run_rank(None if args.resume else config, args.resume, overrides)
-        from multilane.engine.distributed.launcher import launch
-        from multilane.engine.tasks import make_task
-
-        try:  # a bad task is one line here, not one per rank
-            task = make_task(config.task.name, config.task.params)
-        except UserError as e:
-            if not args.resume or args.task is not None:
-                raise
-            from multilane.engine.rundir.runlog import CHECKPOINT
-
-            where = Path(args.resume).expanduser() / CHECKPOINT
-            raise UserError(f"resume: {where}: the task it was trained with cannot be made here: {e}") from None
-        if config.devices.strategy == "fsdp":  # fp16 is refused here, not once per rank
-            from multilane.engine.fsdp.units import mixed_precision
-
-            mixed_precision(config.train.precision)
-        if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
-            from multilane.engine.plan.fit import check_fit
-            from multilane.engine.plan.meter import FORECAST_ENV
-            from multilane.engine.telemetry.devices import parse_devices
-
-            os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
-            forecast = check_fit(config, task, parse_devices(config.devices.use))
-            if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
-                os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
         import psutil
         from multilane.engine.distributed import COMMAND_START_ENV
 
         os.environ[COMMAND_START_ENV] = str(psutil.Process().create_time())  # the ranks' "X s in all"
-        return launch(
-            argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
-        )
+        with _warnings_shown_folder():  # the launcher's and its ranks' warnings, each shown once
+            return _launch_ranks(args, argv, config)
     if in_worker():
         raise UserError("started by torchrun: add --strategy ddp or fsdp (each process is one rank of the run)")
     from rich.console import Console

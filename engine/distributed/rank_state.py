@@ -178,16 +178,29 @@ def tensors(obj: Any) -> list[torch.Tensor]:
     return [t for item in items for t in tensors(item)]
 
 
-def zero_loss(output: Any, params: Sequence[torch.Tensor] | None) -> torch.Tensor:
+def zero_loss(output: Any, params: Sequence[torch.Tensor] | None, sparse: frozenset[int] = frozenset()) -> torch.Tensor:
     """A zero that back-propagates through every output (so a rank's collectives in backward, such as
     synchronized BatchNorm's, run as on the other ranks) and, with ``params``, reaches every parameter
-    (so every bucket of DDP's all-reduce fills)."""
+    (so every bucket of DDP's all-reduce fills). A parameter whose id is in ``sparse`` (the weight of an
+    ``Embedding(sparse=True)``) gets its zero as a sparse gradient, the layout DDP expects of it."""
     terms = [t.sum() for t in tensors(output) if t.requires_grad]
     if params is not None:
-        terms += [p.sum() for p in params if p.requires_grad]
+        terms += [_zero_lookup(p) if id(p) in sparse else p.sum() for p in params if p.requires_grad]
     if not terms:
         raise RuntimeError("the model's output does not depend on any parameter")
     return sum(terms[1:], terms[0]) * 0.0
+
+
+def _zero_lookup(weight: torch.Tensor) -> torch.Tensor:
+    """A sum through a sparse lookup of row 0: its gradient is sparse (one row)."""
+    index = torch.zeros(1, dtype=torch.long, device=weight.device)
+    return torch.nn.functional.embedding(index, weight, sparse=True).sum()
+
+
+def sparse_weights(model: nn.Module) -> frozenset[int]:
+    """The ids of the weights of ``model``'s ``Embedding``/``EmbeddingBag`` modules with ``sparse=True``."""
+    kinds = (nn.Embedding, nn.EmbeddingBag)
+    return frozenset(id(m.weight) for m in model.modules() if isinstance(m, kinds) and getattr(m, "sparse", False))
 
 
 def reached(loss: torch.Tensor) -> set[int]:
@@ -217,6 +230,7 @@ class RankRules:
     def __init__(self, model: nn.Module, device: torch.device, world: int, group: Any) -> None:
         self.model, self.device, self.world, self.group = model, device, world, group
         self.params = list(model.parameters())
+        self.sparse = sparse_weights(model)
         self.buffers = BufferMerge(model, group)
         self.reached: set[int] | None = set()
         """While this process's first steps run (``PROBE_STEPS``): the parameters this rank's backward reaches."""
@@ -278,6 +292,10 @@ class RankRules:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif p.grad.layout != torch.strided:
+                # Embedding(sparse=True): another rank may hold this one's gradient dense (it did not
+                # reach the lookup, or a tied layer added a dense part): every rank reduces it dense.
+                p.grad = p.grad.to_dense()
             dist.all_reduce(p.grad)
             p.grad.div_(self.world)
         if any(missing):

@@ -57,6 +57,8 @@ from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
+from multilane.engine.tensors.features import check_model
+from multilane.engine.tensors.grads import clip_grad_norm
 
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
@@ -105,6 +107,7 @@ class DdpTrainer(RankAgreement, Trainer):
         if getattr(self, "memory", None) is not None:  # the rank's peak meter: the data is not counted
             self.memory.before_model()
         self.model = self.task.build_model().to(dev)
+        check_model(self.model, cfg)  # every rank finds the same, before any collective
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
         # group: no device sync per step on GPUs.
         self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -232,7 +235,7 @@ class DdpTrainer(RankAgreement, Trainer):
                     shard_loss = None  # (a 0/0 mean must not even reach the graph: its gradient is NaN)
                     # Through every output, and (when DDP waits for every parameter) every parameter.
                     touch_all = not self._find_unused and not probing
-                    local = zero_loss(output, self.rules.params if touch_all else None)
+                    local = zero_loss(output, self.rules.params if touch_all else None, self.rules.sparse)
                     contrib = local.detach().float()
                 exchanged = touch_exchanges()  # synchronized BatchNorm: every rank joins each backward
                 if exchanged is not None:
@@ -254,7 +257,7 @@ class DdpTrainer(RankAgreement, Trainer):
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
-            self.window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+            self.window.add_grad_norm(clip_grad_norm(self.model.parameters(), cfg.train.grad_clip))
         health.before_update()
         self.scaler.step(opt)
         self.scaler.update()

@@ -32,7 +32,7 @@ from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
-from multilane.engine.fsdp.units import choose_units, shard_model
+from multilane.engine.fsdp.units import ViewOutputs, choose_units, parameters_read_in_forward, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.health.run_health import RunHealth, make_monitor
@@ -111,6 +111,7 @@ class FsdpTrainer(DdpTrainer):
         # The ranks agree on each unit before its all-gather during this process's first steps (reach.py)
         self.unit_guard = UnitGuard(self.model, self.units, self._control_group)
         self._guard_steps = REACH_STEPS
+        self.views = ViewOutputs([*self.units, self.model])
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
         self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
@@ -156,10 +157,14 @@ class FsdpTrainer(DdpTrainer):
             self._guard_steps -= 1
 
     def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
-            with self.health.no_activations():
-                return super()._forward(inputs, target, n)
-        return super()._forward(inputs, target, n)
+        with parameters_read_in_forward():
+            if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
+                with self.health.no_activations():
+                    out = super()._forward(inputs, target, n)
+            else:
+                out = super()._forward(inputs, target, n)
+        self.views.check()  # no unit's view output changed in place (units.py: FSDP2's view warning)
+        return out
 
     def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
         raise AssertionError("fsdp has no DDP to rebuild")

@@ -16,6 +16,7 @@ recomputed in backward (``recomputed``), the shards kept in host memory (``offlo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +73,78 @@ def choose_units(task: Any, model: nn.Module) -> list[nn.Module]:
                 f"(not the model itself), got {type(u).__name__}"
             )
     return units
+
+
+MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
+"""torch's words when an op meets a gathered (plain) parameter and a sharded one (a DTensor)."""
+
+READS_PARAMETERS = (
+    "devices.strategy = fsdp: the model's forward computes with parameters outside the unit that is "
+    "computing (as a penalty over self.parameters() in forward does), which FSDP holds sharded there: use "
+    'devices.strategy = "ddp", "replicate" or "persistent", or give the task fsdp_units(model) returning [] '
+    "(the whole model one unit, gathered for each forward)"
+)
+
+
+@contextlib.contextmanager
+def parameters_read_in_forward() -> Iterator[None]:
+    """A forward inside: torch's "mixed torch.Tensor and DTensor" error becomes one line (``UserError``)
+    naming the model feature that causes it and what trains it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if MIXED_TENSORS not in str(e):
+            raise
+        raise UserError(READS_PARAMETERS) from None
+
+
+VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor\. An in-place op on this view"
+"""FSDP2's warning at every forward of a unit that returns a view (a ``Linear`` on a 3-d input, a
+``.view()`` of logits): torch cannot know whether the caller changes that view in place, which would
+drop the unit's pre-backward hook. ``ViewOutputs`` checks exactly that on every forward, so the warning
+is filtered (``quiet_view_warning``) and a model that does it is refused in one line instead."""
+
+
+def quiet_view_warning() -> None:
+    """Filter FSDP2's view-output warning, by its exact words, category and module (once per process)."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=VIEW_WARNING, category=UserWarning, module=r"torch\.distributed\.fsdp\._fully_shard"
+    )
+
+
+class ViewOutputs:
+    """The view outputs of the FSDP units in each forward, with their version counters: ``check`` (after
+    the forward and the loss, before backward) refuses a model that changed one in place."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._seen: list[tuple[str, torch.Tensor, int]] = []
+        self._handles = [m.register_forward_hook(self._hook) for m in modules]
+
+    def _hook(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return  # evaluation, or a forward recomputed in backward
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None:
+                self._seen.append((type(module).__name__.removeprefix("FSDP"), t, t._version))
+
+    def check(self) -> None:
+        seen, self._seen = self._seen, []
+        for kind, t, version in seen:
+            if t._version != version:
+                raise UserError(
+                    f"devices.strategy = fsdp: the model changes the output of an FSDP unit ({kind}, a view) in "
+                    "place, which skips the unit's gathering for backward (wrong gradients): use an out-of-place "
+                    '`out = out + y` or `.clone()` it first, or devices.strategy = "ddp"'
+                )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def mixed_precision(precision: str) -> Any:
@@ -136,6 +209,7 @@ def shard_model(
     if activation_checkpointing:
         for u in recomputed(units):
             checkpoint(u)
+    quiet_view_warning()  # accounted for: ViewOutputs (above)
     for u in units:
         fully_shard(u, mp_policy=mp, **kwargs)
     fully_shard(model, mp_policy=root_mp, **kwargs)

@@ -21,14 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-
-def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``Σ |g|²`` over ``grads`` as a float64 0-dim tensor on ``device`` (no sync)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g.detach() for g in grads])
-    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+from multilane.engine.tensors.grads import dense_part, grad_sum, squared_norm
 
 
 class LaneGradProbe:
@@ -66,11 +59,11 @@ class LaneGradProbe:
         store = self._grads[lane]
 
         def hook(g: torch.Tensor | None) -> None:
-            if g is None:  # this lane's copy got no gradient (a parameter its shard never used): adds 0
+            if g is None:  # a parameter copy no sample of this lane reached (an undefined gradient)
                 return
             old = store.get(j)
             # out of place: ``g`` is the very tensor LaneCopies then sums
-            store[j] = g.detach() if old is None else old + g.detach()
+            store[j] = g.detach() if old is None else grad_sum(old, g.detach())
 
         return hook
 
@@ -84,7 +77,9 @@ class LaneGradProbe:
 
     # -- ddp: this rank's buckets before the all-reduce -----------------------------------------
     def add_bucket(self, lane: int, flat: torch.Tensor, scale: float) -> None:
-        self._add(lane, flat.detach().to(torch.float64).square().sum().to(self.device) * (scale * scale))
+        # a sparse bucket (DDP gives an Embedding(sparse=True)'s gradient a bucket of its own) is uncoalesced:
+        # its |·|² is that of its coalesced values
+        self._add(lane, dense_part(flat.detach()).to(torch.float64).square().sum().to(self.device) * (scale * scale))
 
     def add_grads(self, lane: int, grads: Sequence[torch.Tensor], scale: float) -> None:
         """``lane``'s whole gradient at once (a ddp rank's first step, reduced by hand, not in DDP's

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from multilane.engine.tensors.grads import local, norms
 from torch import nn
 
 ACT_FIELDS = ("act_mean", "act_std", "act_zero")
@@ -58,12 +59,6 @@ def activation_modules(model: nn.Module, kinds: Sequence[str]) -> list[tuple[str
     return [(n, module_kind(m)) for n, m in model.named_modules() if n and module_kind(m) in wanted]
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's own part of ``t``: a DTensor's local shard (no collective), any other tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def _group_sq(norms: list[torch.Tensor], owner: torch.Tensor, n: int) -> torch.Tensor:
     """Per layer ``Σ |x|²`` (float64) from each parameter's norm."""
     sq = torch.stack([x.to(owner.device, torch.float64) for x in norms]).square()
@@ -102,9 +97,8 @@ class LayerSample:
         grads = [(k, p.grad) for k, p in enumerate(self.params) if p.grad is not None]
         if not grads or not n:
             return
-        norms = torch._foreach_norm([local(g.detach()) for _, g in grads])
         owner = self.owner[torch.tensor([k for k, _ in grads], device=self.device)]
-        sq = _group_sq(list(norms), owner, n)
+        sq = _group_sq(norms([g for _, g in grads]), owner, n)  # sparse, DTensor: tensors/grads.py
         self.grad_sq = sq if scale is None else sq / scale.to(sq).square()
 
     def before_update(self) -> None:
@@ -116,10 +110,10 @@ class LayerSample:
         if not self.params:
             return
         now = [local(p.detach()) for p in self.params]
-        self.weight_sq = _group_sq(list(torch._foreach_norm(now)), self.owner, len(self.names))
+        self.weight_sq = _group_sq(norms(now), self.owner, len(self.names))
         if self._before is not None:
             torch._foreach_sub_(self._before, now)
-            self.update_sq = _group_sq(list(torch._foreach_norm(self._before)), self.owner, len(self.names))
+            self.update_sq = _group_sq(norms(self._before), self.owner, len(self.names))
             self._before = None
 
     # -- activations ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from multilane.engine.health.groups import add_by_group, group_rows
 from multilane.engine.health.lane_grads import LaneGradProbe, squared_norm
-from multilane.engine.health.layers import LayerSample, activation_values, layer_values, local
+from multilane.engine.health.layers import LayerSample, activation_values, layer_values
 from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate
 from torch import nn
 
@@ -136,7 +136,7 @@ class HealthMonitor:
         if self.probe is not None:
             lane_sq = self.probe.lane_squares()
             if lane_sq is not None:
-                grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+                grads = [p.grad for p in model.parameters() if p.grad is not None]  # sparse, DTensor: squared_norm
                 total = squared_norm(grads, self.device)
                 if scale is not None:
                     total = total / scale.to(self.device, torch.float64).square()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from multilane.engine.parallel.replicas.lane_context import current_lane
 from multilane.engine.parallel.tree import first_tensor
+from multilane.engine.tensors.grads import dense_part
 from torch import nn
 
 if TYPE_CHECKING:
@@ -225,9 +226,11 @@ class Tracer:
                 self._handles.append(p.register_hook(self._grad_hook(self.names[j], lane)))
 
     def _grad_hook(self, name: str, lane_given: int | None):
-        def hook(g: torch.Tensor) -> None:
+        def hook(g: torch.Tensor | None) -> None:
+            if g is None:  # no sample of this lane reached it
+                return
             lane = lane_given if lane_given is not None else self._lane(None)
-            if _bad_rows(g.reshape(1, -1)) is not None:
+            if _bad_rows(dense_part(g).reshape(1, -1)) is not None:  # sparse: its values; DTensor: its shard
                 with self._lock:
                     self.bad_grads.setdefault(lane, []).append(name)
 

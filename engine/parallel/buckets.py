@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from multilane.engine.parallel.coalesced import sum_into
+from multilane.engine.tensors.grads import add_grad, is_sparse
 from torch import nn
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -97,10 +98,19 @@ class GradBuckets:
     def _sum(self, idx: list[int]) -> None:
         """Add the other active lanes' gradients of ``idx`` into the model's (lane 0's), then clear theirs."""
         master = self.params[0]
+        others = [lane for lane in self._lanes if lane != 0]
+        if any(is_sparse(self.params[lane][j].grad) for lane in (0, *others) for j in idx):
+            # Embedding(sparse=True): sparse gradients are summed as sparse tensors, one by one
+            for j in idx:
+                for lane in others:
+                    g = self.params[lane][j].grad
+                    if g is not None:
+                        add_grad(master[j], g)
+                    self.params[lane][j].grad = None
+            return
         for j in idx:
             if master[j].grad is None:  # lane 0 sat this backward out (and no earlier micro-batch ran it)
                 master[j].grad = torch.zeros_like(master[j])
-        others = [lane for lane in self._lanes if lane != 0]
         sum_into([master[j].grad for j in idx], [[self.params[lane][j].grad for j in idx] for lane in others])
         for lane in others:
             for j in idx:

@@ -10,6 +10,9 @@ multi-tensor ``_foreach`` kernels: one call per replica, no flattening, no copy.
 sit on different GPUs they are torch.cuda.comm's coalesced collectives (``reduce_add_coalesced`` /
 ``broadcast_coalesced``: small tensors packed into buffers of ``bucket_bytes``, NCCL where it
 applies), which is also what ``torch.nn.parallel.replicate`` and ``DataParallel`` use.
+
+Dense tensors only: a sparse gradient (``Embedding(sparse=True)``) is summed by its caller one tensor at a
+time, as a sparse tensor (``engine/tensors/grads.py``: ``add_grad``), never through these buffers.
 """
 
 from __future__ import annotations

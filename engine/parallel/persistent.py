@@ -44,6 +44,7 @@ from multilane.engine.parallel.replicas.lane_rng import LaneRandomnessError
 from multilane.engine.parallel.replicas.sync_batchnorm import LaneBatchNorm
 from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput, model_args
 from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.tensors.grads import add_grad, is_sparse
 from torch import nn
 
 
@@ -233,11 +234,11 @@ class PersistentReplicas(ReplicateEachStep):
         if not left:
             return
         with torch.no_grad():
-            if all(master[j].grad is not None and all(lane[j].grad is not None for lane in others) for j in left):
-                # The usual case: every lane holds a gradient for every parameter left.
+            if all(_dense(master[j].grad) and all(_dense(lane[j].grad) for lane in others) for j in left):
+                # The usual case: every lane holds a dense gradient for every parameter left.
                 sum_into([master[j].grad for j in left], [[lane[j].grad for j in left] for lane in others])
             else:
-                _sum_sparse_presence([master[j] for j in left], [[lane[j] for j in left] for lane in others])
+                _sum_each([master[j] for j in left], [[lane[j] for j in left] for lane in others])
         for lane in others:
             for j in left:
                 lane[j].grad = None
@@ -280,15 +281,18 @@ def _lane_backward(root: torch.Tensor, seed: torch.Tensor) -> None:
     torch.autograd.backward(root, seed)
 
 
-def _sum_sparse_presence(master: Sequence[nn.Parameter], others: Sequence[Sequence[nn.Parameter]]) -> None:
-    """The reduce when some lane has no gradient for some parameter (a lane that sat the step out, a
-    parameter a shard did not reach): sum what exists, in lane order; None where no lane has one."""
+def _dense(g: torch.Tensor | None) -> bool:
+    return g is not None and not is_sparse(g)
+
+
+def _sum_each(master: Sequence[nn.Parameter], others: Sequence[Sequence[nn.Parameter]]) -> None:
+    """The reduce, one parameter at a time, when some lane has no gradient for some parameter (a lane
+    that sat the step out, a parameter a shard did not reach) or a gradient is sparse
+    (``Embedding(sparse=True)``: summed as sparse tensors, as one device's backward accumulates them;
+    a sparse and a dense one give a dense one): sum what exists, in lane order; None where no lane
+    has one."""
     for j, p in enumerate(master):
-        grads = [lane[j].grad for lane in others if lane[j].grad is not None]
-        if not grads:
-            continue
-        if p.grad is None:
-            p.grad = grads[0].to(p.device, copy=True)
-            grads = grads[1:]
-        for g in grads:
-            p.grad.add_(g.to(p.device))
+        for lane in others:
+            g = lane[j].grad
+            if g is not None:
+                add_grad(p, g)

@@ -48,6 +48,7 @@ from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.run.optim import build_optimizer
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.devices import Device
+from multilane.engine.tensors.grads import clip_grad_norm
 from torch.utils._pytree import tree_map
 
 FSDP_PHASES = ("setup", "forward", "backward", "optimizer")
@@ -142,7 +143,7 @@ class _RankStepper:
     forward by the trainer's own ``RankRules.forward`` and ``shard_forward``."""
 
     def __init__(self, config: RunConfig, task: Any, dev: torch.device, n: int, count: measure.StorageCount) -> None:
-        from multilane.engine.fsdp.units import choose_units, shard_model
+        from multilane.engine.fsdp.units import ViewOutputs, choose_units, shard_model
         from torch.distributed.device_mesh import init_device_mesh
 
         self.cfg, self.task, self.dev, self.count = config, task, dev, count
@@ -160,7 +161,7 @@ class _RankStepper:
         ]
         del whole
         mesh = init_device_mesh(dev.type, (n,))
-        shard_model(
+        units = shard_model(
             self.model,
             choose_units(task, self.model),
             config.train.precision,
@@ -169,6 +170,7 @@ class _RankStepper:
             cpu_offload=config.devices.fsdp_cpu_offload,
             device=dev,
         )
+        self.views = ViewOutputs([*units, self.model])  # as the trainer: a view changed in place is refused
         self.opt = build_optimizer(self.model.parameters(), config.optim)
         self.setup_peak = self._peak()
         # The rank's forward as the trainer takes it: the ranks' rules (buffers merged over the fake group)
@@ -192,8 +194,12 @@ class _RankStepper:
         x, y = tree_map(take, inputs), tree_map(take, target)
         self._reset()
         fwd = functools.partial(shard_forward, self.model, self.task, self.weight_fn, self.dev.type, None, x, y, b)
-        with no_double_backward():  # a gradient penalty: refused as the run would be (reach.py)
+        from multilane.engine.fsdp.units import parameters_read_in_forward
+
+        # a gradient penalty, parameters read in the forward: refused in one line, as the run would be
+        with no_double_backward(), parameters_read_in_forward():
             out, loss, _ = self.rules.forward(fwd, b, [b] * self.n)
+        self.views.check()
         forward = self._peak()
         self._reset()
         self.opt.zero_grad(set_to_none=True)
@@ -202,6 +208,6 @@ class _RankStepper:
         backward = self._peak()
         self._reset()
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()
         return [forward, backward, self._peak()]

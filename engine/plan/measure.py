@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -64,9 +63,13 @@ class StorageCount:
             for name in t.__tensor_flatten__()[0]:
                 self.add_tensor(getattr(t, name))
             return
+        if t.layout == torch.sparse_coo:  # Embedding(sparse=True)'s gradient: its indices and values hold the bytes
+            self.add_tensor(t._indices())
+            self.add_tensor(t._values())
+            return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a sparse or otherwise storage-less tensor
+        except (RuntimeError, NotImplementedError):  # another storage-less tensor
             return
         key = id(storage)
         if key in self._live or storage in self._foreign:
@@ -123,9 +126,10 @@ class StorageCount:
 
 
 def _live_tensors() -> Iterator[torch.Tensor]:
-    with warnings.catch_warnings():  # isinstance() on a deprecated module attribute warns
-        warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # issubclass of the type, not isinstance(): isinstance() reads an object's ``__class__``, which warns on
+    # a deprecated module attribute, and silencing that here (catch_warnings) would reset every module's
+    # "shown once" record: a user's own warning would then be printed again after every probe step.
+    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     yield from found
 
 

@@ -25,6 +25,7 @@ from multilane.engine.plan import measure
 from multilane.engine.run.optim import build_optimizer
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
+from multilane.engine.tensors.grads import clip_grad_norm
 from torch.utils._pytree import tree_map
 
 PROBE_PER_DEVICE = (4,)
@@ -359,7 +360,7 @@ class Stepper:
         self._reset()
         if self.cfg.train.grad_clip > 0:
             self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
         self.strategy.sync_replicas(self.model, self.timer)

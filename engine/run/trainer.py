@@ -44,6 +44,8 @@ from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
+from multilane.engine.tensors import features
+from multilane.engine.tensors.grads import clip_grad_norm
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
@@ -111,6 +113,7 @@ class Trainer:
         if self.memory is not None:
             self.memory.before_model()
         self.model = self.task.build_model().to(dev)
+        features.check_model(self.model, cfg)  # before step 1 (a model the meta device could not build)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -166,6 +169,7 @@ class Trainer:
             except MissingExtra as e:
                 raise UserError(str(e)) from None
         try:
+            features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
             self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
             self._setup()
             if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
@@ -323,7 +327,7 @@ class Trainer:
         timer.mark("optimizer")
         if cfg.train.grad_clip > 0:
             self.scaler.unscale_(opt)
-            window.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip))
+            window.add_grad_norm(clip_grad_norm(self.model.parameters(), cfg.train.grad_clip))
         health.before_update()
         self.scaler.step(opt)
         self.scaler.update()

@@ -20,34 +20,14 @@ whose memory is the process's and shared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
+from multilane.engine.tensors.grads import local as _local
+from multilane.engine.tensors.grads import tensor_bytes
 from torch import nn
 
 KINDS = ("params", "grads", "optimizer")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
-    return to_local() if to_local is not None else t
-
-
-def tensor_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct tensors among ``tensors`` (tied parameters counted once)."""
-    seen: set[tuple[Any, int]] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        t = _local(t)
-        key = (t.device, t.data_ptr())
-        if t.numel() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
 
 
 def split(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

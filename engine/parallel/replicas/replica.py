@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from multilane.engine.tensors.grads import grad_sum
 from torch import nn
 from torch.autograd import Function
 
@@ -59,7 +60,7 @@ class LaneCopies(Function):
                 if g is None:
                     continue
                 g = g.to(ctx.sources[j])
-                total = g if total is None else total + g
+                total = g if total is None else grad_sum(total, g)  # sparse + dense: dense
             result.append(total)
         return tuple(result)
 

@@ -24,6 +24,23 @@ def test_tied_parameters_count_once_and_adams_state_is_twice_the_parameters():
     assert split(list(m.parameters()), opt) == {"params": 160, "grads": 160, "optimizer": 320}
 
 
+def test_a_sparse_gradient_and_a_parameter_without_one_are_counted_not_failed():
+    # Embedding(sparse=True): no storage (data_ptr() raises), its bytes are its indices and values;
+    # torch's SGD keeps a sparse momentum buffer for it; a layer no sample reached has no gradient.
+    import torch
+
+    m = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "never": nn.Linear(4, 4)})
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m["emb"](torch.tensor([1, 2, 1])).sum().backward()
+    opt.step()
+    grad = m["emb"].weight.grad
+    assert grad.is_sparse and m["never"].weight.grad is None
+    parts = split(list(m.parameters()), opt)
+    assert parts["params"] == (10 * 4 + 4 * 4 + 4) * 4
+    assert parts["grads"] == grad._indices().nbytes + grad._values().nbytes
+    assert parts["optimizer"] == tensor_bytes(opt.state[m["emb"].weight].values()) > 0
+
+
 def test_shards_offloaded_by_fsdp_are_said_to_be_in_host_memory():
     mem = {"r0": {"params": 1 << 20, "grads": 1 << 20, "optimizer": 2 << 20, "rest": 3 << 20, "host": True}}
     assert summary_lines(mem) == [
