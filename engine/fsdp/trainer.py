@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -150,7 +151,8 @@ class FsdpTrainer(DdpTrainer):
     def _train_step(self, accum: int) -> None:
         self.unit_guard.active = self._guard_steps > 0
         try:
-            with no_double_backward() if self.unit_guard.active else contextlib.nullcontext():
+            # a forward reading parameters outside its unit may meet the DTensor in its backward: one line
+            with parameters_read_in_forward(), no_double_backward() if self.unit_guard.active else nullcontext():
                 super()._train_step(accum)
         finally:
             self.unit_guard.active = False

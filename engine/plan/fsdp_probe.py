@@ -203,7 +203,8 @@ class _RankStepper:
         forward = self._peak()
         self._reset()
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with parameters_read_in_forward():  # such a forward may meet the DTensor only in its backward
+            loss.backward()
         del out, loss, x, y
         backward = self._peak()
         self._reset()

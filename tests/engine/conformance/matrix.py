@@ -125,31 +125,13 @@ class Expect:
     """Known to fail today: the class of bug and the branch fixing it (the mark goes once it is merged)."""
 
 
-# Known failures, each a class of bug: what fails, and where it is being fixed.
-SPARSE = (
-    "sparse gradients: the gradient-norm walkers call dense-only ops on a sparse .grad "
-    "('aten::linalg_vector_norm' is not available for SparseCPU) at step 1 (branch walkers)"
-)
-LAUNCHER_LINE = (
-    "a rank's refusal (Embedding(max_norm) under ddp, at step 1) is reported with exit 1, status failed and "
-    "torch's SIGTERM warning, not as the launcher's one line with exit 2 (branch fsdp-ckpt)"
-)
-FSDP_ZERO_DIM = "fsdp: a 0-dim parameter fails in fully_shard at set-up, in torch's words (branch walkers)"
-FSDP_READS_PARAMS = (
-    "fsdp: a forward reading self.parameters() fails with torch's 'mixed torch.Tensor and DTensor' (branch walkers)"
-)
-FSDP_MAX_NORM = "fsdp: Embedding(max_norm) silently trains to a different model (losses differ) (branch walkers)"
-
 EXPECTED: dict[tuple[str, str], Expect] = {
     ("data-dependent branch", "fsdp"): Expect(refused=("cannot train this model: a layer only some samples reach",)),
-    ("tied embedding, max_norm", "ddp"): Expect(refused=("Embedding(max_norm", '"replicate"'), xfail=LAUNCHER_LINE),
-    ("tied embedding, max_norm", "fsdp"): Expect(xfail=FSDP_MAX_NORM),
-    ("sparse embedding", "replicate"): Expect(xfail=SPARSE),
-    ("sparse embedding", "persistent"): Expect(xfail=SPARSE),
-    ("sparse embedding", "ddp"): Expect(xfail=SPARSE),
-    ("sparse embedding", "fsdp"): Expect(xfail=SPARSE),
-    ("0-dim parameter", "fsdp"): Expect(xfail=FSDP_ZERO_DIM),
-    ("forward reads its own parameters", "fsdp"): Expect(xfail=FSDP_READS_PARAMS),
+    ("tied embedding, max_norm", "ddp"): Expect(refused=("Embedding(max_norm=", '"replicate"')),
+    ("tied embedding, max_norm", "fsdp"): Expect(refused=("Embedding(max_norm=", '"replicate"')),
+    ("sparse embedding", "fsdp"): Expect(refused=("sparse gradients", '"ddp"')),
+    ("0-dim parameter", "fsdp"): Expect(refused=("is 0-dim", '"ddp"')),
+    ("forward reads its own parameters", "fsdp"): Expect(refused=("parameters outside the unit", '"ddp"')),
     ("gradient penalty (create_graph)", "fsdp"): Expect(refused=("create_graph=True", '"ddp"')),
     ("buffer that requires grad", "persistent"): Expect(refused=("buffer 'shift' requires grad", '"replicate"')),
 }
