@@ -58,7 +58,7 @@ from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors.features import check_model
-from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
 
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
@@ -255,9 +255,9 @@ class DdpTrainer(RankAgreement, Trainer):
                 self._build_ddp(find_unused=True)
         health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
-        if cfg.train.grad_clip > 0:
-            self.scaler.unscale_(opt)
-            self.window.add_grad_norm(clip_grad_norm(self.model.parameters(), cfg.train.grad_clip))
+        self.scaler.unscale_(opt)  # fp16: the norm is of the true gradients (else a no-op)
+        clip, params = cfg.train.grad_clip, self.model.parameters()
+        self.window.add_grad_norm(clip_grad_norm(params, clip) if clip > 0 else grad_norm(params))
         health.before_update()
         self.scaler.step(opt)
         self.scaler.update()

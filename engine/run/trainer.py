@@ -45,7 +45,7 @@ from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
 from multilane.engine.tensors import features
-from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
@@ -325,9 +325,11 @@ class Trainer:
         strategy.reduce_gradients(timer)
         health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
-        if cfg.train.grad_clip > 0:
-            self.scaler.unscale_(opt)
-            window.add_grad_norm(clip_grad_norm(self.model.parameters(), cfg.train.grad_clip))
+        self.scaler.unscale_(opt)  # fp16: the norm is of the true gradients (else a no-op)
+        clip = cfg.train.grad_clip
+        window.add_grad_norm(
+            clip_grad_norm(self.model.parameters(), clip) if clip > 0 else grad_norm(self.model.parameters())
+        )
         health.before_update()
         self.scaler.step(opt)
         self.scaler.update()

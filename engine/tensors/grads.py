@@ -133,6 +133,20 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     return total
 
 
+def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The gradients' total 2-norm, as ``clip_grad_norm`` returns it, clipping nothing: logged every step
+    whether or not the run clips (one fused norm on the device, read at log time)."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    if any(is_sparse(g) for g in grads):
+        device = grads[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms(grads)]))
+    total = getattr(torch.nn.utils, "get_total_norm", None)  # torch 2.6 on
+    return total(grads) if total is not None else torch.nn.utils.clip_grad_norm_(params, float("inf"))
+
+
 SPARSE_KINDS = (nn.Embedding, nn.EmbeddingBag)
 
 

@@ -336,3 +336,28 @@ def test_builtin_tasks_build_and_learn(make_config):
         _, _result, rec = run(make_config(task__name=name, train__steps=30, train__eval_every=30))
         assert rec.logs[-1]["loss"] < rec.logs[0]["loss"], name
     assert make_task("digits").build_model()(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(("devices", "strategy"), [("cpu:0", "replicate"), ("cpu:0,cpu:1,cpu:2", "persistent")])
+def test_the_gradient_norm_is_logged_without_clipping_equal_to_a_plain_loop(make_config, devices, strategy):
+    # every step's total gradient norm, the window's mean at each log: the panel has data in every run
+    task = Float64Task()
+    cfg = make_config(
+        devices__use=devices, devices__strategy=strategy, train__steps=4, train__log_every=2, data__batch_size=24
+    )
+    cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"name": "sgd", "momentum": 0.0})})
+    ref = Trainer(cfg, task=Float64Task())
+    ref._setup()
+    ref.backend.close()
+    model, norms = ref.model, []
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    for m in range(cfg.train.steps):
+        x, y, _ = ref.loader.batches.get(m)
+        opt.zero_grad()
+        task.loss(model(x), y).backward()
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+        opt.step()
+    _, result, rec = run(cfg, task=task)
+    assert result.status == "finished", result.message
+    got = [r["grad_norm"] for r in rec.logs]
+    assert got == pytest.approx([(norms[0] + norms[1]) / 2, (norms[2] + norms[3]) / 2], rel=1e-9)
