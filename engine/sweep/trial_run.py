@@ -26,7 +26,7 @@ from multilane.engine.rundir.follow import TERMINAL_STATES, MetricsTail
 from multilane.engine.rundir.runlog import CONFIG, STATUS
 from multilane.engine.start.parent_death import sigterm_with_parent
 from multilane.engine.start.server import start_cli, start_way
-from multilane.engine.sweep.trial_guard import TrialGuard, grace_s, signal_group
+from multilane.engine.sweep.trial_guard import TrialGuard, grace_s, kill_tree, signal_group
 
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 CONSOLE = "console.log"
@@ -120,7 +120,7 @@ class TrialProcess:
         try:
             self.guard = TrialGuard(self.proc.pid)
         except BaseException:  # no guard, no trial: it is never left running unguarded
-            signal_group(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             self.proc.wait()
             raise
         self.tail = MetricsTail(run_dir / "metrics.jsonl")
@@ -143,8 +143,8 @@ class TrialProcess:
 
     def stop(self) -> None:
         """Ask the trial to stop after its step (a checkpoint is written, as for any stopped run); if it
-        has not ended after the grace, its group gets SIGTERM, and after twice the grace SIGKILL
-        (``escalate``): a step hung in C code ends too."""
+        has not ended after the grace, its group gets SIGTERM, and after twice the grace its whole tree
+        SIGKILL (``escalate``): a step hung in C code ends too, and whatever it started."""
         if self.proc.poll() is None:
             write_control(self.run_dir, "stop")
             if self._stop_at is None:
@@ -155,7 +155,7 @@ class TrialProcess:
             return
         waited = time.monotonic() - self._stop_at
         if waited > 2 * grace:
-            signal_group(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid, signal.SIGKILL)
         elif waited > grace and not self._terminated:
             self._terminated = True
             signal_group(self.proc.pid, signal.SIGTERM)
