@@ -23,9 +23,13 @@ class RunControl:
         self._waiting = threading.Event()  # set while the trainer waits on a hold
         self._hold_until = 0.0
         self.held_s = 0.0  # time the trainer spent waiting on holds (read it after the run)
+        self.stop_reason: str | None = None  # who asked, when they said (a sweep's pruner): in the end message
 
-    def request_stop(self) -> None:
-        """Finish the current step, save a checkpoint, end the run as "stopped"."""
+    def request_stop(self, reason: str | None = None) -> None:
+        """Finish the current step, save a checkpoint, end the run as "stopped" (``reason``: why, in its
+        end message; the first one given is kept)."""
+        if reason and self.stop_reason is None:
+            self.stop_reason = reason
         self._stop.set()
         self._running.set()  # a paused run wakes up to stop
         self._unheld.set()  # and a held one

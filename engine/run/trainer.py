@@ -249,7 +249,8 @@ class Trainer:
                 self._pause()
             if self.control.stop_requested:
                 self._stop()
-                return "stopped", f"stopped at step {self.step}"
+                why = self.control.stop_reason
+                return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
             if self.window.steps == 0:
                 self.run_health.window_start(self)  # the state a replay of this window starts from
