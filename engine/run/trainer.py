@@ -31,10 +31,10 @@ from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCall
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
 from multilane.engine.run.evaluation import evaluate, write_sample
-from multilane.engine.run.failures import one_line, outcome, release_cuda_memory, where
+from multilane.engine.run.failures import outcome, release_cuda_memory
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
-from multilane.engine.run.run_end import finish_run
+from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended
 from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import RunDir
@@ -104,11 +104,13 @@ class Trainer:
         self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
+        self._phase("loading data")
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         forecast = getattr(self, "forecast", None)
         self.memory = PeakMeter(self.devices, forecast) if forecast is not None else None
         if self.memory is not None:
             self.memory.before_model()
+        self._phase("building the model")
         self.model = self.task.build_model().to(dev)
         if cfg.devices.sync_batchnorm:
             convert_sync_batchnorm(self.model)
@@ -125,7 +127,9 @@ class Trainer:
         self.strategy.lane_grads = self.health.probe
         self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
         if self._checkpoint is not None:
+            self._phase("restoring the checkpoint")
             checkpointer.restore(self, self._checkpoint)
+        self._phase("starting the data loader")
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
 
@@ -164,27 +168,30 @@ class Trainer:
                 from multilane.integrations.tensorboard import TensorBoardWriter
             except MissingExtra as e:
                 raise UserError(str(e)) from None
-        try:
-            self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
-            self._setup()
-        except (UserError, KeyboardInterrupt):
-            raise
-        except (Exception, SystemExit) as e:
-            raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
+        # The folder first, before any of the task's code runs: watch, control and the app see the run
+        # "starting" and its phase, and a stop reaches it there (run_end.setup_begins, RunControl.during_setup).
         self.run_dir = rd = self._open_run_dir()
         self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
-        self.checkpoint_time = time.monotonic()
-        self.energy = EnergyMeter(None)
         self._at_step = self.step  # the step a failure is reported at
-        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
         resumed = self._checkpoint is not None
+        before = setup_begins(self, rd, record=lambda: record_run(rd, cfg, self.task_file))
+        try:
+            with self.control.during_setup(lambda: self._control_file.apply(self.control)):
+                with fit_check_phases(self):
+                    self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
+                self._setup()
+        except BaseException as e:  # stopped, refused, crashed: the folder says so (or is as it was found)
+            return setup_ended(self, e, before)
+        self.checkpoint_time = time.monotonic()
+        self.energy = EnergyMeter(None)
+        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         status, message, tb = "finished", None, None
         try:
             rd.reserve_space()  # freed to record a failure if the disk fills up
-            record_run(rd, cfg, self.task_file)
+            record_run(rd, cfg, self.task_file)  # again: a resume's config (its overrides) once it set up
             self.callbacks.insert(0, MetricsWriter(rd))
             if cfg.train.tensorboard and rd.writes:
                 self.callbacks.insert(1, TensorBoardWriter(rd.path))
@@ -276,6 +283,12 @@ class Trainer:
             if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
                 checkpointer.save(self)
         return "finished", None
+
+    def _phase(self, what: str) -> None:
+        """The set-up's phase, in the run folder's status ("starting": loading data, building the model)."""
+        self.phase = what
+        if self.run_dir is not None:
+            self.run_dir.set_status("starting", what, phase=what, step=self.step)
 
     def _checkpoint_due(self) -> bool:
         """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""

@@ -22,7 +22,7 @@ from multilane.engine.rundir.run_lock import writer_gone
 from multilane.engine.rundir.runread import JSON_LIMIT, METRICS, STATUS
 
 TERMINAL_STATES = ("finished", "stopped", "failed", "aborted")
-STATES = ("running", "paused", *TERMINAL_STATES)
+STATES = ("starting", "running", "paused", *TERMINAL_STATES)  # starting: set-up, its phase the message
 WRITER_CHECK_S = 2.0  # how often a follower checks that a running run's writer still exists
 
 
