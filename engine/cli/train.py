@@ -125,7 +125,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
             os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
             if args.nnodes == 1 and not os.environ.get(RUN_DIR_ENV):  # the folder first: the check runs task code
-                forecast = _fit_in_its_folder(config, task, lambda: check_fit(config, task, parse_devices(config.devices.use)))
+                forecast = _fit_in_its_folder(
+                    config, task, lambda: check_fit(config, task, parse_devices(config.devices.use))
+                )
                 if forecast == "stopped":
                     return 0
             else:
@@ -213,7 +215,9 @@ def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
             forecast = check()
     except SetupStopped as e:
         why = f" ({e.args[0]})" if e.args and e.args[0] else ""
-        rd.set_status("stopped", f"stopped while {phase}, before step 1{why}; nothing was trained, no checkpoint", step=0)
+        rd.set_status(
+            "stopped", f"stopped while {phase}, before step 1{why}; nothing was trained, no checkpoint", step=0
+        )
         rd.close()
         print(f"stopped while {phase}: run directory {rd.path}")
         return "stopped"
@@ -261,7 +265,9 @@ def _stop_on_signals(control: Any, console: Any) -> None:
         nonlocal count
         count += 1
         if count == 1:
-            console.print("[yellow]stopping after this step, or at once while it sets up (press Ctrl+C again to abort)[/]")
+            console.print(
+                "[yellow]stopping after this step, or at once while it sets up (press Ctrl+C again to abort)[/]"
+            )
             control.request_stop()
         elif count == 2:
             raise KeyboardInterrupt

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 SETUP_SIGNAL = signal.SIGUSR2  # handled only while a run sets up: a stop asked from another thread
 
 
-class SetupStopped(BaseException):  # noqa: N818 (not an error: a stop, as KeyboardInterrupt is)
+class SetupStopped(BaseException):
     """A stop asked while the run sets up (its fit check, loading data, building the model), raised in
     the setting-up thread wherever it is, so that a task's ``data()`` that never returns ends too.
     A ``BaseException``: the task's own ``except Exception`` does not swallow it."""
@@ -103,7 +103,6 @@ class RunControl:
                 watcher.join()
             if main:
                 signal.signal(SETUP_SIGNAL, old)
-
 
     def pause(self) -> None:
         self._running.clear()

@@ -13,6 +13,7 @@ refusal (bad input found in set-up) leaves no folder of a new run and a resumed 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 import traceback
@@ -82,22 +83,23 @@ def finish_run(trainer: Trainer, status: str, message: str | None, tb: str | Non
     return result
 
 
-def setup_begins(trainer: Trainer, rd: RunDir, record: Callable[[], None]) -> tuple[str, bytes | None]:
+def setup_begins(trainer: Trainer, rd: RunDir, record: Callable[[], None]) -> tuple[str, Any]:
     """Before the set-up: the folder says "starting" (a new or given folder also holds what the run
     trains). Returns how the folder came (``new``, ``given``, ``resumed``) and a resumed one's status as
     found, for ``setup_ended``."""
     kind = "resumed" if trainer._resume_dir is not None else "given" if trainer._made_run_dir else "new"
     found = None
-    if kind == "resumed":
+    if kind == "resumed":  # its status.json as found: bytes and times
         with contextlib.suppress(OSError):
-            found = (rd.path / STATUS).read_bytes()
+            st = os.stat(rd.path / STATUS)
+            found = ((rd.path / STATUS).read_bytes(), st.st_atime_ns, st.st_mtime_ns)
     else:
         record()
     trainer._phase("starting")
     return kind, found
 
 
-def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, bytes | None]) -> RunResult:
+def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, Any]) -> RunResult:
     """The set-up ended by ``e`` before the loop: the result of a stop, or ``UserError`` raised (one line)."""
     kind, found = begun
     rd = trainer.run_dir
@@ -110,7 +112,9 @@ def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, bytes | No
     )
     if isinstance(e, SetupStopped):
         why = f" ({e.args[0]})" if e.args and e.args[0] else ""
-        return finish_run(trainer, "stopped", f"stopped while {phase}, before step {trainer.step + 1}{why}; {kept}", None)
+        return finish_run(
+            trainer, "stopped", f"stopped while {phase}, before step {trainer.step + 1}{why}; {kept}", None
+        )
     if isinstance(e, KeyboardInterrupt):
         return finish_run(trainer, "aborted", f"aborted while {phase} (a second Ctrl+C or SIGTERM); {kept}", None)
     refused = isinstance(e, UserError)
@@ -119,7 +123,8 @@ def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, bytes | No
     if kind == "resumed" and (refused or found is not None):  # no step was taken: the folder as found
         with contextlib.suppress(OSError):
             if found is not None:
-                atomic_write_bytes(rd.path / STATUS, found)
+                atomic_write_bytes(rd.path / STATUS, found[0])
+                os.utime(rd.path / STATUS, ns=found[1:])
         trainer.run_dir = None  # Trainer.run closes it as refused: its lock file as found too
     elif kind == "new" and refused:  # bad input found in set-up: no folder, as a refusal leaves none
         rd.close()

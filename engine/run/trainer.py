@@ -35,7 +35,7 @@ from multilane.engine.run.failures import outcome, release_cuda_memory
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
 from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended
-from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
+from multilane.engine.run.run_spec import open_run_dir, planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
@@ -50,7 +50,8 @@ __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 class Trainer:
     """Train ``config`` (or resume the run in ``resume_from``), reporting to ``callbacks``.
 
-    Bad input raises ``UserError`` from the constructor, before any folder is written. A failure
+    Bad input raises ``UserError`` from the constructor, before any folder is written; ``run()`` makes
+    the folder ("starting", with its set-up's phase) before any of the task's code runs. A failure
     during the run does not raise: ``run()`` returns a result with status "failed" and the message,
     and the run directory keeps the traceback and every metric logged so far.
     """
@@ -217,16 +218,7 @@ class Trainer:
         return self._finish(status, message, tb)
 
     def _open_run_dir(self) -> RunDir:
-        if self._resume_dir is not None:
-            return self._resume_dir
-        if self._made_run_dir is not None:  # the app made it (to follow it) before starting this process
-            rd = RunDir(self._made_run_dir)
-            if not rd.path.is_dir():
-                raise UserError(f"run folder {rd.path} does not exist (it is made by whoever starts the run)")
-            (rd.path / "checkpoints").mkdir(exist_ok=True)
-            rd.acquire()
-            return rd
-        return RunDir.create(self.config.run.runs_dir, self.config.run.name)
+        return open_run_dir(self._resume_dir, self._made_run_dir, self.config)
 
     @property
     def lane_names(self) -> list[str]:

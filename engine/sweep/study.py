@@ -147,7 +147,9 @@ class Sweep:
             held = sorted(s.study_name for s in storage.get_all_studies())
             if held:  # a storage in use: a study missing from it is a wrong --study, not one on its way
                 shown = ", ".join(repr(n) for n in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-                raise UserError(f"--study {study_name!r}: the storage holds no study of that name (it holds {shown})")
+                raise UserError(
+                    f"--study {study_name!r}: the storage holds no study of that name (it holds {shown})"
+                ) from None
             raise NotThereYet(f"a study named {study_name!r} (the storage holds no study yet)") from None
         if SPEC_ATTR not in probe.user_attrs:  # made a moment ago: its spec comes next (or it is no sweep's)
             raise NotThereYet(
