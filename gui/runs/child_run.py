@@ -109,12 +109,6 @@ class ChildRun:
         code = self.proc.returncode
         line = self._last_line()
         started = _size(self.run_dir / METRICS) not in (None, self._metrics_size0)
-        recorded = _status(self.run_dir)
-        if code == 2 and not started and recorded.get("state") == "failed" and not recorded.get("refused"):
-            # the task's code failed in its set-up: the run recorded it (its traceback too); kept as it says
-            message = recorded.get("message") or line.removeprefix("multilane: error: ")
-            return {"status": recorded["state"], "message": message, "step": 0, "run_dir": str(self.run_dir),
-                    "traceback": None}  # fmt: skip
         if code == 2 and not started:
             if self.made_folder:
                 self._remove_made_folder()
@@ -189,14 +183,6 @@ class ChildRun:
             pass
         finally:
             rd.close()
-
-
-def _status(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _size(path: Path) -> int | None:
