@@ -126,15 +126,17 @@ def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, Any]) -> R
                 atomic_write_bytes(rd.path / STATUS, found[0])
                 os.utime(rd.path / STATUS, ns=found[1:])
         trainer.run_dir = None  # Trainer.run closes it as refused: its lock file as found too
-    elif kind == "new" and refused:  # bad input found in set-up: no folder, as a refusal leaves none
-        rd.close()
-        trainer.run_dir = None
-        shutil.rmtree(rd.path, ignore_errors=True)
-    else:  # the task's code failed, or a folder made by whoever started the run was refused: it says so
+    elif refused:  # bad input found in set-up: a new folder goes, as a refusal leaves none; one made by
+        rd.close()  # whoever started the run is left as they made it (their one line says why: the app's
+        trainer.run_dir = None  # "Not started", a sweep's failed trial)
+        if kind == "new":
+            shutil.rmtree(rd.path, ignore_errors=True)
+        else:
+            rd.remove(STATUS)
+    else:  # the task's code failed: the folder says so, as for any crash
         with contextlib.suppress(OSError):
-            if not refused:
-                rd.write_error("".join(traceback.format_exception(type(e), e, e.__traceback__)))
-            rd.set_status("failed", line, step=trainer.step, phase=phase, **({"refused": True} if refused else {}))
+            rd.write_error("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            rd.set_status("failed", line, step=trainer.step, phase=phase)
         rd.close()
     raise UserError(line) from None
 
