@@ -47,29 +47,35 @@ def short_grace_s() -> float:
     return min(SHORT_GRACE_S, grace_s())
 
 
-def _stat(pid: int) -> tuple[int, int, int, int] | None:
-    """(ppid, pgid, sid, start time) of ``pid`` from /proc; None when it is gone or a zombie."""
+def _stat(pid: int, zombie: bool = False) -> tuple[int, int, int, int] | None:
+    """(ppid, pgid, sid, start time) of ``pid`` from /proc; None when it is gone or (unless ``zombie``)
+    a zombie, which holds its pid until it is reaped."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return None
     fields = raw[raw.rfind(b")") + 2 :].split()  # after the command's name, which may hold spaces
-    if fields[0] in (b"Z", b"X"):
+    if fields[0] == b"X" or (fields[0] == b"Z" and not zombie):
         return None
     return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
 
 
-def tree(leader: int) -> dict[int, int]:
-    """Every living process of ``leader``'s session or process group, and every descendant of those and
-    of ``leader``: pid -> start time (so that a pid used again later is not taken for one of them)."""
+def tree(leader: int, leader_start: int | None = None, known: dict[int, int] | None = None) -> dict[int, int]:
+    """Every living process of ``leader``'s session or process group, and every descendant of those, of
+    ``leader`` and of ``known``: pid -> start time (so that a pid used again later is not taken for one
+    of them). Once the leader (started at ``leader_start``) has ended, its pid may be another process's:
+    then only ``known`` and their descendants count."""
     table = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
                 table[int(name)] = st
-    found = {pid: st[3] for pid, st in table.items() if pid == leader or leader in (st[1], st[2])}
+    lead = _stat(leader, zombie=True)  # the leader's pid is still its own while it is a zombie
+    same = lead is not None and (leader_start is None or lead[3] == leader_start)
+    found = {pid: st[3] for pid, st in table.items() if same and (pid == leader or leader in (st[1], st[2]))}
+    found.update({pid: start for pid, start in (known or {}).items() if pid in table and table[pid][3] == start})
     grew = True
     while grew:
         grew = False
@@ -81,31 +87,21 @@ def tree(leader: int) -> dict[int, int]:
     return found
 
 
-def alive(known: dict[int, int]) -> dict[int, int]:
-    """Those of ``known`` still running (the same processes: same start time)."""
-    out = {}
-    for pid, start in known.items():
-        st = _stat(pid)
-        if st is not None and st[3] == start:
-            out[pid] = start
-    return out
-
-
-def kill_tree(leader: int, sig: int = signal.SIGKILL, known: dict[int, int] | None = None) -> int:
+def kill_tree(
+    leader: int, sig: int = signal.SIGKILL, known: dict[int, int] | None = None, leader_start: int | None = None
+) -> int:
     """``sig`` to ``leader``'s whole tree (``tree``) and to what of ``known`` still runs; how many were
     signalled. Each is stopped first (SIGSTOP), so that none starts another or dies and orphans its
     children between the count and the signal."""
-    found = {**alive(known or {}), **tree(leader)}
+    found = tree(leader, leader_start, known)
     if sig == signal.SIGKILL:
         for pid in found:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
-        found = {**found, **tree(leader)}
+        found = {**found, **tree(leader, leader_start, found)}
     for pid in found:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
-    with contextlib.suppress(OSError):
-        os.killpg(leader, sig)
     return len(found)
 
 
@@ -150,7 +146,9 @@ def _guard(leader: int, grace: float) -> None:
     """The guard process: note the tree while the pipe on stdin is open, then end it (see the module)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    known = tree(leader)
+    first = _stat(leader)
+    start = first[3] if first is not None else None
+    known = tree(leader, start)
     hurried = False
     while True:
         try:
@@ -158,7 +156,7 @@ def _guard(leader: int, grace: float) -> None:
         except InterruptedError:
             continue
         if not ready:
-            known = {**alive(known), **tree(leader)}
+            known = tree(leader, start, known)
             continue
         try:
             got = os.read(0, 64)
@@ -169,17 +167,19 @@ def _guard(leader: int, grace: float) -> None:
         hurried = hurried or HURRY in got
         if not got:
             break
-    leader_alive = _stat(leader) is not None
+    now = _stat(leader)
+    leader_alive = now is not None and now[3] == start
     wait = grace if leader_alive and not hurried else min(SHORT_GRACE_S, grace)
     end = time.monotonic() + wait
     while time.monotonic() < end:
-        known = {**alive(known), **tree(leader)}
+        known = tree(leader, start, known)
         if not known:
             return
         time.sleep(0.1)
     for _ in range(3):  # a process forked between the count and the kill is caught by the next round
-        if not kill_tree(leader, signal.SIGKILL, known):
+        if not kill_tree(leader, signal.SIGKILL, known, start):
             return
+        known = tree(leader, start, known)
         time.sleep(0.1)
 
 
