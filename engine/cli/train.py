@@ -118,6 +118,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             from multilane.engine.fsdp.units import mixed_precision
 
             mixed_precision(config.train.precision)
+        made: Path | None = None
         if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
             from multilane.engine.plan.fit import check_fit
             from multilane.engine.plan.meter import FORECAST_ENV
@@ -125,18 +126,36 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
             os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
             if args.nnodes == 1 and not os.environ.get(RUN_DIR_ENV):  # the folder first: the check runs task code
+                from multilane.engine.distributed.launcher import processes_per_node
+
+                processes_per_node(config)  # the machine can run it: refused before a folder is made
                 forecast = _fit_in_its_folder(
                     config, task, lambda: check_fit(config, task, parse_devices(config.devices.use))
                 )
                 if forecast == "stopped":
                     return 0
+                made = Path(os.environ[RUN_DIR_ENV])
             else:
                 forecast = check_fit(config, task, parse_devices(config.devices.use))
             if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
                 os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
-        return launch(
-            argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
-        )
+        try:
+            return launch(
+                argv,
+                config,
+                args.resume,
+                args.nnodes,
+                args.rdzv_endpoint,
+                args.rdzv_timeout,
+                args.rdzv_id,
+                args.node_rank,
+            )
+        except UserError:  # refused before a rank started: the folder made for the fit check goes too
+            if made is not None and _status_of(made).get("phase") == "starting the ranks":
+                import shutil
+
+                shutil.rmtree(made, ignore_errors=True)
+            raise
     if in_worker():
         raise UserError("started by torchrun: add --strategy ddp or fsdp (each process is one rank of the run)")
     from rich.console import Console
@@ -241,6 +260,14 @@ def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
     rd.close()
     os.environ[RUN_DIR_ENV] = str(rd.path)
     return forecast
+
+
+def _status_of(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class _Quiet:

@@ -87,10 +87,7 @@ class RunControl:
 
         watcher = threading.Thread(target=watch, name="multilane-setup-control", daemon=True)
         self._setup_thread = threading.get_ident()
-        try:
-            if self.stop_requested:  # asked before the set-up began
-                self._setup_thread = None
-                raise SetupStopped(self.stop_reason)
+        try:  # a stop asked before the set-up began is the loop's: set up, then stop at once with a checkpoint
             watcher.start()
             yield
         finally:
