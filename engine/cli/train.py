@@ -213,6 +213,7 @@ def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
     made first and "starting" as a single-process run's set-up is: watch, control and the app see it,
     and a stop (Ctrl+C, SIGTERM, the control file) ends it there ("stopped"; returns "stopped"). The
     folder then goes to the launcher (``RUN_DIR_ENV``); a refusal leaves none, a crash says "failed"."""
+    import contextlib
     import shutil
     import traceback
 
@@ -222,6 +223,7 @@ def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
     from multilane.engine.rundir.control_file import ControlFile
     from multilane.engine.rundir.runlog import CONFIG, RunDir
 
+    made_root = not Path(config.run.runs_dir).expanduser().exists()
     rd = RunDir.create(config.run.runs_dir, config.run.name)
     rd.write_json(CONFIG, config.to_dict())
     phase = "checking the fit"
@@ -247,6 +249,9 @@ def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
     except UserError:  # bad input found by the check: no folder, as a refusal leaves none
         rd.close()
         shutil.rmtree(rd.path, ignore_errors=True)
+        if made_root:
+            with contextlib.suppress(OSError):
+                rd.path.parent.rmdir()
         raise
     except (Exception, SystemExit) as e:
         line = f"task {task.name}: setup failed{where(e)}: {one_line(e)}"

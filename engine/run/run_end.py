@@ -131,6 +131,9 @@ def setup_ended(trainer: Trainer, e: BaseException, begun: tuple[str, Any]) -> R
         trainer.run_dir = None  # "Not started", a sweep's failed trial)
         if kind == "new":
             shutil.rmtree(rd.path, ignore_errors=True)
+            if getattr(rd, "made_root", False):  # the runs folder too, when this run made it (and it is empty)
+                with contextlib.suppress(OSError):
+                    rd.path.parent.rmdir()
         else:
             rd.remove(STATUS)
     else:  # the task's code failed: the folder says so, as for any crash

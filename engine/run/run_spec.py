@@ -114,7 +114,10 @@ def open_run_dir(resumed: RunDir | None, made: Path | None, config: RunConfig) -
         (rd.path / "checkpoints").mkdir(exist_ok=True)
         rd.acquire()
         return rd
-    return RunDir.create(config.run.runs_dir, config.run.name)
+    made_root = not Path(config.run.runs_dir).expanduser().exists()
+    rd = RunDir.create(config.run.runs_dir, config.run.name)
+    rd.made_root = made_root  # type: ignore[attr-defined]  # a refusal in set-up removes what it made
+    return rd
 
 
 def _same_run(rd: RunDir, checkpoint: dict[str, Any]) -> None:
