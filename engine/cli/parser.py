@@ -366,7 +366,7 @@ def _add_sweep_parsers(sub: Any, d0: Any) -> None:
         type=_nonnegative_int,
         default=300,
         metavar="S",
-        help="wait up to S seconds for the study to appear (a worker started with its sweep; default 300)",
+        help="wait up to S seconds for what may still appear (a database file, a first study: a worker started with its sweep); default 300",
     )
     w.add_argument("--worker-name", metavar="NAME", help="the name its trials record as their host (default: hostname)")
     _remote_options(w, "start the worker on this host over SSH, in its own session there (see docs/sweeps.md)")

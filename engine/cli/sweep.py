@@ -236,8 +236,8 @@ def _fmt(v: Any) -> str:
 
 def _stop_on_signals(runner: Any, console: Any) -> None:
     """Ctrl+C or SIGTERM: the first stops the sweep (running trials stop with a checkpoint and are
-    re-queued for --resume); the second exits at once (the trials get SIGTERM from the kernel, and
-    SIGKILL from their guards after the grace)."""
+    re-queued for --resume); the second exits at once (the trials get SIGTERM from the kernel, and their
+    whole trees SIGKILL from their guards a few seconds later)."""
     count = 0
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -246,9 +246,10 @@ def _stop_on_signals(runner: Any, console: Any) -> None:
         if count == 1:
             console.print("[yellow]stopping the sweep: running trials stop and are re-queued (Ctrl+C again to quit)[/]")
             runner.stop()
-        else:  # each trial gets its parent-death SIGTERM; its guard SIGKILLs what is left after the grace
+        else:  # each trial gets its parent-death SIGTERM; its guard SIGKILLs its whole tree a moment later
             import os
 
+            runner.hurry()
             os._exit(130)
 
     signal.signal(signal.SIGINT, on_signal)

@@ -138,7 +138,9 @@ def _warnings_shown_folder() -> Iterator[None]:
 
 def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int:
     """A ddp/fsdp run from its launcher: the task, the refusals and the fit check once for every rank,
-    then the ranks (engine/distributed/launcher.py)."""
+    then the ranks (engine/distributed/launcher.py). The run folder is made before the fit check, which
+    runs the task's code (a hang there shows as "starting" and a stop reaches it)."""
+    from multilane.engine.distributed import RUN_DIR_ENV
     from multilane.engine.distributed.launcher import launch
     from multilane.engine.tasks import make_task
 
@@ -158,18 +160,37 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
     from multilane.engine.tensors.features import check as check_features
 
     check_features(config, task)  # here, not once per rank (each rank checks it again)
+    made: Path | None = None
     if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
         from multilane.engine.plan.fit import check_fit
         from multilane.engine.plan.meter import FORECAST_ENV
         from multilane.engine.telemetry.devices import parse_devices
 
         os.environ.pop(FORECAST_ENV, None)  # an earlier launch's, in this process
-        forecast = check_fit(config, task, parse_devices(config.devices.use))
+        if args.nnodes == 1 and not os.environ.get(RUN_DIR_ENV):  # the folder first: the check runs task code
+            from multilane.engine.distributed.launcher import processes_per_node
+
+            processes_per_node(config)  # the machine can run it: refused before a folder is made
+            forecast = _fit_in_its_folder(
+                config, task, lambda: check_fit(config, task, parse_devices(config.devices.use))
+            )
+            if forecast == "stopped":
+                return 0
+            made = Path(os.environ[RUN_DIR_ENV])
+        else:
+            forecast = check_fit(config, task, parse_devices(config.devices.use))
         if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
             os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
-    return launch(
-        argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
-    )
+    try:
+        return launch(
+            argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
+        )
+    except UserError:  # refused before a rank started: the folder made for the fit check goes too
+        if made is not None and _status_of(made).get("phase") == "starting the ranks":
+            import shutil
+
+            shutil.rmtree(made, ignore_errors=True)
+        raise
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -245,6 +266,78 @@ class _NameTaskFile(TrainerCallback):
         print(printable(f"running task file {path}"), flush=True)
 
 
+def _fit_in_its_folder(config: Any, task: Any, check: Any) -> Any:
+    """A ddp/fsdp launch's fit check (it runs the task's data() and build_model()) in the run's folder,
+    made first and "starting" as a single-process run's set-up is: watch, control and the app see it,
+    and a stop (Ctrl+C, SIGTERM, the control file) ends it there ("stopped"; returns "stopped"). The
+    folder then goes to the launcher (``RUN_DIR_ENV``); a refusal leaves none, a crash says "failed"."""
+    import contextlib
+    import shutil
+    import traceback
+
+    from multilane.engine.distributed import RUN_DIR_ENV
+    from multilane.engine.run.control import RunControl, SetupStopped
+    from multilane.engine.run.failures import one_line, where
+    from multilane.engine.rundir.control_file import ControlFile
+    from multilane.engine.rundir.runlog import CONFIG, RunDir
+
+    made_root = not Path(config.run.runs_dir).expanduser().exists()
+    rd = RunDir.create(config.run.runs_dir, config.run.name)
+    rd.write_json(CONFIG, config.to_dict())
+    phase = "checking the fit"
+    rd.set_status("starting", phase, phase=phase, step=0)
+    control, file = RunControl(), ControlFile(rd.path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _stop_on_signals(control, _Quiet())
+    try:
+        with control.during_setup(lambda: file.apply(control)):
+            forecast = check()
+    except SetupStopped as e:
+        why = f" ({e.args[0]})" if e.args and e.args[0] else ""
+        rd.set_status(
+            "stopped", f"stopped while {phase}, before step 1{why}; nothing was trained, no checkpoint", step=0
+        )
+        rd.close()
+        print(f"stopped while {phase}: run directory {rd.path}")
+        return "stopped"
+    except KeyboardInterrupt:
+        rd.set_status("aborted", f"aborted while {phase} (a second Ctrl+C or SIGTERM); nothing was trained", step=0)
+        rd.close()
+        raise
+    except UserError:  # bad input found by the check: no folder, as a refusal leaves none
+        rd.close()
+        shutil.rmtree(rd.path, ignore_errors=True)
+        if made_root:
+            with contextlib.suppress(OSError):
+                rd.path.parent.rmdir()
+        raise
+    except (Exception, SystemExit) as e:
+        line = f"task {task.name}: setup failed{where(e)}: {one_line(e)}"
+        rd.write_error("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        rd.set_status("failed", line, step=0, phase=phase)
+        rd.close()
+        raise UserError(line) from None
+    for s, handler in handlers.items():  # the launcher's own handling from here
+        signal.signal(s, handler)
+    rd.set_status("starting", "starting the ranks", phase="starting the ranks", step=0)
+    rd.close()
+    os.environ[RUN_DIR_ENV] = str(rd.path)
+    return forecast
+
+
+def _status_of(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class _Quiet:
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        print("stopping the run's set-up", file=sys.stderr, flush=True)
+
+
 def _exit_on_signals() -> None:
     def on_signal(signum: int, frame: Any) -> None:
         os._exit(130)
@@ -262,7 +355,9 @@ def _stop_on_signals(control: Any, console: Any) -> None:
         nonlocal count
         count += 1
         if count == 1:
-            console.print("[yellow]stopping after this step (press Ctrl+C again to abort)[/]")
+            console.print(
+                "[yellow]stopping after this step, or at once while it sets up (press Ctrl+C again to abort)[/]"
+            )
             control.request_stop()
         elif count == 2:
             raise KeyboardInterrupt

@@ -73,7 +73,7 @@ class RankAgreement:
     def _stop_agreed(self) -> None:
         """Every rank saw a stop: this rank's own requests and its run control both say so."""
         self.requests.request_stop()
-        self.control.request_stop()
+        self.control.request_stop(self.requests.stop_reason)  # rank 0's reason from its control file
 
     def _checkpoint_due(self) -> bool:
         due, self._due_agreed = getattr(self, "_due_agreed", False), False

@@ -135,6 +135,7 @@ def launch(
             run_dir = Path(os.environ[RUN_DIR_ENV])
         elif run_dir is None:  # the launcher makes the folder, so that it can report any rank's failure
             made = RunDir.create(config.run.runs_dir, config.run.name)
+            made.set_status("starting", "starting the ranks", phase="starting the ranks", step=0)  # seen at once
             made.close()  # rank 0 takes the folder's lock: it is the run's writer
             run_dir, made_here = made.path, True
             os.environ[RUN_DIR_ENV] = str(run_dir)

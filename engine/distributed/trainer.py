@@ -103,9 +103,11 @@ class DdpTrainer(RankAgreement, Trainer):
         if not info.device.is_cuda:
             torch.set_num_threads(cpu_threads_per_rank(info.local_world))
         dev = info.device.torch_device()
+        self._phase("loading data")  # rank 0's, in the run folder's status
         self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
         if getattr(self, "memory", None) is not None:  # the rank's peak meter: the data is not counted
             self.memory.before_model()
+        self._phase("building the model")
         self.model = self.task.build_model().to(dev)
         check_model(self.model, cfg)  # every rank finds the same, before any collective
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)

@@ -60,17 +60,18 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     if ck.get("scaler"):
         _load(t, "gradient scaler state", "this run's scaler", t.scaler.load_state_dict, ck["scaler"])
     if isinstance(ck.get("rng"), torch.Tensor):
-        torch.set_rng_state(ck["rng"])
+        _load(t, "random state", "this process's generator", torch.set_rng_state, ck["rng"])
     lane_rng, streams = ck.get("lane_rng"), _lane_random(t)
     if streams is not None and lane_rng and len(lane_rng.get("lanes") or []) == len(t.devices):
         # Each lane's random stream (lane 0's includes its GPU's generator). Resumed on another lane
         # count, lanes start fresh streams: a run reproduces on a given lane count only.
-        streams.load_state_dict(lane_rng)
+        _load(t, "lanes' random state", "this run's lanes", streams.load_state_dict, lane_rng)
     t.step = int(ck["step"])
     if ck.get("metrics_window") is not None:
-        t.window.load_state_dict(ck["metrics_window"], t.backend.output_device)
+        window = ck["metrics_window"]
+        _load(t, "log window", "this run", lambda w: t.window.load_state_dict(w, t.backend.output_device), window)
     if getattr(t, "health", None) is not None:
-        t.health.load_state_dict(ck.get("health"))
+        _load(t, "health state", "this run's health meters", t.health.load_state_dict, ck.get("health"))
 
 
 def _load(t: Trainer, part: str, target: str, load: Any, state: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from multilane.engine.config import RunConfig, build_config, merge
@@ -67,6 +68,8 @@ def resolve_run(
         raise UserError(
             f"resume: {resume_dir.path / CHECKPOINT}: the task it was trained with cannot be made here: {e}"
         ) from None
+    if resume_dir is not None and checkpoint is not None:
+        _same_run(resume_dir, checkpoint)
     devices = parse_devices(config.devices.use)
     if config.devices.output >= len(devices):
         raise UserError(
@@ -97,3 +100,35 @@ def planned_steps(task: Task, config: RunConfig, per_epoch: int | None) -> int:
             f"task {task.name}: its data is a stream of unknown length (an IterableDataset): set train.steps"
         )
     return config.train.steps or math.ceil(config.train.epochs * (per_epoch or 0) / config.train.grad_accum)
+
+
+def open_run_dir(resumed: RunDir | None, made: Path | None, config: RunConfig) -> RunDir:
+    """The run's folder, its writer's lock held: the resumed one, the one whoever started this process
+    made (the app, a sweep, a launcher: to follow it), or a new one."""
+    if resumed is not None:
+        return resumed
+    if made is not None:
+        rd = RunDir(made)
+        if not rd.path.is_dir():
+            raise UserError(f"run folder {rd.path} does not exist (it is made by whoever starts the run)")
+        (rd.path / "checkpoints").mkdir(exist_ok=True)
+        rd.acquire()
+        return rd
+    made_root = not Path(config.run.runs_dir).expanduser().exists()
+    rd = RunDir.create(config.run.runs_dir, config.run.name)
+    rd.made_root = made_root  # type: ignore[attr-defined]  # a refusal in set-up removes what it made
+    return rd
+
+
+def _same_run(rd: RunDir, checkpoint: dict[str, Any]) -> None:
+    """A checkpoint whose task is not the one its run folder's config.json names is another run's
+    (copied in, or the folder's files mixed up): refused, naming both, before anything is written."""
+    folder = rd.read_json(CONFIG) or {}
+    mine = folder.get("task", {}).get("name") if isinstance(folder.get("task"), dict) else None
+    task = checkpoint["config"].get("task")
+    theirs = task.get("name") if isinstance(task, dict) else None
+    if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs:
+        raise UserError(
+            f"checkpoint {rd.path / CHECKPOINT}: trained with task {theirs!r:.80}, but the run folder's "
+            f"{CONFIG} names task {mine!r:.80} (another run's checkpoint?); nothing was changed"
+        )

@@ -31,11 +31,11 @@ from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCall
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
 from multilane.engine.run.evaluation import evaluate_run
-from multilane.engine.run.failures import one_line, outcome, release_cuda_memory, where
+from multilane.engine.run.failures import outcome, release_cuda_memory
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
-from multilane.engine.run.run_end import finish_run
-from multilane.engine.run.run_spec import planned_steps, record_run, resolve_run
+from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended
+from multilane.engine.run.run_spec import open_run_dir, planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
@@ -53,7 +53,8 @@ __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 class Trainer:
     """Train ``config`` (or resume the run in ``resume_from``), reporting to ``callbacks``.
 
-    Bad input raises ``UserError`` from the constructor, before any folder is written. A failure
+    Bad input raises ``UserError`` from the constructor, before any folder is written; ``run()`` makes
+    the folder ("starting", with its set-up's phase) before any of the task's code runs. A failure
     during the run does not raise: ``run()`` returns a result with status "failed" and the message,
     and the run directory keeps the traceback and every metric logged so far.
     """
@@ -107,11 +108,13 @@ class Trainer:
         self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
         self._loss_weight = loss_weight_fn(self.task)
         dev = self.backend.model_device
+        self._phase("loading data")
         self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
         forecast = getattr(self, "forecast", None)
         self.memory = PeakMeter(self.devices, forecast) if forecast is not None else None
         if self.memory is not None:
             self.memory.before_model()
+        self._phase("building the model")
         self.model = self.task.build_model().to(dev)
         features.check_model(self.model, cfg)  # before step 1 (a model the meta device could not build)
         if cfg.devices.sync_batchnorm:
@@ -129,7 +132,9 @@ class Trainer:
         self.strategy.lane_grads = self.health.probe
         self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
         if self._checkpoint is not None:
+            self._phase("restoring the checkpoint")
             checkpointer.restore(self, self._checkpoint)
+        self._phase("starting the data loader")
         # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
 
@@ -168,32 +173,33 @@ class Trainer:
                 from multilane.integrations.tensorboard import TensorBoardWriter
             except MissingExtra as e:
                 raise UserError(str(e)) from None
-        try:
-            features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
-            self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
-            self._setup()
-            if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
-                raise nothing_to_train(
-                    self._resume_dir.path if self._resume_dir else "run", self.step, self.total_steps
-                )
-        except (UserError, KeyboardInterrupt):
-            raise
-        except (Exception, SystemExit) as e:
-            raise UserError(f"task {self.task.name}: setup failed{where(e)}: {one_line(e)}") from None
+        # The folder first, before any of the task's code runs: watch, control and the app see the run
+        # "starting" and its phase, and a stop reaches it there (run_end.setup_begins, RunControl.during_setup).
         self.run_dir = rd = self._open_run_dir()
         self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
-        self.checkpoint_time = time.monotonic()
-        self.energy = EnergyMeter(None)
         self._at_step = self.step  # the step a failure is reported at
-        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         self._last_train: dict[str, Any] = {}
         self._last_eval: dict[str, Any] = {}
         resumed = self._checkpoint is not None
+        before = setup_begins(self, rd, record=lambda: record_run(rd, cfg, self.task_file))
+        try:
+            with self.control.during_setup(lambda: self._control_file.apply(self.control)):
+                features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
+                with fit_check_phases(self):
+                    self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
+                self._setup()
+                if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
+                    raise nothing_to_train(getattr(self._resume_dir, "path", ""), self.step, self.total_steps)
+        except BaseException as e:  # stopped, refused, crashed: the folder says so (or is as it was found)
+            return setup_ended(self, e, before)
+        self.checkpoint_time = time.monotonic()
+        self.energy = EnergyMeter(None)
+        self._epoch = self.loader.epoch_at(self.step * cfg.train.grad_accum)
         status, message, tb = "finished", None, None
         try:
             rd.reserve_space()  # freed to record a failure if the disk fills up
-            record_run(rd, cfg, self.task_file)
+            record_run(rd, cfg, self.task_file)  # again: a resume's config (its overrides) once it set up
             self.callbacks.insert(0, MetricsWriter(rd))
             if cfg.train.tensorboard and rd.writes:
                 self.callbacks.insert(1, TensorBoardWriter(rd.path))
@@ -219,16 +225,7 @@ class Trainer:
         return self._finish(status, message, tb)
 
     def _open_run_dir(self) -> RunDir:
-        if self._resume_dir is not None:
-            return self._resume_dir
-        if self._made_run_dir is not None:  # the app made it (to follow it) before starting this process
-            rd = RunDir(self._made_run_dir)
-            if not rd.path.is_dir():
-                raise UserError(f"run folder {rd.path} does not exist (it is made by whoever starts the run)")
-            (rd.path / "checkpoints").mkdir(exist_ok=True)
-            rd.acquire()
-            return rd
-        return RunDir.create(self.config.run.runs_dir, self.config.run.name)
+        return open_run_dir(self._resume_dir, self._made_run_dir, self.config)
 
     @property
     def lane_names(self) -> list[str]:
@@ -269,7 +266,8 @@ class Trainer:
                 self._pause()
             if self.control.stop_requested:
                 self._stop()
-                return "stopped", f"stopped at step {self.step}"
+                why = self.control.stop_reason
+                return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
             if self.window.steps == 0:
                 self.run_health.window_start(self)  # the state a replay of this window starts from
@@ -292,6 +290,12 @@ class Trainer:
     def _state_finite(self) -> bool:
         """Whether the state a checkpoint would hold is finite (``checkpointer.finite_flag``): one read."""
         return bool(checkpointer.finite_flag(self, self.backend.output_device).item())
+
+    def _phase(self, what: str) -> None:
+        """The set-up's phase, in the run folder's status ("starting": loading data, building the model)."""
+        self.phase = what
+        if self.run_dir is not None:
+            self.run_dir.set_status("starting", what, phase=what, step=self.step)
 
     def _checkpoint_due(self) -> bool:
         """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {path}: cannot read it ({reason})") from None
     if not stat.S_ISREG(st.st_mode):
         raise UserError(f"checkpoint {path}: is {kind_of(st.st_mode)}, not a file")
+    if st.st_size == 0:
+        raise UserError(f"checkpoint {path}: is empty (0 bytes: cut short as it was written?); nothing was changed")
+    damage = _zip_damage(path, st.st_size)
+    if damage:
+        raise UserError(f"checkpoint {path}: {damage}; nothing was changed")
     try:
         with warnings.catch_warnings():  # torch warns (several lines) about odd pickle protocols in junk
             warnings.simplefilter("ignore")
@@ -87,6 +93,30 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if problem:
         raise UserError(f"checkpoint {path}: not a Multilane checkpoint ({problem})")
     return ck
+
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _zip_damage(path: str | Path, size: int) -> str | None:
+    """What is wrong with a checkpoint in torch's zip format, read whole once: cut short (its index at
+    the end is missing) or changed after it was written (a record fails its CRC-32); None when it is
+    whole, or not a zip (torch's older format, or junk: ``torch.load`` says)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+                return None
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except zipfile.BadZipFile as e:
+        if "central directory" in str(e) or "not a zip file" in str(e).lower():
+            return f"cut short or damaged: {size:,} bytes, its zip index at the end is missing"
+        return f"damaged: {str(e)[:120]}"
+    except (EOFError, OSError, ValueError, NotImplementedError, RuntimeError) as e:
+        return f"cut short or damaged: {size:,} bytes, a record cannot be read ({type(e).__name__})"
+    if bad is not None:
+        return f"damaged: its record {bad[:80]!r} fails its checksum (changed after it was written)"
+    return None
 
 
 def _torch_load_reason(e: BaseException) -> str:

@@ -25,8 +25,12 @@ CONTROL = "control.json"
 COMMANDS = ("pause", "resume", "stop")
 
 
-def write_control(run_dir: str | Path, command: str) -> Path:
-    """Ask the run in ``run_dir`` to pause, resume or stop (atomically; the newest command wins)."""
+REASON_MAX = 200
+
+
+def write_control(run_dir: str | Path, command: str, reason: str | None = None) -> Path:
+    """Ask the run in ``run_dir`` to pause, resume or stop (atomically; the newest command wins);
+    ``reason`` (a stop's: "pruned by the sweep's pruner at step 50") ends up in the run's end message."""
     if command not in COMMANDS:
         raise UserError(f"control: unknown command {command!r}; use {', '.join(COMMANDS)}")
     folder = user_path(run_dir, "control")
@@ -43,7 +47,10 @@ def write_control(run_dir: str | Path, command: str) -> Path:
     path = folder / CONTROL
     if path.is_dir() and not path.is_symlink():  # os.replace would say only "Is a directory"
         raise UserError(f"control: {path} is a folder; remove it to control the run")
-    data = json.dumps({"command": command, "time": time.time(), "pid": os.getpid()}) + "\n"
+    asked: dict[str, object] = {"command": command, "time": time.time(), "pid": os.getpid()}
+    if reason:
+        asked["reason"] = reason[:REASON_MAX]
+    data = json.dumps(asked) + "\n"
     try:
         atomic_write_bytes(path, data.encode())
     except OSError as e:
@@ -59,6 +66,7 @@ class ControlFile:
         self.every_s = every_s
         self._seen = self._stamp()  # commands from before this run are not for it
         self._next = 0.0
+        self.reason: str | None = None  # the last command's reason, if it gave one
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -78,16 +86,19 @@ class ControlFile:
             return None
         self._seen = stamp
         try:  # never a plain open: a FIFO named control.json would block the training loop
-            command = json.loads(read_regular_file(self.path, 1 << 16)).get("command")
+            asked = json.loads(read_regular_file(self.path, 1 << 16))
+            command = asked.get("command")
         except (OSError, ValueError, AttributeError, RecursionError):
             return None
+        reason = asked.get("reason")
+        self.reason = " ".join(reason.split())[:REASON_MAX] if isinstance(reason, str) and reason.strip() else None
         return command if command in COMMANDS else None
 
     def apply(self, control: RunControl) -> str | None:
         """Poll and apply a new command to ``control``; returns it."""
         command = self.poll()
         if command == "stop":
-            control.request_stop()
+            control.request_stop(self.reason)
         elif command == "pause":
             control.pause()
         elif command == "resume":

@@ -24,7 +24,7 @@ from multilane.engine.rundir.runread import JSON_LIMIT, METRICS, STATUS
 DIVERGED = "diverged"
 """The state of a run the engine ended because its loss (or weights) went non-finite: not a user's Stop."""
 TERMINAL_STATES = ("finished", "stopped", "failed", "aborted", DIVERGED)
-STATES = ("running", "paused", *TERMINAL_STATES)
+STATES = ("starting", "running", "paused", *TERMINAL_STATES)  # starting: set-up, its phase the message
 WRITER_CHECK_S = 2.0  # how often a follower checks that a running run's writer still exists
 
 

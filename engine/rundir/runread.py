@@ -110,6 +110,12 @@ def run_task_name(run_dir: str | Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _is_byte_state(t: Any) -> bool:
+    import torch
+
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+
+
 def checkpoint_problem(ck: Any) -> str | None:
     """What a resume cannot use in a loaded checkpoint, or None."""
     import torch  # here, not at the top: `multilane watch` reads run folders without torch's 2 s import
@@ -125,8 +131,17 @@ def checkpoint_problem(ck: Any) -> str | None:
         return "its model state is not tensors by name"
     if ck.get("total_steps") is not None and not _is_int(ck["total_steps"]):
         return "total_steps is not a whole number"
-    if ck.get("rng") is not None and not isinstance(ck["rng"], torch.Tensor):
-        return "its random state is not a tensor"
+    if ck.get("total_steps") is not None and ck["step"] > ck["total_steps"]:
+        return f"step {ck['step']} is past its total_steps {ck['total_steps']}"
+    if ck.get("rng") is not None and not _is_byte_state(ck["rng"]):
+        return "its random state is not a generator's state, a 1-d uint8 tensor"
+    lane_rng = ck.get("lane_rng")
+    if lane_rng is not None and not (
+        isinstance(lane_rng, dict)
+        and isinstance(lane_rng.get("lanes"), list)
+        and all(s is None or (isinstance(s, list) and all(map(_is_byte_state, s))) for s in lane_rng["lanes"])
+    ):
+        return "its lanes' random states are not generators' states"
     if ck.get("metrics_window") is not None and not isinstance(ck["metrics_window"], dict):
         return "its metrics window is not a table"
     if ck.get("scaler") is not None and not isinstance(ck["scaler"], dict):

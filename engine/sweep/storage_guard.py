@@ -22,7 +22,17 @@ OPTUNA_TABLES = {"studies", "trials", "version_info"}
 
 
 class NotThereYet(UserError):
-    """The storage or study a worker names does not exist yet (the sweep may be making it): worth a wait."""
+    """The storage or study a worker names does not exist yet (the sweep may be making it): worth a wait,
+    of ``most_s`` seconds at most when given; ``gone``: the line when the wait is over (else "not found")."""
+
+    def __init__(self, what: str, most_s: float | None = None, gone: str | None = None) -> None:
+        super().__init__(what)
+        self.most_s = most_s
+        self.gone = gone
+
+    def given_up(self, waited: float) -> str:
+        line = self.gone or f"not found: {self}"
+        return line + (f"; waited {waited:.0f} s (--wait S waits longer)" if waited >= 1 else "")
 
 
 # -- journal files -----------------------------------------------------------------------------------
@@ -35,6 +45,8 @@ def check_journal(path: Path) -> None:
     from optuna.storages.journal._file import get_lock_file
 
     if not path.exists():
+        if not path.parent.is_dir():
+            raise UserError(f"the study's journal {path}: its folder {path.parent} does not exist; check the path")
         raise NotThereYet(f"the study's journal {path}")
     if not path.is_file():
         raise UserError(f"{path}: not a journal file (a folder or a device)")
@@ -123,7 +135,12 @@ def check_sqlite(path: Path, must_exist: bool) -> None:
     """Refuse an SQLite file that is empty, not SQLite, another program's, or of another Optuna's schema."""
     if not path.exists():
         if must_exist:
-            raise NotThereYet(f"the study's SQLite database {path}")
+            where = path.parent if str(path.parent) else Path(".")
+            if not where.is_dir():  # no sweep makes a database in a folder that is not there
+                what = "is not a folder" if where.exists() else "does not exist"
+                raise UserError(f"the study's SQLite database {path}: its folder {where} {what}; check the path")
+            shown = f"{path} ({path.absolute()})" if not path.is_absolute() else str(path)
+            raise NotThereYet(f"the study's SQLite database {shown}, which does not exist yet")
         return
     if not path.is_file():
         raise UserError(f"{path}: not an SQLite database file (a folder or a device); nothing was changed")

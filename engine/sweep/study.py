@@ -27,6 +27,9 @@ from multilane.engine.sweep.storage_guard import (
     write_private,
 )
 
+SAY_EVERY_S = 10.0  # a waiting worker says how long it has waited this often
+SPEC_WAIT_S = 15.0  # a study with no sweep settings: made this moment (they come next), or no sweep's
+
 JOURNAL = "study.journal"
 SWEEP_JSON = "sweep.json"
 STORAGE_URL = ".storage-url"  # the storage URL when it holds a password: mode 0600 (sweep.json shows it as ***)
@@ -110,20 +113,28 @@ class Sweep:
         cls, storage_url: str | None, study_name: str, folder: str | Path, wait_s: float = 0.0, say: Any = None
     ) -> Sweep:
         """The study ``study_name`` (``sweep-worker``): its spec read from the storage; trial folders go in
-        ``folder``. A study (or storage) not there yet is waited for up to ``wait_s`` seconds, with one line
-        to ``say`` saying what for: a worker started with, or before, its sweep."""
-        end = time.monotonic() + wait_s
-        said = False
+        ``folder``. What may still appear (a database file in a folder that exists, a study in a storage
+        that holds none yet: a worker started with, or before, its sweep) is waited for up to ``wait_s``
+        seconds, said to ``say`` as it starts and every ``SAY_EVERY_S`` seconds with the time waited; what
+        cannot appear (its folder missing, a storage holding other studies but not this one) is refused
+        at once (storage_guard, ``_join``)."""
+        t0 = time.monotonic()
+        next_say = 0.0
         while True:
             try:
                 return cls._join(storage_url, study_name, folder)
             except NotThereYet as e:
-                if time.monotonic() >= end:
-                    raise UserError(f"not found: {e}{f' (waited {wait_s:.0f} s)' if wait_s else ''}") from None
-                if say is not None and not said:
-                    say(f"waiting for {e} (the sweep may be making it); giving up after {wait_s:.0f} s")
-                    said = True
-                time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+                waited = time.monotonic() - t0
+                limit = min(wait_s, e.most_s) if e.most_s is not None else wait_s
+                if waited >= limit:
+                    raise UserError(e.given_up(waited)) from None
+                if say is not None and waited >= next_say:
+                    say(
+                        f"{'waiting' if not next_say else 'still waiting'} for {e}: {waited:.0f} s of "
+                        f"{limit:.0f} s (--wait S sets the limit; Ctrl+C gives up)"
+                    )
+                    next_say += SAY_EVERY_S
+                time.sleep(min(1.0, max(0.0, limit - waited)))
 
     @classmethod
     def _join(cls, storage_url: str | None, study_name: str, folder: str | Path) -> Sweep:
@@ -133,9 +144,19 @@ class Sweep:
         try:
             probe = mod.load_study(study_name=study_name, storage=storage)
         except KeyError:
-            raise NotThereYet(f"a study named {study_name!r} in the storage") from None
+            held = sorted(s.study_name for s in storage.get_all_studies())
+            if held:  # a storage in use: a study missing from it is a wrong --study, not one on its way
+                shown = ", ".join(repr(n) for n in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+                raise UserError(
+                    f"--study {study_name!r}: the storage holds no study of that name (it holds {shown})"
+                ) from None
+            raise NotThereYet(f"a study named {study_name!r} (the storage holds no study yet)") from None
         if SPEC_ATTR not in probe.user_attrs:  # made a moment ago: its spec comes next (or it is no sweep's)
-            raise NotThereYet(f"the sweep's settings in study {study_name!r} (is it a Multilane sweep's?)")
+            raise NotThereYet(
+                f"the sweep's settings in study {study_name!r}",
+                most_s=SPEC_WAIT_S,
+                gone=f"--study {study_name!r} holds no Multilane sweep's settings: not a Multilane sweep's study",
+            )
         spec = SweepSpec.from_dict(probe.user_attrs[SPEC_ATTR] or {})
         study = mod.load_study(
             study_name=study_name, storage=storage, sampler=make_sampler(spec), pruner=make_pruner(spec)

@@ -26,7 +26,7 @@ from multilane.engine.rundir.follow import TERMINAL_STATES, MetricsTail
 from multilane.engine.rundir.runlog import CONFIG, STATUS
 from multilane.engine.start.parent_death import sigterm_with_parent
 from multilane.engine.start.server import start_cli, start_way
-from multilane.engine.sweep.trial_guard import TrialGuard, grace_s, signal_group
+from multilane.engine.sweep.trial_guard import TrialGuard, grace_s, kill_tree, signal_group
 
 TRAIN = [sys.executable, "-m", "multilane.engine.cli", "train"]
 CONSOLE = "console.log"
@@ -44,7 +44,7 @@ def request_trial(run_dir: str | Path, action: str) -> None:
     tmp = folder / f".{REQUEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"action": action, "time": time.time()}) + "\n")
     os.replace(tmp, folder / REQUEST)
-    write_control(folder, "stop")
+    write_control(folder, "stop", "pruned by hand" if action == "prune" else "stopped by hand")
 
 
 def requested(run_dir: Path) -> str | None:
@@ -120,7 +120,7 @@ class TrialProcess:
         try:
             self.guard = TrialGuard(self.proc.pid)
         except BaseException:  # no guard, no trial: it is never left running unguarded
-            signal_group(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             self.proc.wait()
             raise
         self.tail = MetricsTail(run_dir / "metrics.jsonl")
@@ -141,12 +141,12 @@ class TrialProcess:
                 out.append((step, v))
         return out
 
-    def stop(self) -> None:
+    def stop(self, reason: str | None = None) -> None:
         """Ask the trial to stop after its step (a checkpoint is written, as for any stopped run); if it
-        has not ended after the grace, its group gets SIGTERM, and after twice the grace SIGKILL
-        (``escalate``): a step hung in C code ends too."""
+        has not ended after the grace, its group gets SIGTERM, and after twice the grace its whole tree
+        SIGKILL (``escalate``): a step hung in C code ends too, and whatever it started."""
         if self.proc.poll() is None:
-            write_control(self.run_dir, "stop")
+            write_control(self.run_dir, "stop", reason)
             if self._stop_at is None:
                 self._stop_at = time.monotonic()
 
@@ -155,7 +155,7 @@ class TrialProcess:
             return
         waited = time.monotonic() - self._stop_at
         if waited > 2 * grace:
-            signal_group(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid, signal.SIGKILL)
         elif waited > grace and not self._terminated:
             self._terminated = True
             signal_group(self.proc.pid, signal.SIGTERM)
@@ -197,35 +197,64 @@ def run_trial(
 
 def _follow(trial: Any, proc: TrialProcess, objective: str, should_stop: Any, timeout_s: float | None) -> TrialOutcome:
     last: float | None = None
-    pruned = stopping = timed_out = by_hand = False
+    pruned_at: int | None = None
+    stopping = timed_out = by_hand = False
     grace = grace_s()
     while True:
         done = proc.proc.poll() is not None
         for step, v in proc.new_values(objective):
             last = v
-            if pruned or stopping:
+            if pruned_at is not None or stopping:
                 continue
             if math.isfinite(v):
                 trial.report(v, step)
             if not math.isfinite(v) or trial.should_prune():  # a diverged trial is pruned, whatever the pruner
-                pruned = True
-                trial.set_user_attr("pruned_at_step", step)
-                proc.stop()
+                pruned_at = step
+                why = f"{objective} is {v}" if not math.isfinite(v) else "its pruner"
+                proc.stop(f"pruned by the sweep, {why}, at its evaluation of step {step}")
         if done:
             break
         if not stopping and should_stop():
             stopping = True
-            proc.stop()
+            proc.stop("the sweep was stopped")
         if not by_hand and (proc.run_dir / REQUEST).exists():  # stopped or pruned from the app: escalate too
             by_hand = True
             proc.stop()
         if timeout_s and not timed_out and time.time() - proc.started > timeout_s:
             timed_out = True
-            proc.stop()
+            proc.stop(f"timed out after {timeout_s:g} s (--trial-timeout)")
         proc.escalate(grace)
         time.sleep(POLL_S)
+    return _outcome(trial, proc, objective, last, pruned_at, stopping, timed_out, timeout_s)
+
+
+def _outcome(
+    trial: Any,
+    proc: TrialProcess,
+    objective: str,
+    last: float | None,
+    pruned_at: int | None,
+    stopping: bool,
+    timed_out: bool,
+    timeout_s: float | None,
+) -> TrialOutcome:
+    """How the trial ended, as its run folder says: a run that reached its end ("finished") is judged on
+    its objective, whatever was asked of it too late (a prune decided at its last evaluation, a stop as
+    it ended): the study and the folder always agree. A pruned trial's folder says it stopped, and why."""
+    state = proc.status().get("state")
+    rc = proc.proc.returncode
+    if state == "finished" and rc == 0:
+        if pruned_at is not None:  # the pruner's word came after the run's end: it stands complete
+            trial.set_user_attr("pruned_too_late_at_step", pruned_at)
+        if last is None:
+            return TrialOutcome("failed", None, f"the run logged no {objective!r}")
+        if not math.isfinite(last):
+            return TrialOutcome("failed", last, f"{objective} is {last}")
+        return TrialOutcome("complete", last)
     asked = requested(proc.run_dir)
-    if pruned or asked == "prune":
+    if (pruned_at is not None or asked == "prune") and state != "failed":  # a crash says so, not "pruned"
+        if pruned_at is not None:
+            trial.set_user_attr("pruned_at_step", pruned_at)
         return TrialOutcome("pruned", last)
     if asked == "stop":
         return TrialOutcome("failed", last, "stopped by hand")
@@ -233,17 +262,9 @@ def _follow(trial: Any, proc: TrialProcess, objective: str, should_stop: Any, ti
         return TrialOutcome("failed", last, f"timed out after {timeout_s:g} s (--trial-timeout)")
     if stopping:
         return TrialOutcome("interrupted", last, "the sweep was stopped")
-    state = proc.status().get("state")
-    rc = proc.proc.returncode
     if rc is not None and rc < 0 and state not in TERMINAL_STATES:  # killed with no end: lost, not failed
         return TrialOutcome("lost", last, f"its process was killed ({_signal_name(-rc)}) before it recorded an end")
-    if state != "finished" or rc != 0:
-        return TrialOutcome("failed", last, proc.error_line())
-    if last is None:
-        return TrialOutcome("failed", None, f"the run logged no {objective!r}")
-    if not math.isfinite(last):
-        return TrialOutcome("failed", last, f"{objective} is {last}")
-    return TrialOutcome("complete", last)
+    return TrialOutcome("failed", last, proc.error_line())
 
 
 def _signal_name(number: int) -> str:

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 EDITABLE = ("tags", "note")  # edited in place (double-click, F2); written to the run's meta.json
-STATES = ["all", "running", "paused", "finished", "stopped", DIVERGED, "failed"]
+STATES = ["all", "starting", "running", "paused", "finished", "stopped", DIVERGED, "failed"]
 POLL_MS = 2000
 
 

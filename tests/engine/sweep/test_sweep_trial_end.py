@@ -107,3 +107,78 @@ def test_a_hung_trial_does_not_outlive_its_sweep(tmp_path, how):
     if how == "ctrl+c once":  # stopped by the sweep itself: re-queued, and its folder says it was lost
         status = json.loads(next((tmp_path / "sweeps").glob("*/trial-0000/status.json")).read_text())
         assert status["state"] != "running"
+
+
+DEEP_TASK = (
+    "import os, subprocess, sys, time\n"
+    "from torch import nn\n"
+    "from multilane.engine.tasks.builtin import LinearTask\n"
+    "class Sleepy(nn.Linear):\n"
+    "    def forward(self, x):\n"
+    "        open(os.environ['HANG_FLAG'], 'a').close()\n"
+    "        time.sleep(3600)  # a forward that never returns\n"
+    "        return super().forward(x)\n"
+    "class Deep(LinearTask):\n"
+    "    name = 'deep'\n"
+    "    def build_model(self):\n"
+    "        marker = os.environ['DEEP_MARKER']\n"
+    "        sleep = [sys.executable, '-c', 'import time, sys; time.sleep(3600)', marker]\n"
+    "        subprocess.Popen(sleep)  # a helper in the trial's group\n"
+    "        subprocess.Popen(sleep, start_new_session=True)  # and one in a session of its own\n"
+    "        subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; '\n"
+    "                          'subprocess.Popen(sys.argv[1:]); time.sleep(3600)', *sleep])  # a grandchild\n"
+    "        return Sleepy(10, 1)\n"
+)
+
+
+def _of_trial(sid: int, marker: str, config_part: str) -> list[psutil.Process]:
+    """The processes of a trial: its session or group, its cmdline's config path, the task's marker."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getsid(p.pid) == sid or os.getpgid(p.pid) == sid or marker in cmd or config_part in cmd:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("way", ["forkserver", "exec"])
+def test_ctrl_c_twice_ends_a_hung_trials_whole_tree_within_seconds_at_the_default_grace(tmp_path, way):
+    """The default grace (30 s) is the stop's, not the second Ctrl+C's: a few seconds after the sweep
+    exits, nothing the trial started is left, however deep (its group, a helper in a session of its own,
+    a grandchild), nor the sweep's own server and resource tracker."""
+    task = tmp_path / "deep_task.py"
+    task.write_text(DEEP_TASK)
+    marker = f"deep-marker-{os.getpid()}-{way}"
+    env = {k: v for k, v in os.environ.items() if k != "MULTILANE_TRIAL_GRACE_S"}
+    env.update(HANG_FLAG=str(tmp_path / "hung"), DEEP_MARKER=marker, MULTILANE_TRIAL_START=way)
+    proc = subprocess.Popen(
+        [*CLI, "sweep", "--task", str(task), "--steps", "5", "--devices", "cpu:0", "--trials", "1",
+         "--pruner", "none", "--param", "optim.lr=log:1e-3:1e-2", "--objective", "loss:min",
+         "--sweeps-dir", str(tmp_path / "sweeps"), "--no-table"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    pid = -1
+    try:
+        pid = _hung(tmp_path, proc)
+        sweep_children = psutil.Process(proc.pid).children()  # its server, resource tracker, the guard
+        config_part = "trial-0000/config.json"
+        before = _of_trial(pid, marker, config_part)
+        assert len([p for p in before if marker in " ".join(p.cmdline())]) >= 4, before  # the helpers run
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+        ended = time.monotonic()
+        _wait(lambda: not _of_trial(pid, marker, config_part) and all(_gone(c.pid) for c in sweep_children), 30)
+        assert time.monotonic() - ended < 3.0 + 10.0  # the short grace, and a loaded machine's slack
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _of_trial(pid, marker, "trial-0000/config.json"):  # a failure leaves nothing behind
+            p.kill()

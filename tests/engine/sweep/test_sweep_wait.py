@@ -2,6 +2,7 @@
 other workers on a fresh PostgreSQL (whose first users race to make Optuna's tables), waits (bounded,
 one line saying what for) instead of dying."""
 
+import re
 import shutil
 import subprocess
 import threading
@@ -40,15 +41,32 @@ def test_a_worker_waits_for_a_study_that_appears_and_says_once_what_it_waits_for
     assert len(said) == 1 and "waiting for the study's journal" in said[0] and "120 s" in said[0]
 
 
-def test_a_worker_gives_up_after_its_wait_in_one_line(tmp_path):
+def test_a_study_missing_from_a_storage_that_holds_another_is_refused_at_once(tmp_path):
     from multilane.engine.sweep.study import Sweep
 
     made = _made(tmp_path / "made")
     t0 = time.monotonic()
     with pytest.raises(UserError) as e:
-        Sweep.join(None, "nosuch", made.folder, wait_s=1.0)
-    assert "a study named 'nosuch'" in str(e.value) and "waited 1 s" in str(e.value)
+        Sweep.join(None, "nosuch", made.folder, wait_s=300)
+    assert str(e.value) == "--study 'nosuch': the storage holds no study of that name (it holds 'w')"
+    assert time.monotonic() - t0 < 30  # not the 300 s wait
+
+
+def test_a_worker_gives_up_after_its_wait_in_one_line_and_refuses_a_missing_folder_at_once(tmp_path):
+    from multilane.engine.sweep.study import Sweep
+
+    said = []
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Sweep.join(None, "w", tmp_path, wait_s=1.0, say=said.append)
+    assert "not found: the study's journal" in str(e.value) and "waited 1 s (--wait S waits longer)" in str(e.value)
     assert 1.0 <= time.monotonic() - t0 < 30
+    assert said and said[0].startswith("waiting for the study's journal") and "0 s of 1 s" in said[0]
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Sweep.join(None, "w", tmp_path / "no" / "such", wait_s=300)
+    assert "its folder" in str(e.value) and "does not exist" in str(e.value)
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.slow
@@ -72,3 +90,42 @@ def test_the_sweep_and_two_workers_started_in_the_same_second_on_a_fresh_postgre
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         assert len(done) >= 3  # the count is checked as each trial starts: a worker may start one more
         assert not any(t.state == optuna.trial.TrialState.RUNNING for t in study.trials)
+
+
+def _worker(cwd, *args, timeout=120):
+    return subprocess.run(
+        [*CLI, "sweep-worker", "--devices", "cpu:0", "--no-table", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sweep_worker_refuses_at_once_what_cannot_appear_and_shows_a_wait_for_what_can(tmp_path):
+    import optuna
+
+    # a mistyped folder: one line at once, exit 2
+    t0 = time.monotonic()
+    r = _worker(tmp_path, "--storage", "sqlite:///nodir/db.sqlite", "--study", "nosuch")
+    assert r.returncode == 2 and not r.stdout, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "multilane: error: the study's SQLite database nodir/db.sqlite: its folder nodir does not exist; check the path"
+    )
+    # a database that holds another study: one line at once naming it
+    optuna.create_study(storage=f"sqlite:///{tmp_path / 'real.sqlite'}", study_name="real")
+    r = _worker(tmp_path, "--storage", "sqlite:///real.sqlite", "--study", "nosuch")
+    assert r.returncode == 2 and "waiting" not in r.stdout, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "multilane: error: --study 'nosuch': the storage holds no study of that name (it holds 'real')"
+    )
+    assert time.monotonic() - t0 < 120  # neither waited the default 300 s
+    # a database file not there yet in a folder that is: a shown wait, bounded by --wait
+    t0 = time.monotonic()
+    r = _worker(tmp_path, "--storage", "sqlite:///db.sqlite", "--study", "nosuch", "--wait", "11")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("sweep-worker: waiting for the study's SQLite database db.sqlite"), r.stdout
+    assert re.search(r": \d s of 11 s \(--wait S sets the limit; Ctrl\+C gives up\)$", lines[0]), r.stdout
+    assert any(x.startswith("sweep-worker: still waiting for") and re.search(r": 1\d s of 11 s", x) for x in lines)
+    assert len(r.stderr.strip().splitlines()) == 1 and "waited 11 s (--wait S waits longer)" in r.stderr
+    assert 11 <= time.monotonic() - t0 < 90
+    assert not (tmp_path / "db.sqlite").exists()  # a worker never makes the study's database
