@@ -157,9 +157,9 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
         from multilane.engine.fsdp.units import mixed_precision
 
         mixed_precision(config.train.precision)
+
     from multilane.engine.tensors.features import check as check_features
 
-    check_features(config, task)  # here, not once per rank (each rank checks it again)
     made: Path | None = None
     if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
         from multilane.engine.plan.fit import check_fit
@@ -171,16 +171,22 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
             from multilane.engine.distributed.launcher import processes_per_node
 
             processes_per_node(config)  # the machine can run it: refused before a folder is made
-            forecast = _fit_in_its_folder(
-                config, task, lambda: check_fit(config, task, parse_devices(config.devices.use))
-            )
+
+            def check() -> Any:  # both build the task's model (its code): in the run's folder, "starting"
+                check_features(config, task)  # here, not once per rank (each rank checks it again)
+                return check_fit(config, task, parse_devices(config.devices.use))
+
+            forecast = _fit_in_its_folder(config, task, check)
             if forecast == "stopped":
                 return 0
             made = Path(os.environ[RUN_DIR_ENV])
         else:
+            check_features(config, task)
             forecast = check_fit(config, task, parse_devices(config.devices.use))
         if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
             os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
+    else:
+        check_features(config, task)
     try:
         return launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank

@@ -185,8 +185,8 @@ class Trainer:
         before = setup_begins(self, rd, record=lambda: record_run(rd, cfg, self.task_file))
         try:
             with self.control.during_setup(lambda: self._control_file.apply(self.control)):
-                features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
-                with fit_check_phases(self):
+                with fit_check_phases(self):  # both build the task's model: the phase says so
+                    features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
                     self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
                 self._setup()
                 if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
