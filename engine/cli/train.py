@@ -188,15 +188,26 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
     else:
         check_features(config, task)
     try:
-        return launch(
+        code = launch(
             argv, config, args.resume, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_id, args.node_rank
         )
-    except UserError:  # refused before a rank started: the folder made for the fit check goes too
-        if made is not None and _status_of(made).get("phase") == "starting the ranks":
-            import shutil
-
-            shutil.rmtree(made, ignore_errors=True)
+    except UserError:  # refused before a rank started, or by a rank in its set-up
+        _drop_unbegun(made)
         raise
+    if code == 2:
+        _drop_unbegun(made)
+    return code
+
+
+def _drop_unbegun(made: Path | None) -> None:
+    """A refused launch (the launcher said why, once, exit 2) leaves no folder for a run that never began:
+    the one the fit check was made in goes, with the other ranks' "lost a peer" that would blame the wrong
+    thing; a folder with a trained step stays."""
+    status = _status_of(made) if made is not None else {}
+    if made is not None and status.get("state") in ("starting", "failed") and not status.get("step"):
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:

@@ -12,6 +12,7 @@ import torch
 from helpers import CLI
 from multilane.engine.config import build_config, merge, read_config_file
 from multilane.engine.errors import UserError
+from multilane.engine.run.control import RunControl
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.writefile import check_writable
 from multilane.engine.tasks import load_task_file, make_task
@@ -355,7 +356,9 @@ def test_the_app_asks_before_resuming_with_a_changed_task_file(qtbot, tmp_path, 
     source = "from multilane.engine.tasks.builtin import LinearTask\nopen({m!r}, 'a').write({t!r})\nclass M(LinearTask):\n    name = 'm'\n"
     task.write_text(source.format(m=str(marker), t="a"))
     cfg = make_config(task__name=str(task), train__steps=2, devices__use="cpu:0", telemetry__enabled=False)
-    run = Trainer(cfg).run().run_dir
+    stop = RunControl()
+    stop.request_stop()  # stopped at step 0 with its checkpoint: a resume has steps left to train
+    run = Trainer(cfg, control=stop).run().run_dir
     task.write_text(source.format(m=str(marker), t="b"))
     asked = []
 

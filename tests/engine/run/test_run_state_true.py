@@ -131,7 +131,8 @@ def test_a_refused_resume_of_a_changed_task_file_leaves_no_lock_file(tmp_path, m
     (run / ".lock").unlink()
     task.write_text(task.read_text() + "# changed\n")
     before = names(run)
-    out = subprocess.run([*CLI, "train", "--resume", str(run)], capture_output=True, text=True, timeout=120)
+    more = ["--steps", "4"]  # the run finished its 2: a resume with more to train, refused for its task file
+    out = subprocess.run([*CLI, "train", "--resume", str(run), *more], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "changed" in out.stderr
     assert names(run) == before
 

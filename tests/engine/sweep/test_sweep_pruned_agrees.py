@@ -36,7 +36,10 @@ def test_the_reported_sweep_pruned_trials_say_so_in_their_folders(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     trials = _agree(sweep_folder(tmp_path))
-    assert any(t.state.name == "PRUNED" for t in trials), r.stdout  # the check above had a pruned trial to check
+    # the check above had a prune to check: one that landed (PRUNED), or one decided after its run ended
+    # (COMPLETE, noted): which of the two depends on how fast the machine runs 150 steps
+    decided = [t for t in trials if t.state.name == "PRUNED" or "pruned_too_late_at_step" in t.user_attrs]
+    assert decided, r.stdout
 
 
 def test_a_prune_decided_at_the_last_evaluation_leaves_a_complete_trial_and_a_finished_folder(tmp_path):
