@@ -11,13 +11,9 @@ Make the runs first, e.g. digits on cpu:0,cpu:1 under replicate, ddp and fsdp (`
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-import pyqtgraph as pg
-from gui_screenshots import shot, wait
-from multilane.gui.window.main_window import MainWindow
-from PySide6.QtCore import QSettings
+from gui_screenshots import open_window, shot, wait
 from PySide6.QtWidgets import QApplication
 
 
@@ -27,16 +23,9 @@ def main() -> None:
     ap.add_argument("--size", default="1280x800")
     ap.add_argument("--out", default="/tmp/shots")
     args = ap.parse_args()
-    w, h = (int(v) for v in args.size.split("x"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    app = pg.mkQApp("Multilane")
-    tmp = Path(tempfile.mkdtemp(prefix="multilane-shots-"))
-    window = MainWindow(QSettings(str(tmp / "settings.ini"), QSettings.IniFormat))
-    window.resize(w, h)
-    window.move(0, 0)
-    window.show()
-    window.form.editors["run.runs_dir"].widget.setText(args.runs_dir)
+    app, window, _ = open_window(args.size, args.runs_dir)
     window.tabs.setCurrentWidget(window.runs_table)
     wait(app, 2.0)
     shot(app, window, out / f"runs-{args.size}.png")

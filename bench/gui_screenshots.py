@@ -38,6 +38,20 @@ def shot(app, window, path: Path) -> None:
     print(path)
 
 
+def open_window(size: str, runs_dir: str | None = None) -> tuple[QApplication, MainWindow, Path]:
+    """The app's window at ``size`` ("1400x900") on the screen's corner, with settings of its own and
+    ``runs_dir`` (default: a new temporary one); the app, the window and the temporary folder."""
+    w, h = (int(v) for v in size.split("x"))
+    app = pg.mkQApp("Multilane")
+    tmp = Path(tempfile.mkdtemp(prefix="multilane-shots-"))
+    window = MainWindow(QSettings(str(tmp / "settings.ini"), QSettings.IniFormat))
+    window.resize(w, h)
+    window.move(0, 0)
+    window.show()
+    window.form.editors["run.runs_dir"].widget.setText(runs_dir or str(tmp / "runs"))
+    return app, window, tmp
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1400x900")
@@ -45,16 +59,9 @@ def main() -> None:
     ap.add_argument("--prefix", default="screenshot")
     ap.add_argument("--steps", type=int, default=600)
     args = ap.parse_args()
-    w, h = (int(v) for v in args.size.split("x"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    app = pg.mkQApp("Multilane")
-    tmp = Path(tempfile.mkdtemp(prefix="multilane-shots-"))
-    window = MainWindow(QSettings(str(tmp / "settings.ini"), QSettings.IniFormat))
-    window.resize(w, h)
-    window.move(0, 0)
-    window.show()
-    window.form.editors["run.runs_dir"].widget.setText(str(tmp / "runs"))
+    app, window, _ = open_window(args.size)
     window.devices.set_checked(["cpu:0", "cpu:1"])
     window.form.set_task("digits")
     window.form.editors["train.steps"].widget.setValue(args.steps)

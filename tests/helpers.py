@@ -193,3 +193,20 @@ def resume_clean(tmp_path: Path, run: Path, strategy: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     _assert_close(read_model_state(run), _straight(tmp_path, 12), f"{strategy} resumed")
+
+
+def finished_linear_run(runs: Path, steps: int = 2) -> Path:
+    """A real finished run of the linear task on one lane (every step logged, no telemetry): its folder."""
+    from multilane.engine.config import build_config
+    from multilane.engine.run.trainer import Trainer
+
+    cfg = build_config(
+        {
+            "task": {"name": "linear"},
+            "devices": {"use": "cpu:0"},
+            "train": {"steps": steps, "log_every": 1},
+            "telemetry": {"enabled": False},
+            "run": {"runs_dir": str(runs), "name": "r"},
+        }
+    )
+    return Trainer(cfg).run().run_dir

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from multilane.engine.health.diagnosis import diagnose
-from multilane.engine.run.trainer import Trainer, TrainerCallback
+from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import ArrayData, Task
+from test_layers import Health
 from torch import nn
 
 F64 = torch.float64
@@ -50,14 +51,6 @@ class Planted(Task):
         return nn.functional.mse_loss(output, target)
 
 
-class Records(TrainerCallback):
-    def __init__(self) -> None:
-        self.health: list[dict] = []
-
-    def on_health(self, record: dict) -> None:
-        self.health.append(record)
-
-
 @pytest.mark.slow
 def test_the_diagnosis_names_the_planted_faults_of_a_real_run(make_config):
     cfg = make_config(
@@ -71,9 +64,9 @@ def test_the_diagnosis_names_the_planted_faults_of_a_real_run(make_config):
         health__activations="ReLU, Tanh",
         health__groups=4096,
     )
-    records = Records()
+    records = Health()
     assert Trainer(cfg, callbacks=[records], task=Planted()).run().status == "finished"
-    found = {(f.row, f.quantity) for f in diagnose(records.health)}
+    found = {(f.row, f.quantity) for f in diagnose(records.records)}
     # the dead ReLU passes no gradient back: layers 0 and 3 get none, as the cut-off 2.lin; the last layer's
     # tiny weight is rewritten each step; the Tanh (alive) is not named
     assert found == {

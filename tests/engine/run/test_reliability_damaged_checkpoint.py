@@ -12,24 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import finished_linear_run
 from multilane.engine.cli.main import main
-from multilane.engine.config import build_config
-from multilane.engine.run.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    runs = tmp_path_factory.mktemp("runs")
-    cfg = build_config(
-        {
-            "task": {"name": "linear"},
-            "devices": {"use": "cpu:0"},
-            "train": {"steps": 2, "log_every": 1},
-            "telemetry": {"enabled": False},
-            "run": {"runs_dir": str(runs), "name": "r"},
-        }
-    )
-    return Trainer(cfg).run().run_dir
+    return finished_linear_run(tmp_path_factory.mktemp("runs"))
 
 
 def _edit(**changes):
