@@ -1,0 +1,424 @@
+"""MLflow: a run logged live to a tracking server (``tracking.mlflow``), and a run folder sent there later
+(``multilane export RUN --mlflow URI``).
+
+Live: ``MlflowLogger`` is a trainer callback that only turns records into points (``mlflow_records``) and
+queues them; a thread of its own sends them in batches (``MlflowClient.log_batch``), retrying with a
+growing pause while the server is down, slow or refuses. Training never waits for the server: the first
+failure is one warning line (an event: the CLI prints it, the app shows it), and what is still queued
+is sent when the server answers again. At the run's end the thread gets ``END_WAIT_S`` to send the rest,
+config.json, metrics.jsonl and the loss figure (PNG and PDF, drawn by ``multilane export`` in a process of
+its own), then marks the run FINISHED, FAILED or KILLED (a stop, an abort, a NaN stop). Whatever it could
+not send, ``multilane export RUN --mlflow URI`` sends.
+
+One MLflow run per run folder and server: its id is kept in the folder's ``mlflow.json`` and the run
+carries the tag ``multilane.run_key`` (the folder's name and its first start), so a resumed run, a second
+export or a copy of the folder updates the same MLflow run. Credentials: only MLflow's own environment
+variables (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``); the URI written into ``mlflow.json``
+loses any user and password. Needs the ``[mlflow]`` extra; this module is the only one that imports it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from multilane.engine.errors import UserError
+from multilane.engine.run.callbacks import RunResult, TrainerCallback
+from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, METRICS, STATUS, load_metrics, read_json
+from multilane.integrations import mlflow_records as mr
+from multilane.integrations.extras import require
+
+if TYPE_CHECKING:
+    from multilane.engine.run.trainer import Trainer
+
+WHAT = "tracking.mlflow (logging to an MLflow server)"
+FLUSH_S = 1.0  # the server sees the run at most about this late
+BACKOFF_MAX_S = 8.0  # while the server fails: retry after 0.5 s, 1 s, 2 s, ... up to this
+END_WAIT_S = 60.0  # at the run's end: at most this long to send the rest, the artifacts and the end state
+FIGURE_TIMEOUT_S = 120.0
+BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's limits per log_batch
+QUEUE_MAX = 2_000_000  # points held while the server is away (~200 MB); beyond, the oldest wait for an export
+# MLflow's client retries a failed request 7 times with growing pauses (minutes); the sender retries on
+# its own and must notice a server gone within seconds. Set only where the user has not.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+mlflow = require("mlflow", "mlflow", WHAT)
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402  (after the one-line check of the extra)
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+def reason(e: BaseException) -> str:
+    """An MLflow or connection error as a few words (its message can hold a whole HTTP body)."""
+    text = str(e)
+    for needle, words in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "no answer in time"),
+        ("Read timed out", "no answer in time"),
+        ("Name or service not known", "unknown host"),
+        ("nodename nor servname", "unknown host"),
+        ("401", "credentials refused (401): set MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN"),
+        ("403", "permission refused (403)"),
+        ("Could not find a registered", "not a tracking URI MLflow knows"),
+        ("not supported", "not a tracking URI MLflow knows"),
+    ):
+        if needle in text:
+            return words
+    m = re.search(r"status code (\d{3})|error code (\d{3})|HTTP (\d{3})", text)
+    if m:
+        return f"the server answered {next(g for g in m.groups() if g)}"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return first[:160]
+
+
+class Sender:
+    """One run folder's records on its way to one MLflow run. ``start()`` sends from a thread of its own
+    (live); ``send_now()`` sends in the caller's thread and raises on failure (export)."""
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        run_dir: Path,
+        key: str,
+        tags: dict[str, str],
+        on_problem: Callable[[str], None] | None = None,
+        live: bool = True,
+    ) -> None:
+        for k, v in HTTP_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        self.uri, self.experiment, self.run_dir, self.key, self.live = uri, experiment, run_dir, key, live
+        self.run_id: str | None = None
+        self._tags = dict(tags)
+        self._params: dict[str, str] = {}
+        self._points: collections.deque[mr.Point] = collections.deque(maxlen=QUEUE_MAX)
+        self._artifacts: list[tuple[Path, str]] = []
+        self._figures = False
+        self._end: tuple[str, int] | None = None
+        self._server_params: set[str] = set()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._on_problem = on_problem
+        self.problem: str | None = None  # the first failure, in words
+        self.failing = False
+        self._client: Any = None
+        self._thread: threading.Thread | None = None
+
+    # -- what to send (any thread) -------------------------------------------------------------
+    def add(self, points: list[mr.Point] = (), params: dict[str, str] | None = None, tags: dict | None = None) -> None:
+        with self._cv:
+            self._points.extend(points)
+            self._params.update(params or {})
+            self._tags.update(tags or {})
+
+    def finish(self, status: str, end_ms: int, artifacts: list[tuple[Path, str]], figures: bool) -> None:
+        with self._cv:
+            self._artifacts += artifacts
+            self._figures = figures
+            self._end = (status, end_ms)
+
+    def pending(self) -> int:
+        with self._cv:
+            return (
+                len(self._points) + len(self._params) + len(self._tags) + len(self._artifacts) + (self._end is not None)
+            )
+
+    # -- the thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="multilane-mlflow", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = END_WAIT_S) -> bool:
+        """Send what is left (the server gets one more try if it was failing) within ``timeout``; whether
+        everything was sent."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.pending() == 0 and not (self._thread and self._thread.is_alive())
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing, timeout=delay or FLUSH_S)
+                closing = self._closing
+            try:
+                self.send_now()
+                delay = 0.0
+                self.failing = False
+            except Exception as e:
+                self.failing = True
+                if self.problem is None:
+                    self.problem = reason(e)
+                    if self._on_problem is not None:
+                        with contextlib.suppress(Exception):
+                            self._on_problem(self.problem)
+                delay = min(max(delay * 2, 0.5), BACKOFF_MAX_S)
+                if closing:
+                    return
+            if closing and self.pending() == 0:
+                return
+
+    # -- sending -------------------------------------------------------------------------------
+    def client(self) -> Any:
+        if self._client is None:
+            problem = mr.uri_problem(self.uri)
+            if problem:
+                raise UserError(problem)
+            self._client = MlflowClient(tracking_uri=self.uri)
+        return self._client
+
+    def ensure_run(self) -> str:
+        """The MLflow run of this folder: the recorded one, else the one tagged with its key, else a new one."""
+        if self.run_id is not None:
+            return self.run_id
+        c = self.client()
+        exp = c.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                exp_id = c.create_experiment(self.experiment)
+            except Exception:  # created by another run a moment ago
+                exp = c.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+                exp_id = exp.experiment_id
+        else:
+            exp_id = exp.experiment_id
+        run = None
+        recorded = mr.recorded_run_id(self.run_dir, self.uri)
+        if recorded:
+            with contextlib.suppress(Exception):
+                run = c.get_run(recorded)
+                if run.info.lifecycle_stage != "active":
+                    run = None
+        if run is None:
+            key = self.key.replace("'", "\\'")
+            found = c.search_runs([exp_id], filter_string=f"tags.`{mr.RUN_KEY_TAG}` = '{key}'", max_results=1)
+            run = found[0] if found else None
+        if run is None:
+            run = c.create_run(exp_id, start_time=int(time.time() * 1000), tags={mr.RUN_KEY_TAG: self.key})
+        else:
+            self._server_params = set(run.data.params)  # MLflow refuses to change a param's value
+            if self.live and run.info.status != "RUNNING":
+                c.update_run(run.info.run_id, status="RUNNING")  # resumed: running again
+        self.run_id = run.info.run_id
+        mr.record_run_id(self.run_dir, self.uri, self.run_id, exp_id)
+        return self.run_id
+
+    def send_now(self) -> None:
+        """Send everything queued; on a failure what was not sent stays queued and the error is raised."""
+        run_id = self.ensure_run()
+        c = self.client()
+        while True:
+            with self._cv:
+                params = {k: v for k, v in self._params.items() if k not in self._server_params}
+                params = dict(list(params.items())[:BATCH_PARAMS])
+                tags = dict(list(self._tags.items())[:BATCH_TAGS])
+                points = [self._points.popleft() for _ in range(min(BATCH_METRICS, len(self._points)))]
+            if not (params or tags or points):
+                break
+            try:
+                c.log_batch(
+                    run_id,
+                    metrics=[Metric(k, v, ts, step) for k, v, ts, step in points],
+                    params=[Param(k, v) for k, v in params.items()],
+                    tags=[RunTag(k, v) for k, v in tags.items()],
+                )
+            except BaseException:
+                with self._cv:
+                    self._points.extendleft(reversed(points))
+                raise
+            with self._cv:
+                self._server_params.update(params)
+                for k in params:
+                    self._params.pop(k, None)
+                for k, v in tags.items():
+                    if self._tags.get(k) == v:
+                        del self._tags[k]
+                self._params = {k: v for k, v in self._params.items() if k not in self._server_params}
+        with self._cv:
+            end, figures, artifacts = self._end, self._figures, list(self._artifacts)
+        if end is None:
+            return
+        if figures:
+            artifacts += _figures(self.run_dir)
+            with self._cv:
+                self._figures = False
+                self._artifacts += artifacts[len(self._artifacts) :]
+        for path, dest in artifacts:
+            if path.is_file():
+                c.log_artifact(run_id, str(path), dest or None)
+            with self._cv:
+                self._artifacts.remove((path, dest))
+        c.set_terminated(run_id, status=end[0], end_time=end[1])
+        with self._cv:
+            self._end = None
+
+
+_TMP: list[tempfile.TemporaryDirectory] = []  # the figures' folders, removed at exit (after the upload)
+
+
+def _figures(run_dir: Path) -> list[tuple[Path, str]]:
+    """The loss figure (PNG and PDF) drawn by ``multilane export`` in a process of its own (matplotlib
+    holds the GIL for seconds; the app's export does the same); none where it fails."""
+    tmp = tempfile.TemporaryDirectory(prefix="multilane-mlflow-")
+    _TMP.append(tmp)
+    cmd = [
+        sys.executable,
+        "-m",
+        "multilane.engine.cli",
+        "export",
+        str(run_dir),
+        "--out",
+        tmp.name,
+        "--format",
+        "png,pdf",
+    ]
+    with contextlib.suppress(Exception):
+        subprocess.run(cmd, capture_output=True, timeout=FIGURE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+    return [
+        (Path(tmp.name) / f"loss.{fmt}", "figures")
+        for fmt in ("png", "pdf")
+        if (Path(tmp.name) / f"loss.{fmt}").is_file()
+    ]
+
+
+def _artifacts(run_dir: Path) -> list[tuple[Path, str]]:
+    return [(run_dir / CONFIG, ""), (run_dir / METRICS, "")]
+
+
+# -- live -----------------------------------------------------------------------------------------
+class MlflowLogger(TrainerCallback):
+    """Logs a run live to ``uri`` (rank 0 only under ddp/fsdp: the trainer attaches it where the run
+    folder is written). Hooks only queue: the sending is the ``Sender``'s thread's."""
+
+    def __init__(self, uri: str, experiment: str, run_dir: Path, config: dict[str, Any]) -> None:
+        self.uri, self.experiment, self.run_dir, self.config = uri, experiment, Path(run_dir), config
+        self.points = mr.PointMaker()
+        self.sender: Sender | None = None
+        self._trainer: Trainer | None = None
+        self._warning: str | None = None
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def _problem(self, words: str) -> None:
+        with self._lock:
+            if not self._warned:
+                self._warning = (
+                    f"mlflow: {mr.public_uri(self.uri)}: {words}; training goes on and what is not sent is sent "
+                    f"when the server answers (else: multilane export {self.run_dir} --mlflow URI)"
+                )
+
+    def _say_warning(self) -> None:
+        with self._lock:
+            message, self._warning = self._warning, None
+            if message:
+                self._warned = True
+        if message and self._trainer is not None:
+            self._trainer._event("warning", message=message)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "started" and self.sender is None:
+            first = _first_started(self.run_dir)
+            key = mr.run_key(self.run_dir, first if first is not None else float(record["wall_time"]))
+            tags = mr.run_tags(self.run_dir, self.config, record.get("lanes"), None)
+            self.sender = Sender(self.uri, self.experiment, self.run_dir, key, tags, self._problem)
+            self.sender.add(params=mr.flat_params(self.config))
+            problem = mr.uri_problem(self.uri)
+            if problem:  # said at once; nothing will be sent
+                self._problem(problem)
+            else:
+                self.sender.start()
+        self._say_warning()
+
+    def _queue(self, record: dict[str, Any]) -> None:
+        if self.sender is not None:
+            self.sender.add(self.points.points(record))
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        self._queue(record)
+        self._say_warning()
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        self._queue(record)
+        self._say_warning()
+
+    on_telemetry = _queue
+
+    def on_train_end(self, result: RunResult) -> None:
+        s = self.sender
+        if s is None:
+            return
+        if mr.uri_problem(self.uri) is None:
+            s.finish(mr.end_status(result.status), int(time.time() * 1000), _artifacts(self.run_dir), True)
+            s.close(0.0 if s.failing else END_WAIT_S)
+        with self._lock:
+            message = self._warning if not self._warned else None
+        if message:  # a failure first met at the end: the event stream is closed, the terminal is not
+            print(f"multilane: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _first_started(run_dir: Path) -> float | None:
+    for rec in load_metrics(run_dir).records:
+        if rec.get("kind") == "event" and rec.get("event") == "started" and isinstance(rec.get("wall_time"), float):
+            return rec["wall_time"]
+    return None
+
+
+# -- a run folder, sent -----------------------------------------------------------------------------
+def export_run(run_dir: Path, uri: str) -> str:
+    """Send ``run_dir``'s records so far to ``uri`` (the same MLflow run on every send; only the points
+    the server lacks); a line saying where they went. ``UserError`` (one line) where the server fails."""
+    problem = mr.uri_problem(uri)
+    if problem:
+        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {problem}")
+    config = read_json(run_dir / CONFIG) or {}
+    records = load_metrics(run_dir).records
+    started = next((r for r in records if r.get("kind") == "event" and r.get("event") == "started"), None)
+    if started is None or not isinstance(started.get("wall_time"), float):
+        raise UserError(f"export: {run_dir} has no started event in its metrics.jsonl: nothing to send")
+    env = read_json(run_dir / ENVIRONMENT) or {}
+    host = env.get("hostname") or env.get("host")
+    tags = mr.run_tags(run_dir, config, started.get("lanes"), host if isinstance(host, str) else None)
+    experiment = str((config.get("tracking") or {}).get("experiment") or "multilane")
+    s = Sender(uri, experiment, run_dir, mr.run_key(run_dir, started["wall_time"]), tags, live=False)
+    maker = mr.PointMaker()
+    points = [p for r in records for p in maker.points(r)]
+    status = (read_json(run_dir / STATUS) or {}).get("state")
+    try:
+        run_id = s.ensure_run()
+        points = _missing(s.client(), run_id, points)
+        s.add(points, params=mr.flat_params(config))
+        if status in ("finished", "failed", "stopped", "aborted"):
+            end_ms = int(max((r.get("wall_time") or 0) for r in records) * 1000)
+            s.finish(mr.end_status(status), end_ms, _artifacts(run_dir), True)
+        s.send_now()
+    except UserError as e:
+        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {e}") from None
+    except Exception as e:
+        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {reason(e)}") from None
+    return f"mlflow: {len(points)} new points sent to run {run_id} at {mr.public_uri(uri)}"
+
+
+def _missing(client: Any, run_id: str, points: list[mr.Point]) -> list[mr.Point]:
+    """The points the run lacks: MLflow appends every value logged, so a point already there (same key,
+    step and timestamp) is not sent again."""
+    have_keys = set(client.get_run(run_id).data.metrics)
+    held: dict[str, set[tuple[int, int]]] = {}
+    for k in have_keys:
+        held[k] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, k)}
+    return [p for p in points if (p[3], p[2]) not in held.get(p[0], ())]

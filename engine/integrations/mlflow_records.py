@@ -1,0 +1,205 @@
+"""A run folder's records as MLflow sees them: metric points, params, tags, the end state, the run's identity.
+
+Plain functions, no MLflow import (``multilane.integrations.mlflow`` sends what they return), so that a live
+run and ``multilane export RUN --mlflow URI`` produce the very same points from the same records: a point
+is ``(key, value, timestamp_ms, step)`` with the record's own step and wall time, and a re-send skips the
+points the server already holds (same key, step and timestamp).
+
+Names: ``loss``, ``loss/<device>`` (``cpu:0`` becomes ``cpu_0``: MLflow accepts letters, digits, ``_ - . /``
+and spaces), ``lr``, ``samples_per_s``, ``tokens_per_s``, ``step_ms``, ``grad_norm``, ``samples_per_j``,
+``noise_scale`` (B_simple), ``val_loss``, ``val/<metric>``, ``telemetry/<reading>/<device>`` and
+``telemetry/process/<reading>`` (at most one telemetry record every ``TELEMETRY_EVERY_S`` of wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from multilane.engine.errors import UserError
+
+TRAIN_KEYS = ("lr", "samples_per_s", "tokens_per_s", "step_ms", "grad_norm", "samples_per_j")
+READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
+TELEMETRY_EVERY_S = 5.0
+"""Telemetry reaches the server at most once every this many seconds (the run folder keeps every record)."""
+RUN_FILE = "mlflow.json"
+"""In the run folder: the MLflow run this run was sent to, per server (no credentials: the URI's user and
+password are left out)."""
+END_STATUS = {"finished": "FINISHED", "failed": "FAILED"}
+"""A run's end as MLflow's status; every other end (stopped, aborted, a NaN stop) is KILLED."""
+KILLED = "KILLED"
+RUN_KEY_TAG = "multilane.run_key"
+PARAM_MAX = 6000  # MLflow's limit on a param's value
+SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
+
+Point = tuple[str, float, int, int]
+
+
+def mlflow_callback(config: Any) -> Callable[[Path], Any] | None:
+    """Where ``tracking.mlflow`` is set: a maker of the run's ``MlflowLogger`` from its folder (the trainer
+    attaches it to the rank that writes the folder). ``UserError``, one line, where the extra is missing."""
+    uri = config.tracking.mlflow
+    if not uri:
+        return None
+    from multilane.integrations.extras import MissingExtra
+
+    try:
+        from multilane.integrations.mlflow import MlflowLogger
+    except MissingExtra as e:
+        raise UserError(str(e)) from None
+    return lambda run_dir: MlflowLogger(uri, config.tracking.experiment, run_dir, config.to_dict())
+
+
+def metric_name(*parts: str) -> str:
+    """``loss/cpu:0`` -> ``loss/cpu_0``: every character MLflow refuses becomes ``_``."""
+    return "/".join(re.sub(r"[^A-Za-z0-9_\-. ]", "_", p) for p in parts)
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, dict):
+        v = v.get("mean")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def end_status(state: str) -> str:
+    return END_STATUS.get(state, KILLED)
+
+
+class PointMaker:
+    """Records to metric points; telemetry thinned to one record every ``TELEMETRY_EVERY_S`` (by the
+    records' own wall time, so that a live run and an export thin the same way)."""
+
+    def __init__(self) -> None:
+        self._telemetry_at = -math.inf
+
+    def points(self, rec: dict[str, Any]) -> list[Point]:
+        kind = rec.get("kind")
+        step = rec.get("step")
+        wall = rec.get("wall_time")
+        if not isinstance(step, int) or isinstance(step, bool) or _finite(wall) is None:
+            return []
+        ts = round(float(wall) * 1000)
+        out: list[Point] = []
+
+        def add(key: str, v: Any) -> None:
+            x = _finite(v)
+            if x is not None:
+                out.append((key, x, ts, step))
+
+        if kind == "train":
+            add("loss", rec.get("loss"))
+            for dev, v in (rec.get("device_loss") or {}).items():
+                add(metric_name("loss", str(dev)), v)
+            for key in TRAIN_KEYS:
+                add(key, rec.get(key))
+            noise = rec.get("noise")
+            if isinstance(noise, dict):
+                add("noise_scale", noise.get("b_simple"))
+        elif kind == "eval":
+            add("val_loss", rec.get("val_loss"))
+            for name, v in (rec.get("metrics") or {}).items():
+                add(metric_name("val", str(name)), v)
+        elif kind == "telemetry":
+            if float(wall) - self._telemetry_at < TELEMETRY_EVERY_S:
+                return []
+            self._telemetry_at = float(wall)
+            for dev, readings in (rec.get("devices") or {}).items():
+                for key in READINGS:
+                    if isinstance(readings, dict) and key in readings:
+                        add(metric_name("telemetry", key, str(dev)), readings[key])
+            for key, v in (rec.get("process") or {}).items():
+                add(metric_name("telemetry", "process", str(key)), v)
+        return out
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as ``{"optim.lr": "0.003", "task.params.n": "512", ...}`` (MLflow's params are strings)."""
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_params(v, key + "."))
+        else:
+            text = v if isinstance(v, str) else json.dumps(v)
+            out[metric_name(key)] = text[:PARAM_MAX]
+    return out
+
+
+def run_tags(run_dir: Path, config: dict[str, Any], lanes: list[str] | None, host: str | None) -> dict[str, str]:
+    from multilane.engine import __version__
+
+    devices = config.get("devices") or {}
+    tags = {
+        "mlflow.runName": run_dir.name,
+        "multilane.task": str((config.get("task") or {}).get("name", "")),
+        "multilane.strategy": str(devices.get("strategy", "")),
+        "multilane.devices": ",".join(lanes) if lanes else str(devices.get("use", "")),
+        "multilane.host": host or socket.gethostname(),
+        "multilane.version": __version__,
+        "multilane.run_dir": str(run_dir.resolve()),
+    }
+    return {k: v[:PARAM_MAX] for k, v in tags.items()}
+
+
+def run_key(run_dir: Path, started_wall_time: float) -> str:
+    """The run folder's identity on a server: its name and the wall time its first ``started`` event
+    records (the same for the live run, its resumptions, a copy of the folder and an export)."""
+    return f"{run_dir.name}@{started_wall_time!r}"
+
+
+def public_uri(uri: str) -> str:
+    """The URI without a user or password (what may be written into the run folder or printed)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "(unparsable URI)"
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def uri_problem(uri: str) -> str | None:
+    """Why MLflow could not use ``uri``, or None."""
+    try:
+        scheme = urlsplit(uri).scheme.split("+")[0].lower()
+    except ValueError as e:
+        return f"not a URI ({e})"
+    if scheme not in SCHEMES:
+        return f"unknown scheme {scheme + '://' if scheme else '(none)'}; use http:// or https://"
+    return None
+
+
+def read_run_file(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_run_id(run_dir: Path, uri: str) -> str | None:
+    entry = (read_run_file(run_dir).get("servers") or {}).get(public_uri(uri))
+    run_id = entry.get("run_id") if isinstance(entry, dict) else None
+    return run_id if isinstance(run_id, str) and re.fullmatch(r"[0-9A-Za-z_-]{1,64}", run_id) else None
+
+
+def record_run_id(run_dir: Path, uri: str, run_id: str, experiment_id: str) -> None:
+    """Write (atomically) which MLflow run this folder went to on ``uri``; quietly nothing where the
+    folder cannot be written (a read-only copy): the run is then found by its ``RUN_KEY_TAG``."""
+    data = read_run_file(run_dir)
+    servers = data.get("servers") if isinstance(data.get("servers"), dict) else {}
+    servers[public_uri(uri)] = {"run_id": run_id, "experiment_id": experiment_id}
+    tmp = run_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps({"servers": servers}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, run_dir / RUN_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
