@@ -50,7 +50,12 @@ BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's limits per 
 QUEUE_MAX = 2_000_000  # points held while the server is away (~200 MB); beyond, the oldest wait for an export
 # MLflow's client retries a failed request 7 times with growing pauses (minutes); the sender retries on
 # its own and must notice a server gone within seconds. Set only where the user has not.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+# Nor print a "View run" line of its own onto the terminal from the sending thread.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
 
 mlflow = require("mlflow", "mlflow", WHAT)
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402  (after the one-line check of the extra)
@@ -148,10 +153,12 @@ class Sender:
         return self.pending() == 0 and not (self._thread and self._thread.is_alive())
 
     def _loop(self) -> None:
-        delay = 0.0
+        delay, first = 0.0, True  # the first send at once: the run is on the server from its start
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closing, timeout=delay or FLUSH_S)
+                if not first:
+                    self._cv.wait_for(lambda: self._closing, timeout=delay or FLUSH_S)
+                first = False
                 closing = self._closing
             try:
                 self.send_now()
@@ -312,12 +319,14 @@ class MlflowLogger(TrainerCallback):
         self._warned = False
         self._lock = threading.Lock()
 
-    def _problem(self, words: str) -> None:
+    def _problem(self, words: str, lasting: bool = False) -> None:
+        """The one warning of the run: a server that fails now (the records wait for it) or a URI that
+        can never work (nothing is sent); both name the export that sends the run later."""
+        then = "nothing is sent" if lasting else "training goes on, the records wait for the server"
         with self._lock:
             if not self._warned:
                 self._warning = (
-                    f"mlflow: {mr.public_uri(self.uri)}: {words}; training goes on and what is not sent is sent "
-                    f"when the server answers (else: multilane export {self.run_dir} --mlflow URI)"
+                    f"mlflow: {mr.public_uri(self.uri)}: {words}; {then} (or later: multilane export RUN --mlflow URI)"
                 )
 
     def _say_warning(self) -> None:
@@ -340,7 +349,7 @@ class MlflowLogger(TrainerCallback):
             self.sender.add(params=mr.flat_params(self.config))
             problem = mr.uri_problem(self.uri)
             if problem:  # said at once; nothing will be sent
-                self._problem(problem)
+                self._problem(problem, lasting=True)
             else:
                 self.sender.start()
         self._say_warning()

@@ -173,7 +173,7 @@ def uri_problem(uri: str) -> str | None:
     except ValueError as e:
         return f"not a URI ({e})"
     if scheme not in SCHEMES:
-        return f"unknown scheme {scheme + '://' if scheme else '(none)'}; use http:// or https://"
+        return f"unknown scheme {scheme + '://' if scheme else '(none)'}, use http:// or https://"
     return None
 
 
