@@ -254,8 +254,16 @@ class TrackingSection(Section):
 
     @field_validator("mlflow")
     @classmethod
-    def _blank_is_off(cls, v: str | None) -> str | None:
-        return v.strip() or None if v is not None else None
+    def _no_credentials(cls, v: str | None) -> str | None:
+        """Blank is off. A user or password in the URI would be written into config.json, checkpoints and
+        the server's params: refused, naming MLflow's own variables for them."""
+        v = v.strip() or None if v is not None else None
+        if v is not None and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError(
+                "a user or password in the URI would be saved with the run; "
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+            )
+        return v
 
 
 class RunSection(Section):

@@ -374,7 +374,7 @@ class MlflowLogger(TrainerCallback):
             return
         if mr.uri_problem(self.uri) is None:
             s.finish(mr.end_status(result.status), int(time.time() * 1000), _artifacts(self.run_dir), True)
-            s.close(0.0 if s.failing else END_WAIT_S)
+            s.close(END_WAIT_S)  # a server still down: one more try, then the export is the way
         with self._lock:
             message = self._warning if not self._warned else None
         if message:  # a failure first met at the end: the event stream is closed, the terminal is not

@@ -1,0 +1,189 @@
+"""MLflow: a run logged live to a real ``mlflow server`` (``tracking.mlflow``) and a run folder sent there later
+(``multilane export RUN --mlflow URI``), read back through MLflow's own client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import CLI, run_folders, start_long_cli_run
+from mlflow.tracking import MlflowClient
+from mlflow_server import MlflowServer, free_port
+from multilane.engine.rundir.runread import iter_metrics
+from multilane.integrations import mlflow_records as mr
+
+SETS = ("train.log_every=2", "train.eval_every=10", "telemetry.record_s=0.2")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    s.start()
+    yield s
+    s.stop()
+
+
+def train(runs: Path, *sets: str, steps: int = 40, env=None) -> tuple[subprocess.CompletedProcess, Path]:
+    args = [*CLI, "train", "--task", "linear", "--steps", str(steps), "--devices", "cpu:0,cpu:1"]
+    args += ["--runs-dir", str(runs)]
+    for s in (*SETS, *sets):
+        args += ["--set", s]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr
+    (run,) = run_folders(runs)
+    return r, run
+
+
+def records(run: Path, kind: str) -> list[dict]:
+    return [r for r in iter_metrics(run / "metrics.jsonl") if r["kind"] == kind]
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def assert_run_equals_its_records(client: MlflowClient, run_id: str, run: Path) -> None:
+    """Every train and eval record's numbers on the server once, at the record's step, exactly."""
+    train, evals = records(run, "train"), records(run, "eval")
+    assert train and evals
+    assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
+    for dev in ("cpu:0", "cpu:1"):
+        want = sorted((r["step"], r["device_loss"][dev]) for r in train)
+        assert history(client, run_id, f"loss/{dev.replace(':', '_')}") == want
+    assert history(client, run_id, "lr") == sorted((r["step"], r["lr"]) for r in train)
+    assert history(client, run_id, "val_loss") == sorted((r["step"], r["val_loss"]) for r in evals)
+    assert history(client, run_id, "val/r2") == sorted((r["step"], r["metrics"]["r2"]) for r in evals)
+
+
+def test_records_become_mlflow_points_names_and_states():
+    maker = mr.PointMaker()
+    rec = {"kind": "train", "step": 4, "wall_time": 100.25, "loss": 2.5, "device_loss": {"cuda:1": 2.0}, "lr": 0.1}
+    rec["noise"] = {"b_simple": 7.0}
+    assert sorted(maker.points(rec)) == [
+        ("loss", 2.5, 100250, 4),
+        ("loss/cuda_1", 2.0, 100250, 4),
+        ("lr", 0.1, 100250, 4),
+        ("noise_scale", 7.0, 100250, 4),
+    ]
+    assert maker.points({**rec, "loss": float("nan"), "device_loss": {}, "lr": None, "noise": None}) == []
+    tele = {"kind": "telemetry", "step": 4, "devices": {"cpu:0": {"busy_pct": {"mean": 50.0}}}}
+    kept = [t for t in range(20) if maker.points({**tele, "wall_time": 1000.0 + t})]
+    assert kept == [0, 5, 10, 15], "telemetry thinned to one record every TELEMETRY_EVERY_S"
+    assert mr.end_status("finished") == "FINISHED" and mr.end_status("failed") == "FAILED"
+    assert {mr.end_status(s) for s in ("stopped", "aborted", "diverged")} == {"KILLED"}
+    assert mr.public_uri("https://ann:s3cret@mlflow.example:5000/x") == "https://mlflow.example:5000/x"
+    assert mr.uri_problem("ftp://host/x") and mr.uri_problem("http://host:5000") is None
+    params = mr.flat_params({"optim": {"lr": 0.5}, "task": {"name": "linear", "params": {}}, "train": {"steps": None}})
+    assert params == {"optim.lr": "0.5", "task.name": "linear", "task.params": "{}", "train.steps": "null"}
+
+
+@pytest.mark.slow
+def test_a_live_run_lands_on_the_server_as_its_metrics_jsonl(server, tmp_path):
+    # Credentials from MLflow's own variables reach the server (which ignores them), never the run folder.
+    env = {**os.environ, "MLFLOW_TRACKING_USERNAME": "ann", "MLFLOW_TRACKING_PASSWORD": "s3cret"}
+    r, run = train(tmp_path / "runs", f"tracking.mlflow={server.uri}", "tracking.experiment=live", env=env)
+    assert "warning" not in r.stderr, "no warning when the server answers"
+    for f in run.rglob("*"):
+        assert not f.is_file() or b"s3cret" not in f.read_bytes(), f
+    run_id = json.loads((run / "mlflow.json").read_text())["servers"][server.uri]["run_id"]
+    client = MlflowClient(server.uri)
+    got = client.get_run(run_id)
+    assert got.info.status == "FINISHED"
+    assert client.get_experiment(got.info.experiment_id).name == "live"
+    assert_run_equals_its_records(client, run_id, run)
+    config = json.loads((run / "config.json").read_text())
+    assert got.data.params == mr.flat_params(config)
+    tags = got.data.tags
+    assert tags["multilane.strategy"] == config["devices"]["strategy"]
+    assert tags["multilane.devices"] == "cpu:0,cpu:1"
+    assert tags["multilane.task"] == "linear" and tags["multilane.version"] and tags["multilane.host"]
+    assert tags["mlflow.runName"] == run.name
+    assert any(k.startswith("telemetry/") for k in got.data.metrics)
+    arts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "figures")}
+    assert {"config.json", "metrics.jsonl", "figures/loss.png", "figures/loss.pdf"} <= arts
+    local = Path(client.download_artifacts(run_id, "metrics.jsonl", str(tmp_path)))
+    assert local.read_bytes() == (run / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_past_run_exported_twice_is_one_mlflow_run_without_duplicate_points(server, tmp_path):
+    _, run = train(tmp_path / "runs")
+    assert not (run / "mlflow.json").exists()
+    sends = []
+    for _ in range(3):
+        r = subprocess.run(
+            [*CLI, "export", str(run), "--mlflow", server.uri], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+        sends.append(r.stdout)
+        if len(sends) == 2:  # the third send finds the run by its tag, not by the folder's record of it
+            (run / "mlflow.json").unlink()
+    assert "0 new points" not in sends[0] and all("0 new points" in s for s in sends[1:])
+    client = MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("multilane")
+    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`multilane.run_dir` = '{run.resolve()}'")
+    assert len(found) == 1
+    assert found[0].info.status == "FINISHED"
+    assert_run_equals_its_records(client, found[0].info.run_id, run)
+
+
+def test_a_uri_holding_a_password_is_refused_before_anything_is_written(tmp_path):
+    args = [*CLI, "train", "--task", "linear", "--steps", "2", "--runs-dir", str(tmp_path / "runs")]
+    r = subprocess.run(
+        [*args, "--set", "tracking.mlflow=https://ann:s3cret@mlflow.example"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "MLFLOW_TRACKING_USERNAME" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "s3cret" not in r.stderr, "the password is not echoed either"
+    assert not run_folders(tmp_path / "runs")
+
+
+@pytest.mark.slow
+def test_an_unreachable_server_or_a_bad_scheme_is_one_warning_and_training_finishes(tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}"
+    for i, uri in enumerate((closed, "ftp://mlflow.example/x")):
+        r, run = train(tmp_path / f"runs{i}", f"tracking.mlflow={uri}", steps=200)
+        assert r.stderr.count("mlflow:") == 1, r.stderr
+        assert "Traceback" not in r.stderr
+        assert json.loads((run / "status.json").read_text())["state"] == "finished"
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_and_started_again_gets_the_whole_run(server, tmp_path):
+    runs = tmp_path / "runs"
+    proc = start_long_cli_run(runs, f"tracking.mlflow={server.uri}", "tracking.experiment=restart", "train.log_every=5")
+    client = MlflowClient(server.uri)
+    try:
+        deadline = time.monotonic() + 120
+
+        def wait(what, ok):
+            while not ok():
+                assert proc.poll() is None, f"the run ended while waiting for {what}"
+                assert time.monotonic() < deadline, f"no {what}"
+                time.sleep(0.2)
+
+        wait("run folder", lambda: run_folders(runs) and (run_folders(runs)[0] / "mlflow.json").exists())
+        (run,) = run_folders(runs)
+        run_id = json.loads((run / "mlflow.json").read_text())["servers"][server.uri]["run_id"]
+        wait("loss on the server", lambda: client.get_run(run_id).data.metrics.get("loss") is not None)
+        server.kill()
+        n = len(records(run, "train"))
+        wait("train records while the server is down", lambda: len(records(run, "train")) >= n + 20)
+        server.start()
+        subprocess.run([*CLI, "control", str(run), "stop"], check=True, capture_output=True, timeout=60)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    got = client.get_run(run_id)
+    assert got.info.status == "KILLED", "a stopped run"
+    train = records(run, "train")
+    assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
