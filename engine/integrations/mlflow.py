@@ -22,10 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
-from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, METRICS, STATUS, load_metrics, read_json
+from multilane.engine.rundir.follow import TERMINAL_STATES
+from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, METRICS, STATUS, iter_metrics, load_metrics, read_json
 from multilane.integrations import mlflow_records as mr
 from multilane.integrations.extras import require
 
@@ -45,7 +43,6 @@ WHAT = "tracking.mlflow (logging to an MLflow server)"
 FLUSH_S = 1.0  # the server sees the run at most about this late
 BACKOFF_MAX_S = 8.0  # while the server fails: retry after 0.5 s, 1 s, 2 s, ... up to this
 END_WAIT_S = 60.0  # at the run's end: at most this long to send the rest, the artifacts and the end state
-FIGURE_TIMEOUT_S = 120.0
 BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100  # MLflow's limits per log_batch
 QUEUE_MAX = 2_000_000  # points held while the server is away (~200 MB); beyond, the oldest wait for an export
 # MLflow's client retries a failed request 7 times with growing pauses (minutes); the sender retries on
@@ -60,29 +57,6 @@ HTTP_DEFAULTS = {
 mlflow = require("mlflow", "mlflow", WHAT)
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402  (after the one-line check of the extra)
 from mlflow.tracking import MlflowClient  # noqa: E402
-
-
-def reason(e: BaseException) -> str:
-    """An MLflow or connection error as a few words (its message can hold a whole HTTP body)."""
-    text = str(e)
-    for needle, words in (
-        ("Connection refused", "connection refused"),
-        ("timed out", "no answer in time"),
-        ("Read timed out", "no answer in time"),
-        ("Name or service not known", "unknown host"),
-        ("nodename nor servname", "unknown host"),
-        ("401", "credentials refused (401): set MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN"),
-        ("403", "permission refused (403)"),
-        ("Could not find a registered", "not a tracking URI MLflow knows"),
-        ("not supported", "not a tracking URI MLflow knows"),
-    ):
-        if needle in text:
-            return words
-    m = re.search(r"status code (\d{3})|error code (\d{3})|HTTP (\d{3})", text)
-    if m:
-        return f"the server answered {next(g for g in m.groups() if g)}"
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return first[:160]
 
 
 class Sender:
@@ -167,7 +141,7 @@ class Sender:
             except Exception as e:
                 self.failing = True
                 if self.problem is None:
-                    self.problem = reason(e)
+                    self.problem = mr.reason(e)
                     if self._on_problem is not None:
                         with contextlib.suppress(Exception):
                             self._on_problem(self.problem)
@@ -259,7 +233,7 @@ class Sender:
         if end is None:
             return
         if figures:
-            artifacts += _figures(self.run_dir)
+            artifacts += mr.figures(self.run_dir)
             with self._cv:
                 self._figures = False
                 self._artifacts += artifacts[len(self._artifacts) :]
@@ -271,38 +245,6 @@ class Sender:
         c.set_terminated(run_id, status=end[0], end_time=end[1])
         with self._cv:
             self._end = None
-
-
-_TMP: list[tempfile.TemporaryDirectory] = []  # the figures' folders, removed at exit (after the upload)
-
-
-def _figures(run_dir: Path) -> list[tuple[Path, str]]:
-    """The loss figure (PNG and PDF) drawn by ``multilane export`` in a process of its own (matplotlib
-    holds the GIL for seconds; the app's export does the same); none where it fails."""
-    tmp = tempfile.TemporaryDirectory(prefix="multilane-mlflow-")
-    _TMP.append(tmp)
-    cmd = [
-        sys.executable,
-        "-m",
-        "multilane.engine.cli",
-        "export",
-        str(run_dir),
-        "--out",
-        tmp.name,
-        "--format",
-        "png,pdf",
-    ]
-    with contextlib.suppress(Exception):
-        subprocess.run(cmd, capture_output=True, timeout=FIGURE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
-    return [
-        (Path(tmp.name) / f"loss.{fmt}", "figures")
-        for fmt in ("png", "pdf")
-        if (Path(tmp.name) / f"loss.{fmt}").is_file()
-    ]
-
-
-def _artifacts(run_dir: Path) -> list[tuple[Path, str]]:
-    return [(run_dir / CONFIG, ""), (run_dir / METRICS, "")]
 
 
 # -- live -----------------------------------------------------------------------------------------
@@ -352,6 +294,8 @@ class MlflowLogger(TrainerCallback):
                 self._problem(problem, lasting=True)
             else:
                 self.sender.start()
+        elif record.get("event") in TERMINAL_STATES:  # the run's end, while its folder still takes records
+            self._end(record["event"], record.get("wall_time"))
         self._say_warning()
 
     def _queue(self, record: dict[str, Any]) -> None:
@@ -368,21 +312,27 @@ class MlflowLogger(TrainerCallback):
 
     on_telemetry = _queue
 
-    def on_train_end(self, result: RunResult) -> None:
-        s = self.sender
-        if s is None:
+    def _end(self, state: str, wall_time: Any) -> None:
+        """Send the rest, the artifacts and the end state (at most ``END_WAIT_S``; a server still down gets
+        one more try, then the export is the way)."""
+        s, self.sender = self.sender, None
+        if s is None or mr.uri_problem(self.uri) is not None:
             return
-        if mr.uri_problem(self.uri) is None:
-            s.finish(mr.end_status(result.status), int(time.time() * 1000), _artifacts(self.run_dir), True)
-            s.close(END_WAIT_S)  # a server still down: one more try, then the export is the way
+        end_ms = round(wall_time * 1000) if isinstance(wall_time, float) else round(time.time() * 1000)
+        s.finish(mr.end_status(state), end_ms, mr.artifacts(self.run_dir), True)
+        s.close(END_WAIT_S)
+
+    def on_train_end(self, result: RunResult) -> None:
+        self._end(result.status, None)  # where the end event could not be given
         with self._lock:
             message = self._warning if not self._warned else None
-        if message:  # a failure first met at the end: the event stream is closed, the terminal is not
+        if message:  # met after the end event: the run folder is closed, the terminal is not
             print(f"multilane: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _first_started(run_dir: Path) -> float | None:
-    for rec in load_metrics(run_dir).records:
+    """The wall time of the folder's first ``started`` event (a resumed run's is in its first lines)."""
+    for rec in iter_metrics(run_dir / METRICS):
         if rec.get("kind") == "event" and rec.get("event") == "started" and isinstance(rec.get("wall_time"), float):
             return rec["wall_time"]
     return None
@@ -414,12 +364,12 @@ def export_run(run_dir: Path, uri: str) -> str:
         s.add(points, params=mr.flat_params(config))
         if status in ("finished", "failed", "stopped", "aborted"):
             end_ms = int(max((r.get("wall_time") or 0) for r in records) * 1000)
-            s.finish(mr.end_status(status), end_ms, _artifacts(run_dir), True)
+            s.finish(mr.end_status(status), end_ms, mr.artifacts(run_dir), True)
         s.send_now()
     except UserError as e:
         raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {e}") from None
     except Exception as e:
-        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {reason(e)}") from None
+        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {mr.reason(e)}") from None
     return f"mlflow: {len(points)} new points sent to run {run_id} at {mr.public_uri(uri)}"
 
 

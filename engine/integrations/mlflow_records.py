@@ -1,6 +1,7 @@
 """A run folder's records as MLflow sees them: metric points, params, tags, the end state, the run's identity.
 
-Plain functions, no MLflow import (``multilane.integrations.mlflow`` sends what they return), so that a live
+Plain functions, no MLflow import (``multilane.integrations.mlflow`` sends what they return; the errors it
+meets are put in words by ``reason``, the figures drawn by ``figures``), so that a live
 run and ``multilane export RUN --mlflow URI`` produce the very same points from the same records: a point
 is ``(key, value, timestamp_ms, step)`` with the record's own step and wall time, and a re-send skips the
 points the server already holds (same key, step and timestamp).
@@ -13,11 +14,15 @@ and spaces), ``lr``, ``samples_per_s``, ``tokens_per_s``, ``step_ms``, ``grad_no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import socket
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ END_STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 """A run's end as MLflow's status; every other end (stopped, aborted, a NaN stop) is KILLED."""
 KILLED = "KILLED"
 RUN_KEY_TAG = "multilane.run_key"
+FIGURE_TIMEOUT_S = 120.0
 PARAM_MAX = 6000  # MLflow's limit on a param's value
 SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
 
@@ -203,3 +209,48 @@ def record_run_id(run_dir: Path, uri: str, run_id: str, experiment_id: str) -> N
         os.replace(tmp, run_dir / RUN_FILE)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def reason(e: BaseException) -> str:
+    """An MLflow or connection error as a few words (its message can hold a whole HTTP body)."""
+    text = str(e)
+    m = re.search(r"(?:status|error) code (\d{3})|too many (\d{3}) error responses", text)
+    if m:
+        code = m.group(1) or m.group(2)
+        if code == "401":
+            return "credentials refused (401): set MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN"
+        return f"the server answered {code}" + (" (permission refused)" if code == "403" else "")
+    for needle, words in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "no answer in time"),
+        ("Name or service not known", "unknown host"),
+        ("nodename nor servname", "unknown host"),
+        ("Could not find a registered", "not a tracking URI MLflow knows"),
+    ):
+        if needle in text:
+            return words
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return first if len(first) <= 120 else first[:117] + "..."
+
+
+_TMP: list[tempfile.TemporaryDirectory] = []  # the figures' folders, removed at exit (after the upload)
+
+
+def figures(run_dir: Path) -> list[tuple[Path, str]]:
+    """The loss figure (PNG and PDF) drawn by ``multilane export`` in a process of its own (matplotlib
+    holds the GIL for seconds; the app's export does the same), as (file, artifact folder); none where
+    it fails."""
+    tmp = tempfile.TemporaryDirectory(prefix="multilane-mlflow-")
+    _TMP.append(tmp)
+    cmd = [sys.executable, "-m", "multilane.engine.cli", "export", str(run_dir), "--out", tmp.name]
+    with contextlib.suppress(Exception):
+        subprocess.run(
+            [*cmd, "--format", "png,pdf"], capture_output=True, timeout=FIGURE_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    out = [Path(tmp.name) / f"loss.{fmt}" for fmt in ("png", "pdf")]
+    return [(p, "figures") for p in out if p.is_file()]
+
+
+def artifacts(run_dir: Path) -> list[tuple[Path, str]]:
+    """The run folder's files sent at the end, as (file, artifact folder: the top)."""
+    return [(run_dir / "config.json", ""), (run_dir / "metrics.jsonl", "")]

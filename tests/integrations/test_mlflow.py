@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +80,13 @@ def test_records_become_mlflow_points_names_and_states():
     assert {mr.end_status(s) for s in ("stopped", "aborted", "diverged")} == {"KILLED"}
     assert mr.public_uri("https://ann:s3cret@mlflow.example:5000/x") == "https://mlflow.example:5000/x"
     assert mr.uri_problem("ftp://host/x") and mr.uri_problem("http://host:5000") is None
+    refused = (
+        "API request to endpoint /api/2.0/mlflow/runs/log-batch failed with error code 401 != 200. Response body: ''"
+    )
+    assert "MLFLOW_TRACKING_USERNAME" in mr.reason(Exception(refused))
+    gone = "Max retries exceeded with url: /api (Caused by ResponseError('too many 503 error responses'))"
+    assert mr.reason(Exception(gone)) == "the server answered 503"
+    assert len(mr.reason(Exception("x" * 5000 + "\nmore"))) <= 120
     params = mr.flat_params({"optim": {"lr": 0.5}, "task": {"name": "linear", "params": {}}, "train": {"steps": None}})
     assert params == {"optim.lr": "0.5", "task.name": "linear", "task.params": "{}", "train.steps": "null"}
 
@@ -107,6 +117,16 @@ def test_a_live_run_lands_on_the_server_as_its_metrics_jsonl(server, tmp_path):
     assert {"config.json", "metrics.jsonl", "figures/loss.png", "figures/loss.pdf"} <= arts
     local = Path(client.download_artifacts(run_id, "metrics.jsonl", str(tmp_path)))
     assert local.read_bytes() == (run / "metrics.jsonl").read_bytes()
+    # Resumed: the same MLflow run goes on (running again, then finished), its points extended.
+    r = subprocess.run(
+        [*CLI, "train", "--resume", str(run), "--steps", "60"], capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "mlflow.json").read_text())["servers"][server.uri]["run_id"] == run_id
+    assert len(client.search_runs([got.info.experiment_id])) == 1
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert_run_equals_its_records(client, run_id, run)
+    assert history(client, run_id, "loss")[-1][0] == 60
 
 
 @pytest.mark.slow
@@ -145,14 +165,49 @@ def test_a_uri_holding_a_password_is_refused_before_anything_is_written(tmp_path
     assert not run_folders(tmp_path / "runs")
 
 
+class Refusing(http.server.BaseHTTPRequestHandler):
+    """A server that answers every request with ``code`` (a broken proxy, a server refusing credentials)."""
+
+    code = 500
+
+    def _answer(self) -> None:
+        self.send_response(self.code)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"no")
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def refusing_server(code: int):
+    handler = type("Handler", (Refusing,), {"code": code})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.mark.slow
-def test_an_unreachable_server_or_a_bad_scheme_is_one_warning_and_training_finishes(tmp_path):
+def test_an_unreachable_refusing_or_unknown_server_is_one_warning_and_training_finishes(tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"
-    for i, uri in enumerate((closed, "ftp://mlflow.example/x")):
-        r, run = train(tmp_path / f"runs{i}", f"tracking.mlflow={uri}", steps=200)
-        assert r.stderr.count("mlflow:") == 1, r.stderr
-        assert "Traceback" not in r.stderr
-        assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    with refusing_server(500) as broken, refusing_server(401) as locked:
+        cases = {closed: "connection refused", "ftp://mlflow.example/x": "unknown scheme ftp://", broken: "500"}
+        cases[locked] = "MLFLOW_TRACKING_USERNAME"
+        for i, (uri, words) in enumerate(cases.items()):
+            r, run = train(tmp_path / f"runs{i}", f"tracking.mlflow={uri}", steps=200)
+            assert r.stderr.count("mlflow:") == 1, r.stderr
+            assert words in r.stderr.replace("\n", " "), r.stderr
+            assert "Traceback" not in r.stderr
+            assert json.loads((run / "status.json").read_text())["state"] == "finished"
+            warnings = [x for x in records(run, "event") if x["event"] == "warning"]
+            assert len(warnings) == 1 and "mlflow:" in warnings[0]["message"], "the app sees the same one line"
 
 
 @pytest.mark.slow
