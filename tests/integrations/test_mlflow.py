@@ -242,3 +242,20 @@ def test_a_server_killed_mid_run_and_started_again_gets_the_whole_run(server, tm
     assert got.info.status == "KILLED", "a stopped run"
     train = records(run, "train")
     assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
+
+
+def test_the_apps_form_offers_the_tracking_server_and_refuses_a_password_in_it(qtbot):
+    from multilane.gui.window.config_form import ConfigForm
+
+    form = ConfigForm()
+    qtbot.addWidget(form)
+    ed = form.editors["tracking.mlflow"]
+    assert "MLflow" in ed.widget.toolTip() and ed.get() == ""
+    ed.set("http://mlflow.example:5000")
+    values = form.values()
+    assert values["tracking"]["mlflow"] == "http://mlflow.example:5000"
+    assert form.errors(values) == []
+    ed.set("https://ann:s3cret@mlflow.example")
+    (problem,) = form.errors(form.values())
+    assert "MLFLOW_TRACKING_USERNAME" in problem and "s3cret" not in problem
+    assert "s3cret" not in ed.widget.toolTip()
