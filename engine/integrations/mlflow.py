@@ -89,6 +89,7 @@ class Sender:
         self._on_problem = on_problem
         self.problem: str | None = None  # the first failure, in words
         self.failing = False
+        self.dropped = 0  # points, params and tags the server refused for good
         self._client: Any = None
         self._thread: threading.Thread | None = None
 
@@ -216,10 +217,17 @@ class Sender:
                     params=[Param(k, v) for k, v in params.items()],
                     tags=[RunTag(k, v) for k, v in tags.items()],
                 )
-            except BaseException:
-                with self._cv:
-                    self._points.extendleft(reversed(points))
-                raise
+            except BaseException as e:
+                if not _refused_for_good(e):
+                    with self._cv:
+                        self._points.extendleft(reversed(points))
+                    raise
+                # the server refuses this batch itself (a 400): the rest must not wait behind it for ever
+                self.dropped += len(points) + len(params) + len(tags)
+                if self._on_problem is not None and self.problem is None:
+                    self.problem = mr.reason(e)
+                    with contextlib.suppress(Exception):
+                        self._on_problem(f"a batch refused ({self.problem}), the rest is sent")
             with self._cv:
                 self._server_params.update(params)
                 for k in params:
@@ -245,6 +253,16 @@ class Sender:
         c.set_terminated(run_id, status=end[0], end_time=end[1])
         with self._cv:
             self._end = None
+
+
+def _refused_for_good(e: BaseException) -> bool:
+    """A 4xx answer to the request itself (bad value, bad name): sending it again cannot help. Credentials
+    (401, 403), a missing endpoint (404) and throttling (408, 429) may change: those are retried."""
+    try:
+        code = int(e.get_http_status_code())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return 400 <= code < 500 and code not in (401, 403, 404, 408, 429)
 
 
 # -- live -----------------------------------------------------------------------------------------
@@ -351,8 +369,8 @@ def export_run(run_dir: Path, uri: str) -> str:
     if started is None or not isinstance(started.get("wall_time"), float):
         raise UserError(f"export: {run_dir} has no started event in its metrics.jsonl: nothing to send")
     env = read_json(run_dir / ENVIRONMENT) or {}
-    host = env.get("hostname") or env.get("host")
-    tags = mr.run_tags(run_dir, config, started.get("lanes"), host if isinstance(host, str) else None)
+    host, version = (v if isinstance(v, str) else None for v in (env.get("hostname"), env.get("multilane")))
+    tags = mr.run_tags(run_dir, config, started.get("lanes"), host, version)
     experiment = str((config.get("tracking") or {}).get("experiment") or "multilane")
     s = Sender(uri, experiment, run_dir, mr.run_key(run_dir, started["wall_time"]), tags, live=False)
     maker = mr.PointMaker()
@@ -360,7 +378,7 @@ def export_run(run_dir: Path, uri: str) -> str:
     status = (read_json(run_dir / STATUS) or {}).get("state")
     try:
         run_id = s.ensure_run()
-        points = _missing(s.client(), run_id, points)
+        points = mr.missing_points(s.client(), run_id, points)
         s.add(points, params=mr.flat_params(config))
         if status in ("finished", "failed", "stopped", "aborted"):
             end_ms = int(max((r.get("wall_time") or 0) for r in records) * 1000)
@@ -371,13 +389,3 @@ def export_run(run_dir: Path, uri: str) -> str:
     except Exception as e:
         raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {mr.reason(e)}") from None
     return f"mlflow: {len(points)} new points sent to run {run_id} at {mr.public_uri(uri)}"
-
-
-def _missing(client: Any, run_id: str, points: list[mr.Point]) -> list[mr.Point]:
-    """The points the run lacks: MLflow appends every value logged, so a point already there (same key,
-    step and timestamp) is not sent again."""
-    have_keys = set(client.get_run(run_id).data.metrics)
-    held: dict[str, set[tuple[int, int]]] = {}
-    for k in have_keys:
-        held[k] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, k)}
-    return [p for p in points if (p[3], p[2]) not in held.get(p[0], ())]

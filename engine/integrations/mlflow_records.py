@@ -43,6 +43,7 @@ KILLED = "KILLED"
 RUN_KEY_TAG = "multilane.run_key"
 FIGURE_TIMEOUT_S = 120.0
 PARAM_MAX = 6000  # MLflow's limit on a param's value
+NAME_MAX = 250  # and on a metric's or param's name
 SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
 
 Point = tuple[str, float, int, int]
@@ -65,7 +66,7 @@ def mlflow_callback(config: Any) -> Callable[[Path], Any] | None:
 
 def metric_name(*parts: str) -> str:
     """``loss/cpu:0`` -> ``loss/cpu_0``: every character MLflow refuses becomes ``_``."""
-    return "/".join(re.sub(r"[^A-Za-z0-9_\-. ]", "_", p) for p in parts)
+    return "/".join(re.sub(r"[^A-Za-z0-9_\-. ]", "_", p) for p in parts)[:NAME_MAX]
 
 
 def _finite(v: Any) -> float | None:
@@ -140,7 +141,11 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def run_tags(run_dir: Path, config: dict[str, Any], lanes: list[str] | None, host: str | None) -> dict[str, str]:
+def run_tags(
+    run_dir: Path, config: dict[str, Any], lanes: list[str] | None, host: str | None, version: str | None = None
+) -> dict[str, str]:
+    """The run's tags; ``host`` and ``version`` are those that made the run (environment.json's, for a
+    past run), by default this machine's and this Multilane's."""
     from multilane.engine import __version__
 
     devices = config.get("devices") or {}
@@ -150,7 +155,7 @@ def run_tags(run_dir: Path, config: dict[str, Any], lanes: list[str] | None, hos
         "multilane.strategy": str(devices.get("strategy", "")),
         "multilane.devices": ",".join(lanes) if lanes else str(devices.get("use", "")),
         "multilane.host": host or socket.gethostname(),
-        "multilane.version": __version__,
+        "multilane.version": version or __version__,
         "multilane.run_dir": str(run_dir.resolve()),
     }
     return {k: v[:PARAM_MAX] for k, v in tags.items()}
@@ -254,3 +259,13 @@ def figures(run_dir: Path) -> list[tuple[Path, str]]:
 def artifacts(run_dir: Path) -> list[tuple[Path, str]]:
     """The run folder's files sent at the end, as (file, artifact folder: the top)."""
     return [(run_dir / "config.json", ""), (run_dir / "metrics.jsonl", "")]
+
+
+def missing_points(client: Any, run_id: str, points: list[Point]) -> list[Point]:
+    """The points the run lacks: MLflow appends every value logged, so a point already there (same key,
+    step and timestamp) is not sent again."""
+    have_keys = set(client.get_run(run_id).data.metrics)
+    held: dict[str, set[tuple[int, int]]] = {}
+    for k in have_keys:
+        held[k] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, k)}
+    return [p for p in points if (p[3], p[2]) not in held.get(p[0], ())]

@@ -87,6 +87,7 @@ def test_records_become_mlflow_points_names_and_states():
     gone = "Max retries exceeded with url: /api (Caused by ResponseError('too many 503 error responses'))"
     assert mr.reason(Exception(gone)) == "the server answered 503"
     assert len(mr.reason(Exception("x" * 5000 + "\nmore"))) <= 120
+    assert len(mr.metric_name("loss", "d" * 400)) == 250
     params = mr.flat_params({"optim": {"lr": 0.5}, "task": {"name": "linear", "params": {}}, "train": {"steps": None}})
     assert params == {"optim.lr": "0.5", "task.name": "linear", "task.params": "{}", "train.steps": "null"}
 
@@ -127,6 +128,20 @@ def test_a_live_run_lands_on_the_server_as_its_metrics_jsonl(server, tmp_path):
     assert client.get_run(run_id).info.status == "FINISHED"
     assert_run_equals_its_records(client, run_id, run)
     assert history(client, run_id, "loss")[-1][0] == 60
+
+
+@pytest.mark.slow
+def test_a_batch_the_server_refuses_is_dropped_and_the_rest_still_goes(server, tmp_path):
+    from multilane.integrations.mlflow import Sender
+
+    problems: list[str] = []
+    s = Sender(server.uri, "refused", tmp_path, "refused@1.0", {}, problems.append, live=False)
+    s.add([("x" * 300, 1.0, 1000, 0)])  # a name over MLflow's 250 characters: a 400, for good
+    s.send_now()
+    s.add([("ok", 2.0, 2000, 1)])
+    s.send_now()
+    assert history(MlflowClient(server.uri), s.run_id, "ok") == [(1, 2.0)]
+    assert s.dropped == 1 and len(problems) == 1 and "250" in problems[0]
 
 
 @pytest.mark.slow
