@@ -7,6 +7,7 @@ import contextlib
 import http.server
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -223,6 +224,21 @@ def test_an_unreachable_refusing_or_unknown_server_is_one_warning_and_training_f
             assert json.loads((run / "status.json").read_text())["state"] == "finished"
             warnings = [x for x in records(run, "event") if x["event"] == "warning"]
             assert len(warnings) == 1 and "mlflow:" in warnings[0]["message"], "the app sees the same one line"
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_costs_the_run_one_warning_and_a_bounded_end(tmp_path):
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers a request
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        env = {**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}  # the user's own setting is kept
+        t0 = time.monotonic()
+        r, run = train(tmp_path / "runs", f"tracking.mlflow={uri}", steps=200, env=env)
+        took = time.monotonic() - t0
+    assert r.stderr.count("mlflow:") == 1 and "no answer in time" in r.stderr.replace("\n", " "), r.stderr
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert took < 30, "the end waits for one more try of the request timeout, not for the server"
 
 
 @pytest.mark.slow
