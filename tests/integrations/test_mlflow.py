@@ -167,6 +167,18 @@ def test_a_past_run_exported_twice_is_one_mlflow_run_without_duplicate_points(se
     assert_run_equals_its_records(client, found[0].info.run_id, run)
 
 
+def test_a_batch_refused_for_good_is_told_from_a_refusal_that_may_pass():
+    # Unmarked: the fast tier's line of multilane.integrations.mlflow (importing MLflow is ~2.5 s of it).
+    from mlflow.exceptions import MlflowException, RestException
+    from multilane.integrations.mlflow import _refused_for_good
+
+    assert _refused_for_good(RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "name too long"}))
+    for maybe in ("UNAUTHENTICATED", "PERMISSION_DENIED", "RESOURCE_DOES_NOT_EXIST", "INTERNAL_ERROR"):
+        assert not _refused_for_good(RestException({"error_code": maybe, "message": "x"})), maybe
+    assert not _refused_for_good(MlflowException("API request failed: Connection refused"))
+    assert not _refused_for_good(ConnectionError("refused"))
+
+
 def test_a_uri_holding_a_password_is_refused_before_anything_is_written(tmp_path):
     args = [*CLI, "train", "--task", "linear", "--steps", "2", "--runs-dir", str(tmp_path / "runs")]
     r = subprocess.run(
@@ -290,3 +302,29 @@ def test_the_apps_form_offers_the_tracking_server_and_refuses_a_password_in_it(q
     (problem,) = form.errors(form.values())
     assert "MLFLOW_TRACKING_USERNAME" in problem and "s3cret" not in problem
     assert "s3cret" not in ed.widget.toolTip()
+
+
+@pytest.mark.slow
+def test_the_runs_table_sends_the_selected_runs_and_says_how_each_went(server, tmp_path, qtbot):
+    from multilane.gui.window.runs_table import RunsTable
+
+    runs = tmp_path / "runs"
+    _, run = train(runs)
+    t = RunsTable()
+    qtbot.addWidget(t)
+    t.load(str(runs))
+    assert not t.mlflow.button.isEnabled(), "nothing selected"
+    t.select([str(run)])
+    assert t.mlflow.button.isEnabled()
+    for uri, words in ((server.uri, "new points sent"), (f"http://127.0.0.1:{free_port()}", "connection refused")):
+        with qtbot.waitSignal(t.mlflow.finished, timeout=120_000) as sent:
+            t.mlflow.send(t.selected_paths(), uri)
+        (line,) = sent.args[0]
+        assert line.startswith(run.name) and words in line, line
+        assert words in t.message.text()
+    client = MlflowClient(server.uri)
+    (found,) = client.search_runs(
+        [client.get_experiment_by_name("multilane").experiment_id],
+        filter_string=f"tags.`multilane.run_dir` = '{run.resolve()}'",
+    )
+    assert_run_equals_its_records(client, found.info.run_id, run)
