@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
 from multilane.engine.rundir.follow import TERMINAL_STATES
-from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, METRICS, STATUS, iter_metrics, load_metrics, read_json
+from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, STATUS, load_metrics, read_json
 from multilane.integrations import mlflow_records as mr
 from multilane.integrations.extras import require
 
@@ -77,6 +77,7 @@ class Sender:
             os.environ.setdefault(k, v)
         self.uri, self.experiment, self.run_dir, self.key, self.live = uri, experiment, run_dir, key, live
         self.run_id: str | None = None
+        self.parent_id: str | None = None
         self._tags = dict(tags)
         self._params: dict[str, str] = {}
         self._points: collections.deque[mr.Point] = collections.deque(maxlen=QUEUE_MAX)
@@ -189,12 +190,19 @@ class Sender:
             found = c.search_runs([exp_id], filter_string=f"tags.`{mr.RUN_KEY_TAG}` = '{key}'", max_results=1)
             run = found[0] if found else None
         if run is None:
-            run = c.create_run(exp_id, start_time=int(time.time() * 1000), tags={mr.RUN_KEY_TAG: self.key})
+            tags = {mr.RUN_KEY_TAG: self.key}
+            parent = mr.sweep_parent(self.run_dir)
+            if parent is not None:  # a sweep's trial: nested under the sweep's run
+                tags["mlflow.parentRunId"] = mr.parent_run(c, exp_id, *parent)
+            run = c.create_run(exp_id, start_time=int(time.time() * 1000), tags=tags)
         else:
             self._server_params = set(run.data.params)  # MLflow refuses to change a param's value
             if self.live and run.info.status != "RUNNING":
                 c.update_run(run.info.run_id, status="RUNNING")  # resumed: running again
         self.run_id = run.info.run_id
+        self.parent_id = run.data.tags.get("mlflow.parentRunId")  # a sweep's trial
+        if self.parent_id and self.live:  # a trial running: so is its sweep
+            c.update_run(self.parent_id, status="RUNNING")
         mr.record_run_id(self.run_dir, self.uri, self.run_id, exp_id)
         return self.run_id
 
@@ -251,6 +259,11 @@ class Sender:
             with self._cv:
                 self._artifacts.remove((path, dest))
         c.set_terminated(run_id, status=end[0], end_time=end[1])
+        if self.parent_id:  # the sweep's run ends with its last running trial
+            query = f"tags.`mlflow.parentRunId` = '{self.parent_id}' and attributes.status = 'RUNNING'"
+            exp_id = c.get_run(run_id).info.experiment_id
+            if not c.search_runs([exp_id], filter_string=query, max_results=1):
+                c.set_terminated(self.parent_id, status="FINISHED", end_time=end[1])
         with self._cv:
             self._end = None
 
@@ -302,7 +315,7 @@ class MlflowLogger(TrainerCallback):
 
     def on_event(self, record: dict[str, Any]) -> None:
         if record.get("event") == "started" and self.sender is None:
-            first = _first_started(self.run_dir)
+            first = mr.first_started(self.run_dir)
             key = mr.run_key(self.run_dir, first if first is not None else float(record["wall_time"]))
             tags = mr.run_tags(self.run_dir, self.config, record.get("lanes"), None)
             self.sender = Sender(self.uri, self.experiment, self.run_dir, key, tags, self._problem)
@@ -346,14 +359,6 @@ class MlflowLogger(TrainerCallback):
             message = self._warning if not self._warned else None
         if message:  # met after the end event: the run folder is closed, the terminal is not
             print(f"multilane: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _first_started(run_dir: Path) -> float | None:
-    """The wall time of the folder's first ``started`` event (a resumed run's is in its first lines)."""
-    for rec in iter_metrics(run_dir / METRICS):
-        if rec.get("kind") == "event" and rec.get("event") == "started" and isinstance(rec.get("wall_time"), float):
-            return rec["wall_time"]
-    return None
 
 
 # -- a run folder, sent -----------------------------------------------------------------------------

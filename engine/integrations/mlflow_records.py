@@ -23,12 +23,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.runread import iter_metrics
 
 TRAIN_KEYS = ("lr", "samples_per_s", "tokens_per_s", "step_ms", "grad_norm", "samples_per_j")
 READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
@@ -41,6 +43,7 @@ END_STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 """A run's end as MLflow's status; every other end (stopped, aborted, a NaN stop) is KILLED."""
 KILLED = "KILLED"
 RUN_KEY_TAG = "multilane.run_key"
+SWEEP_KEY_TAG = "multilane.sweep_key"  # on a sweep's parent run; its trials' runs are nested under it
 FIGURE_TIMEOUT_S = 120.0
 PARAM_MAX = 6000  # MLflow's limit on a param's value
 NAME_MAX = 250  # and on a metric's or param's name
@@ -159,6 +162,46 @@ def run_tags(
         "multilane.run_dir": str(run_dir.resolve()),
     }
     return {k: v[:PARAM_MAX] for k, v in tags.items()}
+
+
+def sweep_parent(run_dir: Path) -> tuple[str, dict[str, str]] | None:
+    """For a sweep's trial (its folder in a sweep folder, beside ``sweep.json``): the key and tags of the
+    sweep's parent run. The key is the study's name and its storage (a shared PostgreSQL study: one
+    parent for the trials of every ``sweep-worker``), else the sweep folder's name."""
+    try:
+        data = json.loads((run_dir.parent / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    study = str(data.get("study") or run_dir.parent.name)
+    key = f"sweep:{study}@{data.get('storage') or run_dir.parent.name}"[:PARAM_MAX]
+    return key, {"mlflow.runName": f"sweep {study}", "multilane.sweep": study, SWEEP_KEY_TAG: key}
+
+
+def parent_run(c: Any, exp_id: str, key: str, tags: dict[str, str]) -> str:
+    """The sweep's parent run: found by its key, else made. Two trials making it at once: the older
+    one stays and the other is deleted."""
+    quoted = key.replace("'", "\\'")
+    query = f"tags.`{SWEEP_KEY_TAG}` = '{quoted}'"
+    found = c.search_runs([exp_id], filter_string=query, order_by=["attributes.start_time ASC"], max_results=5)
+    if found:
+        return found[0].info.run_id
+    mine = c.create_run(exp_id, start_time=int(time.time() * 1000), tags=tags).info.run_id
+    first = c.search_runs([exp_id], filter_string=query, order_by=["attributes.start_time ASC"], max_results=5)
+    if first and first[0].info.run_id != mine:
+        with contextlib.suppress(Exception):
+            c.delete_run(mine)
+        return first[0].info.run_id
+    return mine
+
+
+def first_started(run_dir: Path) -> float | None:
+    """The wall time of the folder's first ``started`` event (a resumed run's is in its first lines)."""
+    for rec in iter_metrics(run_dir / "metrics.jsonl"):
+        if rec.get("kind") == "event" and rec.get("event") == "started" and isinstance(rec.get("wall_time"), float):
+            return rec["wall_time"]
+    return None
 
 
 def run_key(run_dir: Path, started_wall_time: float) -> str:

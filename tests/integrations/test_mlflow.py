@@ -328,3 +328,29 @@ def test_the_runs_table_sends_the_selected_runs_and_says_how_each_went(server, t
         filter_string=f"tags.`multilane.run_dir` = '{run.resolve()}'",
     )
     assert_run_equals_its_records(client, found.info.run_id, run)
+
+
+@pytest.mark.slow
+def test_a_sweeps_trials_are_runs_nested_under_the_sweeps_run(server, tmp_path):
+    sweeps = tmp_path / "sweeps"
+    args = [*CLI, "sweep", "--task", "linear", "--steps", "20", "--devices", "cpu:0,cpu:1", "--trials", "3"]
+    args += ["--param", "optim.lr=log:1e-3:1e-2", "--pruner", "none", "--sweeps-dir", str(sweeps), "--no-table"]
+    for s in (*SETS, f"tracking.mlflow={server.uri}", "tracking.experiment=sweep"):
+        args += ["--set", s]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (folder,) = sweeps.iterdir()
+    trials = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert len(trials) == 3
+    client = MlflowClient(server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    (parent,) = [x for x in runs if "multilane.sweep" in x.data.tags]
+    assert parent.info.status == "FINISHED", "the sweep's run ends with its last trial"
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(runs) - 1 == 3
+    for trial in trials:
+        (child,) = [x for x in children if x.data.tags["multilane.run_dir"] == str(trial.resolve())]
+        assert child.info.status == "FINISHED"
+        assert history(client, child.info.run_id, "loss") == sorted(
+            (x["step"], x["loss"]) for x in records(trial, "train")
+        )
