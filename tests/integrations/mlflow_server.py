@@ -1,4 +1,4 @@
-"""A real ``mlflow server`` on 127.0.0.1 for the MLflow tests: a SQLite backend and an artifact folder in a
+"""A real ``mlflow server`` on 127.0.0.1 for the MLflow tests: a SQLite (or PostgreSQL) backend and an artifact folder in a
 temporary folder, one worker, on a free port; it can be killed (SIGKILL, its whole process group) and
 started again on the same port and database, as a team's server restarts."""
 
@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, backend: str | None = None) -> None:
         self.folder = folder
+        self.backend = backend or f"sqlite:///{folder / 'mlflow.db'}"  # or a PostgreSQL URL
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log = folder / "server.log"
@@ -33,7 +34,7 @@ class MlflowServer:
 
     def start(self, timeout: float = 180) -> None:
         mlflow = Path(sys.executable).with_name("mlflow")
-        cmd = [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}"]
+        cmd = [str(mlflow), "server", "--backend-store-uri", self.backend]
         cmd += ["--artifacts-destination", str(self.folder / "artifacts"), "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--workers", "1"]
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: a faster start

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -354,3 +355,24 @@ def test_a_sweeps_trials_are_runs_nested_under_the_sweeps_run(server, tmp_path):
         assert history(client, child.info.run_id, "loss") == sorted(
             (x["step"], x["loss"]) for x in records(trial, "train")
         )
+
+
+@pytest.mark.slow
+def test_a_live_run_on_a_server_backed_by_postgresql(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "sweep"))
+    from postgres import pg_bin, postgres_server
+
+    if pg_bin("initdb") is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    with postgres_server() as url:
+        pg = MlflowServer(tmp_path / "server", backend=url)
+        pg.folder.mkdir()
+        pg.start()
+        try:
+            _, run = train(tmp_path / "runs", f"tracking.mlflow={pg.uri}")
+            client = MlflowClient(pg.uri)
+            run_id = json.loads((run / "mlflow.json").read_text())["servers"][pg.uri]["run_id"]
+            assert client.get_run(run_id).info.status == "FINISHED"
+            assert_run_equals_its_records(client, run_id, run)
+        finally:
+            pg.stop()
