@@ -40,7 +40,7 @@ RUN_FILE = "mlflow.json"
 """In the run folder: the MLflow run this run was sent to, per server (no credentials: the URI's user and
 password are left out)."""
 END_STATUS = {"finished": "FINISHED", "failed": "FAILED"}
-"""A run's end as MLflow's status; every other end (stopped, aborted, a NaN stop) is KILLED."""
+"""A run's end as MLflow's status; every other end (stopped, aborted, diverged) is KILLED."""
 KILLED = "KILLED"
 RUN_KEY_TAG = "multilane.run_key"
 SWEEP_KEY_TAG = "multilane.sweep_key"  # on a sweep's parent run; its trials' runs are nested under it
