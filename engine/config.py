@@ -236,6 +236,36 @@ class HealthSection(Section):
     )
 
 
+class TrackingSection(Section):
+    mlflow: str | None = Field(
+        None,
+        max_length=2048,
+        description="MLflow tracking server to log the run to, live (http://host:5000, https://…): params, tags, "
+        "losses per device, validation, telemetry and, at the end, config.json, metrics.jsonl and the loss figure. "
+        "Never slows training: a server that is down gets one warning, and multilane export RUN --mlflow URI sends "
+        "the rest. Credentials from MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN. Needs the mlflow extra",
+    )
+    experiment: str = Field(
+        "multilane",
+        min_length=1,
+        max_length=256,
+        description="MLflow experiment the run is logged under (created when the server lacks it)",
+    )
+
+    @field_validator("mlflow")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        """Blank is off. A user or password in the URI would be written into config.json, checkpoints and
+        the server's params: refused, naming MLflow's own variables for them."""
+        v = v.strip() or None if v is not None else None
+        if v is not None and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError(
+                "a user or password in the URI would be saved with the run; "
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+            )
+        return v
+
+
 class RunSection(Section):
     name: str = Field("run", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$", description="Run name")
     runs_dir: str = Field("runs", min_length=1, description="Folder that holds one folder per run")
@@ -261,6 +291,7 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     health: HealthSection = Field(default_factory=HealthSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     run: RunSection = Field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -51,6 +52,8 @@ def _key_part(part: Any) -> str:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, str):  # a URI's user:password@ is never echoed (terminals and CI logs keep it)
+        value = re.sub(r"(://)[^/@\s]*@", r"\1***@", value)
     s = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
 

@@ -30,7 +30,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not 0 <= args.smoothing < 1:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
-    run, out = user_path(args.run_dir, "export"), user_path(args.out, "export: --out")
+    if args.out is None and args.mlflow is None:
+        raise UserError("export: say where to: --out DIR (figures, CSV), --mlflow URI (a tracking server), or both")
+    run = user_path(args.run_dir, "export")
+    out = user_path(args.out, "export: --out") if args.out is not None else None
     compare = [user_path(c, "export: --compare") for c in args.compare or []]
     try:
         problem = run_folder_problem(run) or (
@@ -38,7 +41,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         if problem:
             raise UserError(f"export: {problem}")
-        if out.exists() and out.resolve() == run.resolve():
+        if out is not None and out.exists() and out.resolve() == run.resolve():
             raise UserError(f"export: --out {out} is the run folder itself; export into another folder")
         for c in compare:
             problem = run_folder_problem(c)
@@ -46,6 +49,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                 raise UserError(f"export: --compare {problem}")
     except ValueError as e:  # an embedded NUL
         raise UserError(f"export: not a usable path ({e})") from None
+    if args.mlflow is not None:
+        from multilane.integrations.extras import MissingExtra
+
+        try:
+            from multilane.integrations.mlflow import export_run
+        except MissingExtra as e:
+            raise UserError(f"export: {e}") from None
+        print(printable(export_run(run, args.mlflow)))
+        if out is None:
+            return 0
     from multilane.gui.plots.export import FORMATS, export_headless
 
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]

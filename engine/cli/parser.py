@@ -230,7 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(with --compare: one curve per run) as PNG, SVG and PDF with real text, and metrics.csv.",
     )
     e.add_argument("run_dir", metavar="RUN_DIR")
-    e.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
+    e.add_argument("--out", metavar="DIR", help="folder to write into")
+    e.add_argument(
+        "--mlflow",
+        metavar="URI",
+        help="also (or only) send the run's records so far to this MLflow tracking server: the same MLflow run "
+        "on every send, only the points it lacks (needs the mlflow extra; credentials: MLFLOW_TRACKING_* variables)",
+    )
     e.add_argument("--format", default="png,svg,pdf,csv", metavar="LIST", help="any of png,svg,pdf,csv")
     e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
     e.add_argument("--compare", action="append", default=[], metavar="RUN_DIR", help="another run to compare with")

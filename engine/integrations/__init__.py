@@ -1,1 +1,1 @@
-"""Multilane for training loops it does not drive: Lightning and Hugging Face callbacks that write a run folder, TensorBoard event files out and in (``multilane.integrations.lightning``, ``.transformers``, ``.tensorboard``; each needs its extra)."""
+"""Multilane for training loops it does not drive: Lightning and Hugging Face callbacks that write a run folder, TensorBoard event files out and in, runs logged to an MLflow server (``multilane.integrations.lightning``, ``.transformers``, ``.tensorboard``, ``.mlflow``; each needs its extra)."""

@@ -173,6 +173,9 @@ class Trainer:
                 from multilane.integrations.tensorboard import TensorBoardWriter
             except MissingExtra as e:
                 raise UserError(str(e)) from None
+        from multilane.integrations.mlflow_records import mlflow_callback
+
+        mlflow_logger = mlflow_callback(cfg)  # a missing mlflow extra: one line, before anything is written
         # The folder first, before any of the task's code runs: watch, control and the app see the run
         # "starting" and its phase, and a stop reaches it there (run_end.setup_begins, RunControl.during_setup).
         self.run_dir = rd = self._open_run_dir()
@@ -203,6 +206,8 @@ class Trainer:
             self.callbacks.insert(0, MetricsWriter(rd))
             if cfg.train.tensorboard and rd.writes:
                 self.callbacks.insert(1, TensorBoardWriter(rd.path))
+            if mlflow_logger is not None and rd.writes:  # under ddp/fsdp one rank logs: the one writing the folder
+                self.callbacks.append(mlflow_logger(rd.path))
             self.sampler = self._make_sampler()
             self.energy = EnergyMeter(self.sampler)
             rd.set_status("running", step=self.step, total_steps=self.total_steps)

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 CUSTOM = "Custom task file…"
 HIDDEN = {("task", "params"), ("task", "name"), ("devices", "use"), ("devices", "weights"), ("devices", "output")}
 # Sections in the order a user fills them in: how long to train first, housekeeping last.
-ORDER = ["train", "data", "optim", "schedule", "run", "telemetry", "health"]
+ORDER = ["train", "data", "optim", "schedule", "run", "telemetry", "health", "tracking"]
 # Fields that only some choices use: (field, the field that decides, the values it applies to).
 APPLIES = {
     "optim.momentum": ("optim.name", {"sgd"}),
@@ -53,6 +53,7 @@ TITLES = {
     "train": "Training",
     "telemetry": "Telemetry",
     "health": "Run health",
+    "tracking": "Tracking server",
     "run": "Run",
 }
 

@@ -12,6 +12,7 @@ from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.runs.run_summary import fmt_duration
+from multilane.gui.window.mlflow_send import MlflowSend
 from multilane.gui.window.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
@@ -158,7 +159,8 @@ class RunsTable(QWidget):
         for b in (self.open_btn, self.compare_btn, refresh):
             buttons.addWidget(b)
         edits = QHBoxLayout()
-        for b in (self.rename_btn, self.delete_btn, self.undo_btn):
+        self.mlflow = MlflowSend(self)  # "Send to MLflow…": the selected runs to a tracking server
+        for b in (self.rename_btn, self.delete_btn, self.undo_btn, self.mlflow.button):
             edits.addWidget(b)
         self.message = QLabel()
         self.message.setObjectName("runs.message")
