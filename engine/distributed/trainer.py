@@ -257,9 +257,13 @@ class DdpTrainer(RankAgreement, Trainer):
                 self._build_ddp(find_unused=True)
         health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
         timer.mark("optimizer")
-        self.scaler.unscale_(opt)  # fp16: the norm is of the true gradients (else a no-op)
-        clip, params = cfg.train.grad_clip, self.model.parameters()
-        self.window.add_grad_norm(clip_grad_norm(params, clip) if clip > 0 else grad_norm(params))
+        clip = cfg.train.grad_clip
+        if clip > 0:
+            self.scaler.unscale_(opt)
+            self.window.add_grad_norm(clip_grad_norm(self.model.parameters(), clip))
+        elif self._logs_next():  # not clipping: the norm of the step that logs (trainer.py)
+            self.scaler.unscale_(opt)
+            self.window.add_grad_norm(grad_norm(self.model.parameters()))
         health.before_update()
         self.scaler.step(opt)
         self.scaler.update()

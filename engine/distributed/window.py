@@ -24,6 +24,7 @@ class ShardWindow(ActiveClock):
         self._contrib: torch.Tensor | None = None  # sum over micro-batches of (n_r / N) * shard loss
         self._shard: torch.Tensor | None = None  # sum of shard losses where this rank had samples
         self._grad_norm: torch.Tensor | None = None
+        self.norms = 0  # steps whose gradient norm was taken (every step when clipping, else the log step)
         self.count = 0  # micro-batches in which this rank had samples
         self.micro = 0
         self.samples = 0  # global samples (every rank counts the whole batch)
@@ -45,6 +46,7 @@ class ShardWindow(ActiveClock):
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         n = norm.detach()
         self._grad_norm = n if self._grad_norm is None else self._grad_norm + n
+        self.norms += 1
 
     def end_step(self) -> None:
         self.steps += 1
@@ -73,6 +75,7 @@ class ShardWindow(ActiveClock):
             "first_step": self.first_step,
             "active_s": self.active_seconds(),
             "grad_norm": values[2] if len(values) > 2 else None,
+            "norms": self.norms,
         }
         self.reset()
         return out
@@ -98,5 +101,5 @@ def combine(windows: list[dict[str, Any]], keys: list[str], **fields: Any) -> di
         "step_ms": 1000.0 * dt / steps,
     }
     if w0["grad_norm"] is not None:
-        rec["grad_norm"] = w0["grad_norm"] / steps
+        rec["grad_norm"] = w0["grad_norm"] / max(1, w0.get("norms", steps))
     return rec

@@ -57,6 +57,7 @@ class MetricsWindow(ActiveClock):
         self._lane_sum: torch.Tensor | None = None
         self._lane_count = [0] * n
         self._grad_norm_sum: torch.Tensor | float = 0.0
+        self.norms = 0  # steps whose gradient norm was taken (every step when clipping, else the log step)
         self.micro = 0
         self.samples = 0
         self.steps = 0
@@ -92,6 +93,7 @@ class MetricsWindow(ActiveClock):
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         self._grad_norm_sum = self._grad_norm_sum + norm.detach()
+        self.norms += 1
 
     def end_step(self) -> None:
         self.steps += 1
@@ -130,7 +132,7 @@ class MetricsWindow(ActiveClock):
             "step_ms": 1000.0 * dt / max(1, self.steps),
         }
         if len(values) > 1 + len(names):
-            rec["grad_norm"] = values[-1] / max(1, self.steps)
+            rec["grad_norm"] = values[-1] / max(1, self.norms)
         self.reset()
         return rec
 
@@ -147,6 +149,7 @@ class MetricsWindow(ActiveClock):
             "micro": self.micro,
             "samples": self.samples,
             "steps": self.steps,
+            "norms": self.norms,
             "first_step": self.first_step,
             "active_s": self.active_seconds(),
         }
@@ -162,6 +165,7 @@ class MetricsWindow(ActiveClock):
         g = state["grad_norm_sum"]
         self._grad_norm_sum = g.to(device) if isinstance(g, torch.Tensor) else float(g)
         self.micro, self.samples, self.steps = int(state["micro"]), int(state["samples"]), int(state["steps"])
+        self.norms = int(state.get("norms", self.steps))  # a checkpoint from before: a norm every step
         self.first_step = state["first_step"]
         self._active_s = float(state["active_s"])
         self._t0 = None
