@@ -175,3 +175,24 @@ def _close_parts(trainer: Trainer) -> None:
         if hasattr(trainer, part):
             with contextlib.suppress(Exception):
                 getattr(trainer, part).close()
+
+
+def training_begins(trainer: Trainer, rd: Any, resumed: bool) -> None:
+    """The set-up done: the sampler and energy meter on, the folder "running", the callbacks told, and the
+    ``started`` event (with the device list, in the run's order: the app colours each device from it
+    before any record) and the run's warnings written."""
+    from multilane.engine.run.balance import balance_warnings
+    from multilane.engine.run.energy import EnergyMeter
+
+    trainer.sampler = trainer._make_sampler()
+    trainer.energy = EnergyMeter(trainer.sampler)
+    rd.set_status("running", step=trainer.step, total_steps=trainer.total_steps)
+    for cb in trainer.callbacks:
+        cb.on_train_start(trainer)
+    extra = {"resumed_from_step": trainer.step} if resumed else {}
+    extra["lanes"] = trainer.lane_names
+    trainer._event("started", total_steps=trainer.total_steps, **extra)
+    for message in [*balance_warnings(trainer.devices), *getattr(trainer.task, "warnings", ())]:
+        trainer._event("warning", message=message)
+    if trainer.sampler is not None:
+        trainer.sampler.start()

@@ -26,7 +26,6 @@ from multilane.engine.plan.fit import check_fit
 from multilane.engine.plan.meter import NO_METER as _NO_METER
 from multilane.engine.plan.meter import PeakMeter
 from multilane.engine.run import checkpointer
-from multilane.engine.run.balance import balance_warnings
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
@@ -34,7 +33,7 @@ from multilane.engine.run.evaluation import evaluate_run
 from multilane.engine.run.failures import outcome, release_cuda_memory
 from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
 from multilane.engine.run.optim import build_optimizer, lr_at
-from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended
+from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended, training_begins
 from multilane.engine.run.run_spec import open_run_dir, planned_steps, record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.follow import DIVERGED
@@ -208,19 +207,7 @@ class Trainer:
                 self.callbacks.insert(1, TensorBoardWriter(rd.path))
             if mlflow_logger is not None and rd.writes:  # under ddp/fsdp one rank logs: the one writing the folder
                 self.callbacks.append(mlflow_logger(rd.path))
-            self.sampler = self._make_sampler()
-            self.energy = EnergyMeter(self.sampler)
-            rd.set_status("running", step=self.step, total_steps=self.total_steps)
-            for cb in self.callbacks:
-                cb.on_train_start(self)
-            extra = {"resumed_from_step": self.step} if resumed else {}
-            # the device list, in the run's order: the app colours each device from it before any record
-            extra["lanes"] = self.lane_names
-            self._event("started", total_steps=self.total_steps, **extra)
-            for message in [*balance_warnings(self.devices), *getattr(self.task, "warnings", ())]:
-                self._event("warning", message=message)
-            if self.sampler is not None:
-                self.sampler.start()
+            training_begins(self, rd, resumed)
             status, message = self._loop()
         except BaseException as e:  # KeyboardInterrupt and SystemExit too: never recorded as "finished"
             status, message = outcome(e, self.task.name, self._at_step, rd.path, self.checkpoint_step)
