@@ -261,7 +261,7 @@ class DdpTrainer(RankAgreement, Trainer):
         if clip > 0:
             self.scaler.unscale_(opt)
             self.window.add_grad_norm(clip_grad_norm(self.model.parameters(), clip))
-        elif self._logs_next():  # not clipping: the norm of the step that logs (trainer.py)
+        elif self._logs_at(self.step + 1):  # not clipping: the norm of the step that logs (trainer.py)
             self.scaler.unscale_(opt)
             self.window.add_grad_norm(grad_norm(self.model.parameters()))
         health.before_update()

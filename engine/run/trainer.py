@@ -271,7 +271,7 @@ class Trainer:
             if epoch > self._epoch:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
-            if self.step % log_every == 0 or last:
+            if self._logs_at(self.step):
                 self._log(memory=self._memory())
             if (eval_every and self.step % eval_every == 0) or last:
                 self._evaluate()
@@ -289,9 +289,8 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.set_status("starting", what, phase=what, step=self.step)
 
-    def _logs_next(self) -> bool:
-        """Whether the step being taken ends a log window (``train.log_every``, or the run's last)."""
-        step = self.step + 1
+    def _logs_at(self, step: int) -> bool:
+        """Whether ``step`` ends a log window (``train.log_every``, or the run's last step)."""
         return step % self.config.train.log_every == 0 or step == self.total_steps
 
     def _checkpoint_due(self) -> bool:
@@ -330,7 +329,7 @@ class Trainer:
         if clip > 0:
             self.scaler.unscale_(opt)
             window.add_grad_norm(clip_grad_norm(self.model.parameters(), clip))
-        elif self._logs_next():  # not clipping: the norm of the step that logs (a norm each step cost 6 %)
+        elif self._logs_at(self.step + 1):  # not clipping: the norm of the step that logs (each step's cost 6 %)
             self.scaler.unscale_(opt)
             window.add_grad_norm(grad_norm(self.model.parameters()))
         health.before_update()

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pyqtgraph as pg
+from multilane.engine.rundir.follow import TERMINAL_STATES
 from multilane.gui.plots.curves import CurveDrawing
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
 from multilane.gui.plots.items import KeyLabel, SparseLogAxis, WrappingLabel, set_plot_title, swatch, wrap_title
@@ -24,8 +25,6 @@ from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, PROCESS_
 from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction
-
-ENDS = ("finished", "stopped", "failed", "diverged", "aborted")  # a run's last event: nothing more will come
 
 
 class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
@@ -330,7 +329,7 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
         runs = [self.data, *(r for r, _ in self.overlays)]
         trained = [r for r in runs if r.train.rows]
         evaluated = [r for r in runs if r.eval.rows]
-        ended = all(any(e.get("event") in ENDS for e in r.events) for r in runs)
+        ended = all(any(e.get("event") in TERMINAL_STATES for e in r.events) for r in runs)  # its last event
         self.empty_panels = {}
         if trained and not any("grad_norm" in r.train.columns for r in trained):
             self.empty_panels["gradient norm"] = "not logged by this run"
