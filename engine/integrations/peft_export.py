@@ -94,7 +94,9 @@ def final_model(run: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
         frozen.load_trainable(model, state, base)
     except Exception as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise UserError(f"export: {run / CHECKPOINT}: its model state does not fit task {task.name}'s model ({reason})")
+        raise UserError(
+            f"export: {run / CHECKPOINT}: its model state does not fit task {task.name}'s model ({reason})"
+        ) from None
     return model.eval(), task, ck
 
 
