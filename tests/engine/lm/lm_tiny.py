@@ -21,7 +21,16 @@ VOCAB = 200
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
 
 
-def tiny_tokenizer(folder: Path, vocab: int = VOCAB) -> Path:
+def _transformers():
+    """transformers as the engine imports it (engine/lm/hf.py: quiet, and importable beside a CPU torch)."""
+    from multilane.engine.lm.hf import transformers
+
+    return transformers()
+
+
+def tiny_tokenizer(folder: Path, vocab: int = VOCAB, extra: int = 0) -> Path:
+    """The tokenizer trained on ``TEXT`` (at most ``vocab`` tokens), plus ``extra`` added tokens."""
+    _transformers()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,6 +40,7 @@ def tiny_tokenizer(folder: Path, vocab: int = VOCAB) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL)
     tok.train_from_iterator([TEXT] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.add_tokens([f"<extra_{i}>" for i in range(extra)])
     fast.save_pretrained(folder)
     return folder
 
@@ -38,6 +48,8 @@ def tiny_tokenizer(folder: Path, vocab: int = VOCAB) -> Path:
 def tiny_model(folder: Path, kind: str = "gpt2", vocab: int = VOCAB, positions: int = 64, seed: int = 0) -> Path:
     """A random-weight ``kind`` (``gpt2`` or ``llama``) model saved in ``folder`` with the tiny tokenizer."""
     import torch
+
+    _transformers()
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     if kind == "gpt2":
