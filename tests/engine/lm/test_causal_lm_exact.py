@@ -13,6 +13,7 @@ import pytest
 import torch
 from multilane.engine.config import build_config
 from multilane.engine.data.order import epoch_order, split_indices
+from multilane.engine.fsdp.sharded import read_model_state
 from multilane.engine.lm.data import IGNORE
 from multilane.engine.lm.hf import peft, transformers
 from multilane.engine.run.callbacks import HEALTH_LAYERS
@@ -142,15 +143,5 @@ def test_ranks_train_lora_equal_to_one_device(tmp_path, lm_text, strategy, kind,
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = [d for d in (tmp_path / "runs").iterdir() if d.is_dir()]
-    ck = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
-    state = ck["model"]
-    if not state:  # fsdp: the shards, read back whole
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.format_utils import _load_state_dict
-
-        model_state: dict = {}
-        sd = {}
-        _load_state_dict(sd, storage_reader=FileSystemReader(str(run / "checkpoints" / ck["sharded"])), no_dist=True)
-        model_state = sd
-        state = {k.removeprefix("model."): v for k, v in model_state.items() if k.startswith("model.")}
+    state = read_model_state(run)  # fsdp: its shards, read back whole
     assert_matches(run, reference(p), state)
