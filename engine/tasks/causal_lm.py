@@ -44,7 +44,7 @@ class CausalLMParams(BaseModel):
         default_factory=list,
         description='.txt or .jsonl files or folders of them; a .jsonl line holds "text", or "prompt" and '
         '"completion" (the loss on the completion only)',
-        json_schema_extra={"picker": "file"},
+        json_schema_extra={"picker": "path"},
     )
     context: int = Field(512, ge=2, le=1_048_576, description="Tokens per sample (at most the model's positions)")
     lora_rank: int = Field(8, ge=0, le=4096, description="LoRA adapters' rank (0: fine-tune every weight)")
@@ -61,6 +61,7 @@ class CausalLMParams(BaseModel):
     prompts: list[str] = Field(
         default_factory=lambda: ["The", "Once upon a time"],
         description="Prompts the model continues greedily at each evaluation (written to samples.txt)",
+        json_schema_extra={"separator": "|"},  # the form's list: a prompt may hold commas
     )
     sample_tokens: int = Field(
         24, ge=0, le=4096, description="Tokens generated per prompt at each evaluation (0: none)"
