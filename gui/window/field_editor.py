@@ -124,7 +124,7 @@ class FieldEditor:
         elif self.kind == "int":
             w.setValue(w.minimum() if value is None else int(value))
         elif self.kind == "list" and isinstance(value, (list, tuple)):
-            w.setText(f"{self.separator} ".join(str(v) for v in value))
+            w.setText((", " if self.separator == "," else f" {self.separator} ").join(str(v) for v in value))
         else:
             w.setText("" if value is None else (f"{value:g}" if isinstance(value, float) else str(value)))
 
