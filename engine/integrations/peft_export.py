@@ -145,7 +145,11 @@ def export_models(run: Path, adapter: Path | None, merged: Path | None) -> list[
         def write_merged(d: Path) -> None:
             out = whole.merge_and_unload() if whole is peft_model else whole
             out.save_pretrained(str(d))
-            _copy_tokenizer(source, d)
+            tokenizer = getattr(task, "tokenizer", None)  # the task's own (causal-lm), else the base folder's files
+            if callable(getattr(tokenizer, "save_pretrained", None)):
+                tokenizer.save_pretrained(str(d))
+            else:
+                _copy_tokenizer(source, d)
 
         _write_into(merged, write_merged)
         written.append(merged)

@@ -100,6 +100,10 @@ class CausalLMTask(Task):
     def build_model(self) -> nn.Module:
         return lm_model.load_model(self.params, self.source)
 
+    def base_source(self) -> str:
+        """Where the pretrained weights come from: a checkpoint of a LoRA run names its frozen base so."""
+        return self.source
+
     def data(self) -> lm_data.PackedTokens:
         if self._data is None:  # the fit check and the run both ask: tokenized (or read) once
             key = lm_model.tokenizer_key(self.tokenizer)
