@@ -2,11 +2,14 @@
 Hugging Face Trainer, on the same tiny Llama-shaped model, the same LoRA, batch and context; one table,
 each row's ratio to the plain loop beside it. Then the size of the LoRA run's checkpoint against the base.
 
-    python bench/lm_tokens.py [--hidden 256] [--rank 16] [--batch 4] [--context 128] [--steps 12] [--lanes cpu:0]
+    python bench/lm_tokens.py [--hidden 256] [--rank 16] [--batch 4] [--context 128] [--steps 12] [--rounds 3]
+                              [--lanes cpu:0]
 
 The model (random weights, ``save_pretrained`` layout) and its tokenizer (byte-level BPE trained by
 ``tokenizers`` on generated text) are built in a temporary folder: nothing is downloaded. Each measure skips
-its first ``--warmup`` steps (allocation, first-call costs). CPU here; on a GPU pass ``--lanes cuda:0``.
+its first ``--warmup`` steps (allocation, first-call costs) and gives the median step's rate; the three take
+turns, ``--rounds`` times in a rotated order, and the table shows each one's median round, so that a busy
+spell of a shared machine does not land on one of them alone. CPU here; on a GPU pass ``--lanes cuda:0``.
 The checkpoint's goal: under 5 % of the base model's bytes for rank <= 16.
 """
 
@@ -178,6 +181,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lanes", default="cpu:0", help="Multilane's devices (devices.use)")
     ap.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
     args = ap.parse_args()
@@ -185,14 +189,25 @@ def main() -> None:
     folder = tmp / "model"
     build(folder, args.hidden, args.layers, args.vocab, max(256, args.context))
     torch.set_num_threads(os.cpu_count() or 1)
-    ml, run = multilane(args, folder, tmp / "runs")
-    pl = plain(args, folder, args.vocab)
-    hf = hf_trainer(args, folder, args.vocab, tmp / "hf")
-    ck, base = checkpoint_ratio(run, folder)
+    runs: list[Path] = []
+    measures = {
+        "multilane": lambda r: (lambda rate, run: runs.append(run) or rate)(*multilane(args, folder, tmp / f"runs{r}")),
+        "plain": lambda r: plain(args, folder, args.vocab),
+        "hf": lambda r: hf_trainer(args, folder, args.vocab, tmp / f"hf{r}"),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in measures}
+    for r in range(args.rounds):
+        order = list(measures)[r % 3 :] + list(measures)[: r % 3]
+        for name in order:
+            rates[name].append(measures[name](r))
+    ml, pl, hf = (statistics.median(rates[k]) for k in measures)
+    ck, base = checkpoint_ratio(runs[0], folder)
     shape = f"Llama hidden {args.hidden} x {args.layers} layers, LoRA rank {args.rank}"
     print(
         f"{shape}, batch {args.batch} x context {args.context} tokens, {args.steps} steps (median after {args.warmup})"
     )
+    rounds = ", ".join(f"{k} " + "/".join(f"{v:,.0f}" for v in rates[k]) for k in rates)
+    print(f"each the median of {args.rounds} rounds ({rounds})")
     print(f"{'loop':<34}{'tokens/s':>12}{'vs plain':>10}")
     for name, rate in (
         (f"Multilane causal-lm ({args.lanes})", ml),
@@ -204,7 +219,8 @@ def main() -> None:
         f"LoRA checkpoint {ck / 1e6:.3f} MB = {100 * ck / base:.2f} % of the base model's {base / 1e6:.2f} MB (goal < 5 %)"
     )
     if args.json:
-        numbers = {"multilane": ml, "plain": pl, "hf_trainer": hf, "checkpoint_bytes": ck, "base_bytes": base}
+        numbers = {"multilane": ml, "plain": pl, "hf_trainer": hf, "rounds_measured": rates}
+        numbers |= {"checkpoint_bytes": ck, "base_bytes": base}
         Path(args.json).write_text(json.dumps({**vars(args), **numbers}, indent=1))
 
 

@@ -5,7 +5,6 @@ refuses in one line to resume over a changed base."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -134,19 +133,14 @@ def test_lanes_stop_and_resume_over_a_frozen_base_equal_a_straight_run_and_a_cha
 
 
 @pytest.mark.slow
-def test_ddp_then_fsdp_then_one_device_resume_over_a_frozen_base_equal_a_straight_run(lora, tmp_path):
-    # ddp on 2 ranks saves the trainable state (rank 0, as the lanes do); fsdp on 2 ranks resumes it into
-    # its sharded model (the frozen weights its own) and saves with DCP, without the base; one device
-    # resumes from that folder. Every step's loss and the adapters equal 5 straight steps on one device.
+def test_lanes_then_fsdp_then_one_device_resume_over_a_frozen_base_equal_a_straight_run(lora, tmp_path):
+    # Two lanes save the trainable state (as a ddp rank 0 does: the same function); fsdp on 2 ranks resumes
+    # it into its sharded model (the frozen weights its own) and saves with DCP, without the base; one
+    # device resumes from that folder. Every step's loss and the adapters equal 5 straight steps.
     tmp, ref_state, ref_records = lora
-    cfg = settings(tmp / "base", tmp_path / "runs", "ddp", 1, "ddp", "cpu:0,cpu:1")
-    (tmp_path / "c.json").write_text(json.dumps(cfg))
-    r = subprocess.run(
-        [*CLI, "train", "--config", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=280
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    (run,) = (tmp_path / "runs").iterdir()
-    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["frozen_base"]["tensors"] == 21
+    first = Trainer(build_config(settings(tmp / "base", tmp_path / "runs", "mixed", 1, "replicate", "cpu:0,cpu:1")))
+    assert first.run().status == "finished"
+    run = first.run_dir.path
     args = ["--steps", "3", "--strategy", "fsdp", "--devices", "cpu:0,cpu:1"]
     r = subprocess.run([*CLI, "train", "--resume", str(run), *args], capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -156,4 +150,4 @@ def test_ddp_then_fsdp_then_one_device_resume_over_a_frozen_base_equal_a_straigh
     shards = sum(f.stat().st_size for f in folder.iterdir())
     assert shards < 0.5 * ck["frozen_base"]["bytes"], (shards, ck["frozen_base"])  # no frozen weight in it
     assert main(["train", "--resume", str(run), "--steps", "5", "--strategy", "replicate", "--devices", "cpu:0"]) == 0
-    assert_equal_to_straight(run, ref_state, ref_records, "ddp(2) > fsdp(2) > one device")
+    assert_equal_to_straight(run, ref_state, ref_records, "lanes(2) > fsdp(2) > one device")
