@@ -67,6 +67,14 @@ def test_watch_and_export_print_tokens_per_s_and_perplexity_only_for_runs_that_l
     assert "1,402 tokens/s" in lines["lm"] and "perplexity 40.2500" in lines["lm"], lines
     assert "tokens/s" not in lines["plain"] and "perplexity" not in lines["plain"], lines
 
+    from multilane.engine.rundir.runlog import read_metrics
+    from multilane.gui.runs.run_summary import summarize_records
+    from multilane.gui.window.summary_view import summary_html
+
+    summaries = {run.name: summary_html(summarize_records(read_metrics(run)), run.name) for run in runs}
+    assert "<td>perplexity</td><td align=right>&nbsp;40.25&nbsp;</td>" in summaries["lm"], summaries["lm"]
+    assert "perplexity" not in summaries["plain"]
+
     assert run_caption(lm).endswith("1,334 tokens/s · best perplexity 40.25")  # the mean of TOKENS
     assert "tokens/s" not in run_caption(plain) and "perplexity" not in run_caption(plain)
     for run in runs:
