@@ -111,6 +111,15 @@ def test_the_window_draws_tokens_per_s_and_perplexity_and_the_runs_table_shows_t
             assert "samples/s" in title and np.allclose(y, [40.0, 41.0, 42.0])
             assert "metric/perplexity" not in panel._curves or not panel._curves["metric/perplexity"].isVisible()
 
+    # Compared: tokens/s when every run logs them, else samples/s for every run (never both on one axis).
+    for other, unit in ((lm, "tokens/s"), (plain, "samples/s")):
+        panel.reset(RunData.from_run_dir(lm))
+        panel.add_overlay(RunData.from_run_dir(other))
+        panel.refresh()
+        assert unit in panel.throughput.titleLabel.text
+        key = "tokens_per_s" if unit == "tokens/s" else "samples_per_s"
+        assert np.allclose(panel._curves[f"cmp0:{key}"].getData()[1], TOKENS if key == "tokens_per_s" else [40, 41, 42])
+
     w = make_window()
     w.resize(1600, 900)
     w.show()
