@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import psutil
-from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.watch import DeviceTelemetry
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.distributed import COMMAND_START_ENV
 from multilane.engine.numbers import format_number
 from multilane.engine.plan.meter import memory_lines

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.parser import short_text
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.run.callbacks import TrainerCallback
 from multilane.engine.rundir.follow import DIVERGED

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.health.noise_scale import format_noise_scale
 from multilane.engine.numbers import format_number, format_percent

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection
 from multilane.engine.remote.launch import launch_run

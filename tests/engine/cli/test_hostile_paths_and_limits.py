@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from multilane.engine.cli.main import main
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 
 HOSTILE = "\x1b]0;pwned\x07\x1b]52;c;ZXZpbA==\x07\x1b[2J\r\x9b31m\u202e"
 
