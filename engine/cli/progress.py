@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import psutil
-from multilane.engine.cli.watch import DeviceTelemetry
+from multilane.engine.display.device_line import DeviceTelemetry
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.distributed import COMMAND_START_ENV
 from multilane.engine.numbers import format_number
