@@ -20,4 +20,12 @@ def in_worker() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
-__all__ = ["COMMAND_START_ENV", "NODE_FILE_ENV", "RUN_DIR_ENV", "in_worker"]
+def command_start() -> float | None:
+    """The launching command's start (``COMMAND_START_ENV``), where a launcher set it."""
+    try:
+        return float(os.environ[COMMAND_START_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+__all__ = ["COMMAND_START_ENV", "NODE_FILE_ENV", "RUN_DIR_ENV", "command_start", "in_worker"]
