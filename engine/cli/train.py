@@ -242,7 +242,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if waiting is not None:
         waiting.start()
     try:
-        from multilane.engine.cli.progress import ProgressDisplay, summary
+        from multilane.engine.display.progress import ProgressDisplay, summary
         from multilane.engine.distributed import RUN_DIR_ENV
         from multilane.engine.run.control import RunControl
         from multilane.engine.run.trainer import Trainer

@@ -38,7 +38,7 @@ class RankLostPeers(RankFailed):
 
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
-    from multilane.engine.cli.progress import ProgressDisplay, summary
+    from multilane.engine.display.progress import ProgressDisplay, summary
     from multilane.engine.distributed.trainer import DdpTrainer
     from multilane.engine.fsdp.trainer import FsdpTrainer
 

@@ -54,7 +54,7 @@ PRELOAD = [
     "rich.console",
     "setproctitle",
     "multilane.engine.cli.main",
-    "multilane.engine.cli.progress",
+    "multilane.engine.display.progress",
     "multilane.engine.distributed.trainer",
     "multilane.engine.distributed.worker",
     "multilane.engine.fsdp.trainer",

@@ -91,7 +91,7 @@ def test_export_prints_the_paths_it_wrote_escaped(tmp_path, capsys):
 
 
 def test_control_and_the_progress_line_print_run_folder_text_escaped(tmp_path, capsys):
-    from multilane.engine.cli.progress import ProgressDisplay, summary
+    from multilane.engine.display.progress import ProgressDisplay, summary
     from multilane.engine.run.callbacks import RunResult
     from rich.console import Console
 

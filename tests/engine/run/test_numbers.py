@@ -63,8 +63,8 @@ class TinyLossTask(Float64Task):
 
 
 def test_small_losses_print_by_their_size_in_the_summary_watch_and_runs_table(make_config):
-    from multilane.engine.cli.progress import summary
     from multilane.engine.cli.watch import WatchState
+    from multilane.engine.display.progress import summary
     from multilane.engine.numbers import format_number
     from multilane.engine.rundir.runlog import read_metrics
 

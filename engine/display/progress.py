@@ -1,4 +1,5 @@
-"""The CLI's live progress display and its final summary (rich)."""
+"""The live progress display of a run training in this process and its final summary (rich), shown by
+``multilane train`` and by rank 0 of a ddp or fsdp run; ``data_wait`` is the window's note too."""
 
 from __future__ import annotations
 
