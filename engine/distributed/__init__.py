@@ -9,10 +9,11 @@ This module itself imports nothing heavy: the CLI asks ``in_worker()`` before it
 
 import os
 
+from multilane.engine.start import NODE_FILE_ENV  # the rank server records deaths beside that file
+
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 COMMAND_START_ENV = "MULTILANE_COMMAND_START"  # when `multilane train` started: its ranks' "X s in all"
 RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
-NODE_FILE_ENV = "MULTILANE_NODE_FILE"  # where a node's ranks tell their launcher the run folder
 
 
 def in_worker() -> bool:
