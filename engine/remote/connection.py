@@ -40,6 +40,11 @@ class UnknownHostKey(RemoteError):
         self.fingerprint = fingerprint
 
 
+class NotGiven(RemoteError):
+    """The ``ask`` handed in gave no password or passphrase (the user cancelled the box, or closed the
+    window): not connected, and the line is all there is to say."""
+
+
 class Disconnected(RemoteError):
     """The connection dropped (or never came up): a follower retries; a one-shot command reports it."""
 
