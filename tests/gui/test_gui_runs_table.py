@@ -14,7 +14,7 @@ from helpers import start_long_cli_run
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.control_file import write_control
 from multilane.engine.rundir.runs_folder import META, TRASH
-from multilane.gui.window.runs_index import COLUMNS
+from multilane.gui.table.runs_index import COLUMNS
 from PySide6.QtCore import Qt
 
 
