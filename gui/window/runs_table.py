@@ -12,8 +12,8 @@ from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.runs.run_summary import fmt_duration
+from multilane.gui.table.mlflow_send import MlflowSend
 from multilane.gui.table.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
-from multilane.gui.window.mlflow_send import MlflowSend
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
