@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from multilane.gui.sweep.live_plots import SweepPlots
-from multilane.gui.window.runs_table import _Item
+from multilane.gui.table.runs_table import _Item
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (

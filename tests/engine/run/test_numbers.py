@@ -83,7 +83,7 @@ def test_small_losses_print_by_their_size_in_the_summary_watch_and_runs_table(ma
     # the app's runs table: the same numbers, the same way
     pytest.importorskip("PySide6")
     from multilane.gui.table.runs_index import list_runs
-    from multilane.gui.window.runs_table import _cell
+    from multilane.gui.table.runs_table import _cell
 
     (row,) = list_runs(result.run_dir.parent)
     assert _cell(row, "final_loss").text() == format_number(loss)
