@@ -82,12 +82,12 @@ def test_small_losses_print_by_their_size_in_the_summary_watch_and_runs_table(ma
     assert "0.0000" not in line and f"loss {format_number(loss)}" in line and "val " in line
     # the app's runs table: the same numbers, the same way
     pytest.importorskip("PySide6")
+    from multilane.gui.table.cells import run_cell
     from multilane.gui.table.runs_index import list_runs
-    from multilane.gui.table.runs_table import _cell
 
     (row,) = list_runs(result.run_dir.parent)
-    assert _cell(row, "final_loss").text() == format_number(loss)
-    assert "e-" in _cell(row, "best_val_loss").text()
+    assert run_cell(row, "final_loss").text() == format_number(loss)
+    assert "e-" in run_cell(row, "best_val_loss").text()
 
 
 def test_format_number_reads_every_size():
