@@ -47,7 +47,7 @@ def diagnose(records: list[dict[str, Any]], nan_origin: dict[str, Any] | None = 
     """The findings of a run's ``health`` records (oldest first) and its ``nonfinite_origin`` event."""
     found: list[Finding] = []
     if nan_origin is not None and isinstance(nan_origin.get("message"), str):
-        where = nan_origin.get("where")
+        where = nan_origin.get("layer") or nan_origin.get("where")  # the layer whose updates blew up, first
         found.append(Finding(str(where) if where else None, "grad_norm", nan_origin["message"]))
     for name, zeros in _series(records, "act_zero", "act_rows").items():
         if zeros[-1] >= DEAD_ZEROS:

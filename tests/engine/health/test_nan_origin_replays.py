@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
+from multilane.engine.cli.watch import WatchState
 from multilane.engine.data.order import epoch_order
+from multilane.engine.health.diagnosis import diagnose
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import ArrayData, Task
@@ -199,7 +201,7 @@ def plain_blow_up(lr: float, steps: int) -> tuple[int, str, int, list[float]]:
 
 def test_an_exploding_learning_rate_names_the_layer_whose_updates_blew_up_first(make_config):
     step, layer, when, norms = plain_blow_up(10.0, 20)
-    line, detail, _ = diverge(
+    line, detail, trainer = diverge(
         make_config, BlowUp(), devices__use="cpu:0", optim__lr=10.0, train__steps=20, train__log_every=20
     )
     assert detail["step"] == step and detail["samples"] == []
@@ -208,3 +210,10 @@ def test_an_exploding_learning_rate_names_the_layer_whose_updates_blew_up_first(
     updates = detail["updates"]
     assert updates["blew_up"]["layer"] == layer == detail["layer"] and updates["steps"] == list(range(1, step))
     assert updates["weight_norm"][-1][updates["layers"].index(layer)] == pytest.approx(norms[step - 2], rel=1e-3)
+    # `multilane watch` prints it, and the Health view's diagnosis selects that layer's row
+    watch = WatchState()
+    watch.set_status(json.loads((trainer.run_dir.path / "status.json").read_text()))
+    assert watch.line().endswith(f"({line})")
+    records = [json.loads(x) for x in (trainer.run_dir.path / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "nonfinite_origin"]
+    assert diagnose([], event)[0].row == layer
