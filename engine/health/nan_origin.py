@@ -184,6 +184,7 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         loader.start(kept.step * accum, last_step * accum)
         t.loader, t.health.every = Counted(loader, cursor, kept.step * accum), 0
         steps: list[Any] = []
+        history: dict[int, Any] = {}  # each replayed step's rows' peaks (origin.py, rule 4)
         for step in range(kept.step + 1, last_step + 1):
             t.window = MetricsWindow(t.backend.lane_names)
             t.window.resume()
@@ -199,9 +200,10 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
             t.step = step
             steps += trail.take()
             rec = t.window.record(step=step)
-            origin = origin_of(t, step, tracer, rec, kept.step, t.backend.lane_names, steps, trail.names)
+            origin = origin_of(t, step, tracer, rec, kept.step, t.backend.lane_names, steps, trail.names, history)
             if origin is not None:
                 return origin
+            history[step] = tracer.peaks
         return None
     finally:
         trail.remove()

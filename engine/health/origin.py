@@ -14,7 +14,10 @@ then a module's output, then the loss, then a gradient — is the origin. Its sa
    the median is — at most half the rows (an eighth after a layer blew up) (a huge finite input that
    overflows later: in a later module, the loss or backward);
 3. otherwise none: every sample went at once (an exploding learning rate), and the line says what the
-   replayed steps before it did to the weights instead.
+   replayed steps before it did to the weights instead;
+4. and then, when a layer's updates blew up at an earlier replayed step (below), the samples of that
+   step's batch that stood out by rule 2 (every micro-batch, every device): a huge finite sample whose
+   update wrecked the weights one step before anything went non-finite.
 
 The updates: per layer (a module with parameters of its own), each replayed step's ``|Δw| / |w|``
 (``w`` the weights the step started from; a layer of zeros has none) and weight norm. The layer that
@@ -54,6 +57,7 @@ class Origin:
     standout: str | None = None  # the module (or the input) where the samples named by size stand out
     updates: str = ""  # what the replayed steps before did to the weights (origin.py's docstring)
     layer: str | None = None  # the layer whose update ratio blew up first, if one did
+    samples_step: int | None = None  # the earlier step whose batch ``samples`` are from (rule 4), if not ``step``
 
     def line(self) -> str:
         """One line for the CLI, the window and status.json."""
@@ -68,15 +72,22 @@ class Origin:
             text = f"{what}: every module's output was finite; the loss on {self.device} was not"
         else:
             text = f"{what}: first non-finite gradient in {self.where} on {self.device}"
-        if self.samples:
-            more = len(self.samples) - MAX_SAMPLES
-            text += ", from samples " + ", ".join(str(s) for s in self.samples[:MAX_SAMPLES])
-            text += f" and {more} more" if more > 0 else ""
-            if self.standout is not None:
-                text += f" (standing out in {self.standout}: ≥{OUTLIER:g}× the batch's median |value|)"
+        if self.samples and self.samples_step is None:
+            text += ", from " + self._samples()
         if self.gradient is not None and self.kind != "gradient":
             text += f"; first non-finite gradient in {self.gradient[0]} on {self.gradient[1]}"
-        return text + self.updates
+        text += self.updates
+        if self.samples and self.samples_step is not None:
+            text += f"; step {self.samples_step}'s batch held " + self._samples()
+        return text
+
+    def _samples(self) -> str:
+        more = len(self.samples) - MAX_SAMPLES
+        text = "samples " + ", ".join(str(s) for s in self.samples[:MAX_SAMPLES])
+        text += f" and {more} more" if more > 0 else ""
+        if self.standout is not None:
+            text += f" (standing out in {self.standout}: ≥{OUTLIER:g}× the batch's median |value|)"
+        return text
 
 
 def first(found: dict[int, Finding]) -> Finding | None:
@@ -141,13 +152,19 @@ def updates_before(names: list[str], steps: list[tuple[int, list[list[float]]]],
             r, k = max(over, key=lambda x: (x[0] if x[0] == x[0] else math.inf, -x[1]))
             blew = {"layer": names[k], "step": s, "ratio": r}
             break
+    if blew is not None:
+        blew["ratio"] = _json(blew["ratio"])
     return {
         "steps": [s for s, _ in before],
         "layers": names,
-        "update_ratio": [[_json(r) for r in row] for row in ratios],
+        "update_ratio": [[_json(r) for r in row] for row in ratios],  # JSON: None where not finite
         "weight_norm": [[_json(w) for w in row] for row in weights],
         "blew_up": blew,
+        RAW: (ratios, weights),  # the values as they are, for the line (popped before the detail is written)
     }
+
+
+RAW = "_raw"
 
 
 def _ratio(w0: float, du: float) -> float | None:
@@ -173,8 +190,8 @@ def updates_text(u: dict[str, Any], named_samples: bool) -> tuple[str, str | Non
     if blew is None:
         if named_samples:
             return "", None
-        last = u["update_ratio"][-1]
-        known = [(r, k) for k, r in enumerate(last) if r is not None]
+        last = u[RAW][0][-1]
+        known = [(r, k) for k, r in enumerate(last) if r is not None and r == r]
         if not known:
             return "", None
         r, k = max(known)
@@ -182,9 +199,10 @@ def updates_text(u: dict[str, Any], named_samples: bool) -> tuple[str, str | Non
             f"; before it ({span}) every layer's |Δw|/|w| stayed under {BLEW_UP:g} (largest: {names[k]}, {_g(r)})",
             None,
         )
+    ratios, weights = u[RAW]
     k = names.index(blew["layer"])
-    shown = [row[k] for row in u["update_ratio"]][-SHOWN_STEPS:]
-    w = [row[k] for row in u["weight_norm"]]
+    shown = [row[k] for row in ratios][-SHOWN_STEPS:]
+    w = [row[k] for row in weights]
     trail = " → ".join(_g(r) for r in shown)
     text = (
         f"; before it |Δw|/|w| of {blew['layer']} passed {BLEW_UP:g} first, at step {blew['step']}"
@@ -252,11 +270,13 @@ def origin_of(
     names: list[str],
     updates: list[tuple[int, list[list[float]]]] | None = None,
     layers: list[str] | None = None,
+    history: dict[int, dict[tuple[int, str], dict[int, Any]]] | None = None,
 ) -> Origin | None:
     """The origin a replayed step shows, from its findings per lane (``tracer``: ``inputs``, ``outputs``,
     ``losses``, ``grads``, ``peaks``; under ddp a rank is a lane) and its record (its loss, when not
     finite, goes into the origin's line), or None when every value stayed finite. ``updates``: the
-    replayed steps' per-layer sums (``UpdateTrail.take``) of ``layers``."""
+    replayed steps' per-layer sums (``UpdateTrail.take``) of ``layers``; ``history``: the earlier
+    replayed steps' ``peaks``, by step (rule 4)."""
     loss = rec["loss"] if rec else math.nan
     loss = None if math.isfinite(loss) else loss
     bad_lanes = [k for k, v in (rec or {}).get("device_loss", {}).items() if not math.isfinite(v)]
@@ -289,4 +309,25 @@ def origin_of(
     if u is not None:
         detail["updates"] = u
         origin.updates, origin.layer = updates_text(u, bool(samples))
+        del u[RAW]
+        blew = u["blew_up"]
+        if blew is not None and not samples and history and blew["step"] in history:
+            found, standout = step_outliers(t, history[blew["step"]])
+            if found:
+                origin.samples, origin.standout, origin.samples_step = found, standout, blew["step"]
+                detail["samples"], u["samples"] = found[:MAX_DETAIL], found[:MAX_DETAIL]
     return origin
+
+
+def step_outliers(t: Any, peaks: dict[tuple[int, str], dict[int, Any]]) -> tuple[list[int], str | None]:
+    """Rule 2 over a whole step (every micro-batch, every device): the samples that stand out, and where
+    they first do."""
+    found: list[int] = []
+    where = None
+    for micro in sorted({m for m, _ in peaks}):
+        for lane in sorted({k for (m, _), by in peaks.items() if m == micro for k in by}):
+            rows, w = outlier_rows(peaks, micro, lane)
+            if rows:
+                found += _samples(t, micro, lane, rows)
+                where = where or w
+    return found, where

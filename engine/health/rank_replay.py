@@ -174,6 +174,7 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
         loader.start(kept.step * accum, last_step * accum)
         t.loader, t.health.every = Counted(loader, cursor, kept.step * accum), 0
         steps: list[Any] = []
+        history: dict[int, Any] = {}  # each replayed step's rows' peaks (origin.py, rule 4)
         for step in range(kept.step + 1, last_step + 1):
             t.window = window()
             tracer = Tracer(t.model, [], single=True, cursor=cursor)
@@ -190,9 +191,11 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
             windows = [e["window"] for e in everyone]
             rec = combine(windows, names, step=step) if all(w is not None for w in windows) else None
             steps += _updates(everyone, sharded)
-            origin = origin_of(t, step, _Gathered(everyone), rec, kept.step, names, steps, trail.names)
+            gathered = _Gathered(everyone)
+            origin = origin_of(t, step, gathered, rec, kept.step, names, steps, trail.names, history)
             if origin is not None:
                 return origin
+            history[step] = gathered.peaks
         return None
     finally:
         trail.remove()

@@ -39,7 +39,9 @@ class BatchEnergy(nn.Module):
 
 class Planted(Task):
     """A regression with one planted sample: ``zero`` (its feature 0 is 0: the first module makes inf
-    from it) or ``huge`` (its features are 1e30: finite in float32, until a later op squares them)."""
+    from it), ``huge`` (its features are 1e30: finite in float32, until a later op squares them) or
+    ``large`` (1e15: every value of its step stays finite, but its update blows the weights up, and
+    the next step overflows on every sample)."""
 
     name = "planted"
 
@@ -61,8 +63,8 @@ class Planted(Task):
         y = torch.randn(N, 1, generator=g, dtype=dtype)
         if self.how == "zero":
             x[self.bad, 0] = 0.0
-        else:
-            x[self.bad] = 1e30
+        else:  # 1e30: squared, it overflows in that step; 1e15: its update makes the weights ~1e27
+            x[self.bad] = 1e30 if self.how == "huge" else 1e15
         return ArrayData(x, y), None
 
     def loss(self, output, target):
@@ -117,16 +119,22 @@ def test_accumulation_names_the_bad_sample_of_the_later_micro_batch_on_its_devic
     assert detail["samples"] == [sample] and detail["micro_batch"] == 1
 
 
-@pytest.mark.parametrize("model", ["plain", "mixing"])
-def test_a_huge_finite_input_that_overflows_later_names_its_sample(make_config, model):
+@pytest.mark.parametrize(("how", "model"), [("huge", "plain"), ("huge", "mixing"), ("large", "plain")])
+def test_a_huge_finite_input_that_overflows_later_names_its_sample(make_config, how, model):
     sample, step, device = at(2 * BATCH + 5, 2, accum=1)  # step 3, cpu:0
-    line, detail, _ = diverge(make_config, Planted(sample, "huge", model))
+    line, detail, _ = diverge(make_config, Planted(sample, how, model))
+    named = f"samples {sample} (standing out in the input data: ≥1000× the batch's median |value|)"
+    assert detail["samples"] == [sample], line
+    if how == "large":  # step 3 stays finite; its update of layer 1 makes step 4 overflow on every sample
+        assert f" at step {step + 1}: " in line and f"; step {step}'s batch held {named}" in line
+        assert detail["updates"]["blew_up"]["step"] == step and detail["updates"]["samples"] == [sample]
+        return
     kind, what = {  # squared in the loss / every row non-finite after the mixing layer
         "plain": ("loss", f"the loss on {device} was not"),
         "mixing": ("output", f"first non-finite output in 1 on {device}"),
     }[model]
-    assert f" at step {step}: " in line and f"{what}, from samples {sample} (standing out in the input data: " in line
-    assert detail["samples"] == [sample] and detail["kind"] == kind
+    assert f" at step {step}: " in line and f"{what}, from {named}" in line
+    assert detail["kind"] == kind
 
 
 @pytest.mark.slow
