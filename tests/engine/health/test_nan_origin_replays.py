@@ -137,7 +137,6 @@ def test_a_huge_finite_input_that_overflows_later_names_its_sample(make_config, 
     assert detail["kind"] == kind
 
 
-@pytest.mark.slow
 def test_a_resume_mid_window_traces_the_nan_and_never_loses_a_better_origin(make_config, tmp_path):
     sample, step, device = at(3 * BATCH + 3, 2)  # step 4 of a window of steps 1-5, checkpoint at 3
     over = {"train__steps": 5, "train__log_every": 5, "train__checkpoint_every": 3}
