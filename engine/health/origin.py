@@ -3,15 +3,15 @@
 The first non-finite value of the step — in the earliest micro-batch, and within it the input data,
 then a module's output, then the loss, then a gradient — is the origin. Its samples:
 
-1. the rows that hold the non-finite value, where they are at most half of its device's rows (an
-   eighth, when a layer's updates blew up in the steps before: many rows at once are then the weights'
-   doing) and the tensor has one row per sample (a sample-level fault: a NaN in the data, a module that
-   makes inf from one sample);
-2. otherwise (the loss, a gradient, most or every row at once, as after a layer that mixes the batch) the
+1. the rows that hold the non-finite value, where they are few — at most a quarter of its device's rows
+   (an eighth, when a layer's updates blew up in the steps before: many rows at once are the weights'
+   doing, not theirs) — and the tensor has one row per sample (a sample-level fault: a NaN in the data,
+   a module that makes inf from one sample);
+2. otherwise (the loss, a gradient, many or every row at once, as after a layer that mixes the batch) the
    rows of that device whose values stand out at the first place they do (the input, then each module
    output with one row per sample, in the order they ran): a row's largest absolute value at least
    ``OUTLIER`` times the median row's of the whole micro-batch (every device's rows), or not finite where
-   the median is — at most half the rows (an eighth after a layer blew up) (a huge finite input that
+   the median is — as few as in rule 1, counted over the micro-batch (a huge finite input that
    overflows later: in a later module, the loss or backward);
 3. otherwise none: every sample went at once (an exploding learning rate), and the line says what the
    replayed steps before it did to the weights instead;
@@ -42,6 +42,8 @@ MAX_DETAIL = 1000
 OUTLIER = 1000.0
 BLEW_UP = 0.1
 SHOWN_STEPS = 6  # the last steps whose ratios the line lists
+SHOWN_LAYERS = 4  # the layers whose last ratio the line lists, largest first
+RAW = "_raw"  # the updates' values as they are (inf, NaN), for the line; not written to the detail
 
 
 @dataclass
@@ -164,9 +166,6 @@ def updates_before(names: list[str], steps: list[tuple[int, list[list[float]]]],
     }
 
 
-RAW = "_raw"
-
-
 def _ratio(w0: float, du: float) -> float | None:
     if not w0 > 0 or math.isinf(w0):
         return None
@@ -200,20 +199,23 @@ def updates_text(u: dict[str, Any], named_samples: bool) -> tuple[str, str | Non
             None,
         )
     ratios, weights = u[RAW]
-    k = names.index(blew["layer"])
-    shown = [row[k] for row in ratios][-SHOWN_STEPS:]
-    w = [row[k] for row in weights]
-    trail = " → ".join(_g(r) for r in shown)
+    k, i0 = names.index(blew["layer"]), max(0, len(steps) - SHOWN_STEPS)  # the last steps' values
+    shown = " → ".join(_g(row[k]) for row in ratios[i0:])
+    span = f"step {steps[i0]}" if i0 == len(steps) - 1 else f"steps {steps[i0]}–{steps[-1]}"
     text = (
         f"; before it |Δw|/|w| of {blew['layer']} passed {BLEW_UP:g} first, at step {blew['step']}"
-        f" ({span}: {trail}), its weight norm {_g(w[0])} → {_g(w[-1])}"
+        f" ({span}: {shown}), its weight norm {_g(weights[i0][k])} → {_g(weights[-1][k])}"
     )
+    if len(names) > 1:  # the other layers: the largest ratios of the last step before it
+        last = sorted(((r if r == r else math.inf, j) for j, r in enumerate(ratios[-1]) if r is not None), reverse=True)
+        top = ", ".join(f"{names[j]} {_g(ratios[-1][j])}" for _, j in last[:SHOWN_LAYERS])
+        text += f"; step {steps[-1]}'s |Δw|/|w| by layer: {top}" + (" …" if len(last) > SHOWN_LAYERS else "")
     return text, blew["layer"]
 
 
 # -- the samples -----------------------------------------------------------------------------------
 def outlier_rows(
-    peaks: dict[tuple[int, str], dict[int, Any]], micro: int, lane: int, share: int = 2
+    peaks: dict[tuple[int, str], dict[int, Any]], micro: int, lane: int, share: int = 4
 ) -> tuple[list[int], str | None]:
     """Rule 2 of the module docstring: the rows of ``lane`` in micro-batch ``micro`` that stand out at the
     first place (in the order it ran: the input, then the modules' outputs) where any does, and that place;
@@ -247,10 +249,9 @@ def _samples(t: Any, micro: int, lane: int, rows: list[int]) -> list[int]:
 def _rows_of(
     found: Finding, peaks: dict[tuple[int, str], dict[int, Any]], blew_up: bool
 ) -> tuple[list[int], str | None]:
-    """The rows that name ``found``'s samples (rules 1 and 2), and where they stand out (rule 2). After
-    a layer blew up, rule 1 takes only a few rows (an eighth of the device's): many rows at once are
-    the weights', not theirs."""
-    share = 8 if blew_up else 2
+    """The rows that name ``found``'s samples (rules 1 and 2), and where they stand out (rule 2): a few
+    rows (a quarter of them; an eighth after a layer blew up)."""
+    share = 8 if blew_up else 4
     shard, n = found.shard, len(found.rows)
     per_sample = shard is not None and found.span == shard
     if per_sample and 0 < n < shard and n <= max(1, shard // share):
@@ -306,6 +307,8 @@ def origin_of(
         "replayed_from_step": k0,
     }
     origin = Origin(step, kind, where, device, samples, None if kind == "gradient" else grad, loss, detail, standout)
+    if u is None and not samples and kind != "input":  # nothing to show of the updates: say why
+        origin.updates = f"; no update replayed before it (the replay began at step {step})"
     if u is not None:
         detail["updates"] = u
         origin.updates, origin.layer = updates_text(u, bool(samples))

@@ -213,7 +213,7 @@ def test_an_exploding_learning_rate_names_the_layer_whose_updates_blew_up_first(
     )
     assert detail["step"] == step and detail["samples"] == []
     assert f"; before it |Δw|/|w| of {layer} passed 0.1 first, at step {when} (steps 1–{step - 1}: " in line
-    assert line.endswith(f", its weight norm {norms[0]:.2g} → {norms[step - 2]:.2g}")
+    assert f", its weight norm {norms[0]:.2g} → {norms[step - 2]:.2g}; step {step - 1}'s |Δw|/|w| by layer: " in line
     updates = detail["updates"]
     assert updates["blew_up"]["layer"] == layer == detail["layer"] and updates["steps"] == list(range(1, step))
     assert updates["weight_norm"][-1][updates["layers"].index(layer)] == pytest.approx(norms[step - 2], rel=1e-3)
@@ -224,3 +224,8 @@ def test_an_exploding_learning_rate_names_the_layer_whose_updates_blew_up_first(
     records = [json.loads(x) for x in (trainer.run_dir.path / "metrics.jsonl").read_text().splitlines()]
     (event,) = [r for r in records if r.get("event") == "nonfinite_origin"]
     assert diagnose([], event)[0].row == layer
+    # a window that begins at that step has no update to show, and says so
+    line, _, _ = diverge(
+        make_config, BlowUp(), devices__use="cpu:0", optim__lr=10.0, train__steps=4, train__log_every=step - 1
+    )
+    assert line.endswith(f"; no update replayed before it (the replay began at step {step})"), line
