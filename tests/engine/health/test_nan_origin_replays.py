@@ -223,7 +223,7 @@ def test_an_exploding_learning_rate_names_the_layer_whose_updates_blew_up_first(
     assert watch.line().endswith(f"({line})")
     records = [json.loads(x) for x in (trainer.run_dir.path / "metrics.jsonl").read_text().splitlines()]
     (event,) = [r for r in records if r.get("event") == "nonfinite_origin"]
-    assert diagnose([], event)[0].row == layer
+    assert (diagnose([], event)[0].row, diagnose([], event)[0].quantity) == (layer, "update_ratio")
     # a window that begins at that step has no update to show, and says so
     line, _, _ = diverge(
         make_config, BlowUp(), devices__use="cpu:0", optim__lr=10.0, train__steps=4, train__log_every=step - 1
