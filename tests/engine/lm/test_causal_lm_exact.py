@@ -25,8 +25,8 @@ from torch.nn import functional as F
 BATCH, STEPS, SEED, LR, VAL = 6, 3, 7, 0.02, 0.2
 
 
-def lm_params(model, data, rank=2):
-    return {"model": str(model), "data": [str(data)], "context": 16, "lora_rank": rank, "lora_alpha": 4.0}
+def lm_params(model, data, rank=2, **more):
+    return {"model": str(model), "data": [str(data)], "context": 16, "lora_rank": rank, "lora_alpha": 4.0, **more}
 
 
 def settings(tmp_path, p, devices, strategy, steps=STEPS, weights=()):

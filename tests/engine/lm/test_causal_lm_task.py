@@ -13,6 +13,7 @@ from lm_tiny import tiny_tokenizer
 from multilane.engine.config import build_config
 from multilane.engine.errors import UserError
 from multilane.engine.lm.data import CACHE, IGNORE
+from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import make_task
 
@@ -69,6 +70,19 @@ def test_tokenized_text_is_cached_beside_the_data_keyed_by_tokenizer_and_files(t
     other = tiny_tokenizer(tmp_path / "other-tokenizer", vocab=120)
     make_task("causal-lm", params(tiny_gpt2, lm_text, tokenizer=str(other))).data()
     assert len(list((lm_text / CACHE).iterdir())) == 3
+
+
+def test_frozen_weights_have_no_gradients_nor_optimizer_state_in_the_forecast(tiny_llama, lm_text):
+    # fsdp's per-rank forecast (engine/plan/shards.py) of the task's own model, LoRA against full.
+    lora = make_task("causal-lm", params(tiny_llama, lm_text, lora_rank=4)).build_model()
+    full = make_task("causal-lm", params(tiny_llama, lm_text, lora_rank=0)).build_model()
+    trainable = [q for q in lora.parameters() if q.requires_grad]
+    assert trainable and all("lora_" in n for n, q in lora.named_parameters() if q.requires_grad)
+    with_lora, whole = shard_bytes(lora.parameters(), 2, 0, "adam"), shard_bytes(full.parameters(), 2, 0, "adam")
+    adapters = shard_bytes(trainable, 2, 0, "adam")
+    assert with_lora.grads == adapters.grads and with_lora.optimizer == adapters.optimizer
+    assert with_lora.params > whole.params and with_lora.grads < whole.grads / 10
+    assert whole.grads == whole.params  # every weight trained: a gradient each
 
 
 def _config(tmp_path, p):
