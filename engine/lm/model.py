@@ -140,8 +140,12 @@ def load_model(p: Any, source: str) -> CausalLM:
     except (OSError, ValueError) as e:
         raise UserError(f"{WHO}: model = {p.model!r}: cannot load it ({_one_line(e)})") from None
     lm.config.use_cache = False
-    if p.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if p.gradient_checkpointing:  # non-reentrant: it needs no input that requires grad (a frozen embedding)
+        with hf.quiet():
+            if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5.x's name
+                lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if p.lora_rank > 0:
         lm = with_lora(lm, p)
     return CausalLM(lm)
