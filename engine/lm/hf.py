@@ -25,6 +25,9 @@ def transformers() -> ModuleType:
     module = _require("transformers", "task causal-lm")
     module.utils.logging.set_verbosity_error()  # no "Loading weights" bars or notices in a run's output
     module.utils.logging.disable_progress_bar()
+    import huggingface_hub
+
+    huggingface_hub.utils.logging.set_verbosity_error()  # an unreachable Hub: one line at the end, not each retry
     return module
 
 

@@ -59,7 +59,23 @@ def load_config(source: str) -> Any:
         raise UserError(f"{WHO}: model = {source!r}: cannot read its config ({_one_line(e)})") from None
 
 
-def load_tokenizer(source: str) -> Any:
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+"""A local tokenizer folder holds at least one of these (else transformers builds an empty tokenizer from config.json)."""
+
+
+def load_tokenizer(source: str, field: str = "tokenizer") -> Any:
+    if Path(source).is_dir() and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        hint = "; give task.params.tokenizer" if field == "model" else ""
+        raise UserError(
+            f"{WHO}: tokenizer = {source!r}: the folder holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}"
+        )
     tf = hf.transformers()
     try:
         with hf.quiet():
@@ -137,7 +153,7 @@ def load_model(p: Any, source: str) -> CausalLM:
     try:
         with hf.quiet():
             lm = tf.AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[p.dtype])
-    except (OSError, ValueError) as e:
+    except Exception as e:  # missing, damaged or foreign weight files: whatever the reader raises, one line
         raise UserError(f"{WHO}: model = {p.model!r}: cannot load it ({_one_line(e)})") from None
     lm.config.use_cache = False
     if p.gradient_checkpointing:  # non-reentrant: it needs no input that requires grad (a frozen embedding)

@@ -87,7 +87,7 @@ class CausalLMTask(Task):
         self.source = lm_model.resolve(p.model, "model")
         self.tokenizer_source = lm_model.resolve(p.tokenizer, "tokenizer") if p.tokenizer else self.source
         config = lm_model.load_config(self.source)
-        self.tokenizer = lm_model.load_tokenizer(self.tokenizer_source)
+        self.tokenizer = lm_model.load_tokenizer(self.tokenizer_source, "tokenizer" if p.tokenizer else "model")
         lm_model.check_pair(config, self.tokenizer, p.context, p.model, p.tokenizer or p.model)
         if p.lora_rank > 0 and p.lora_targets:
             lm_model.check_targets(p.lora_targets, lm_model.module_names(config))

@@ -4,6 +4,7 @@ it is due, the tokenized text cached beside the data, and each bad input refused
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -102,7 +103,9 @@ def _refused(tmp_path, p) -> str:
     with pytest.raises(UserError) as e:
         Trainer(_config(tmp_path, p)).run()
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    return str(e.value)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("task causal-lm: ") and line.count("task causal-lm") == 1, line
+    return line
 
 
 def test_each_bad_input_is_one_line_and_nothing_is_written(tiny_gpt2, lm_text, tmp_path):
@@ -115,8 +118,18 @@ def test_each_bad_input_is_one_line_and_nothing_is_written(tiny_gpt2, lm_text, t
     assert "more than the 200 embeddings" in line
     line = _refused(tmp_path, params(tiny_gpt2, lm_text, context=65))
     assert "context = 65" in line and "64 positions" in line
+    weights_only = tmp_path / "no-tokenizer"
+    weights_only.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_gpt2 / f, weights_only / f)
+    line = _refused(tmp_path, params(weights_only, lm_text))
+    assert "holds no tokenizer" in line and "task.params.tokenizer" in line
+    (weights_only / "model.safetensors").write_bytes(b"not safetensors")
+    line = _refused(tmp_path, params(weights_only, lm_text, tokenizer=str(tiny_gpt2)))
+    assert "cannot load it" in line
     line = _refused(tmp_path, params(tiny_gpt2, lm_text, lora_targets=["q_proj"]))
     assert "'q_proj'" in line and "c_attn" in line
+    shutil.rmtree(lm_text / CACHE, ignore_errors=True)  # the good text's, tokenized before the weights failed
     with open(lm_text / "pairs.jsonl", "a") as f:
         f.write(json.dumps({"prompt": "no completion"}) + "\n")
     line = _refused(tmp_path, params(tiny_gpt2, lm_text))
