@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,16 @@ WHO = "task causal-lm"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+"""A Hub model id: ``name`` or ``org/name`` (letters, digits, ``_ . -``)."""
+
+
 def _is_local(name: str) -> bool:
-    """Whether ``name`` means a folder on this machine (else a Hub name such as ``org/model``)."""
-    p = Path(name).expanduser()
-    if p.exists() or name.startswith((".", "/", "~")) or "\\" in name:
+    """Whether ``name`` means a folder on this machine (else a Hub id such as ``org/model``), as transformers
+    decides: an existing folder is local, and so is anything shaped like a path rather than a Hub id."""
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
         return True
-    return name.count("/") != 1  # a Hub name is "org/name"; anything else is a path
+    return not HUB_ID.match(name)
 
 
 def resolve(name: str, field: str) -> str:
@@ -56,7 +61,8 @@ def load_config(source: str) -> Any:
         with hf.quiet():
             return tf.AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{WHO}: model = {source!r}: cannot read its config ({_one_line(e)})") from None
+        where = "" if _is_local(source) else "no such folder here, and from the Hub: "
+        raise UserError(f"{WHO}: model = {source!r}: cannot read its config ({where}{_one_line(e)})") from None
 
 
 TOKENIZER_FILES = (
