@@ -13,13 +13,16 @@ the eval record's ``perplexity``.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from typing import Any, Literal
 
 import torch
 from multilane.engine.lm import data as lm_data
 from multilane.engine.lm import model as lm_model
 from multilane.engine.tasks.base import Task
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import nn
 from torch.nn import functional as F
 
@@ -68,8 +71,17 @@ class CausalLMParams(BaseModel):
 
     @field_validator("data", "lora_targets", "prompts", mode="before")
     @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+    def _one_or_many(cls, v: Any, info: ValidationInfo) -> Any:
+        """A list; or one string: a JSON list (``["a", "b"]``, as a form's text field holds one), names
+        separated by commas (``lora_targets``: ``q_proj, v_proj``), else the one path or prompt."""
+        if not isinstance(v, str):
+            return v
+        if v.strip().startswith("["):
+            with contextlib.suppress(ValueError):
+                return json.loads(v)
+        if info.field_name == "lora_targets":
+            return [t for t in re.split(r"[,\s]+", v) if t]
+        return [v] if v else []
 
 
 class CausalLMTask(Task):

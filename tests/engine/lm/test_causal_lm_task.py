@@ -150,3 +150,13 @@ def test_the_cli_refuses_bad_input_with_exit_2_and_one_line(tiny_gpt2, lm_text, 
         err = p.stderr.strip()
         assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
         assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_list_fields_take_a_list_or_one_string_as_a_command_line_or_a_form_gives_it():
+    from multilane.engine.tasks.causal_lm import CausalLMParams
+
+    assert CausalLMParams(data="notes.txt").data == ["notes.txt"]
+    assert CausalLMParams(data='["a.txt", "b"]').data == ["a.txt", "b"]
+    assert CausalLMParams(lora_targets="q_proj, v_proj").lora_targets == ["q_proj", "v_proj"]
+    assert CausalLMParams(prompts="Once, upon a time").prompts == ["Once, upon a time"]
+    assert CausalLMParams(lora_targets="").lora_targets == [] and CausalLMParams(data="").data == []
