@@ -41,7 +41,7 @@ class TaskSection(Section):
     name: str = Field(
         "digits",
         min_length=1,
-        description="Built-in task (digits, linear, mlp, charlm, imagefolder) or a path to a .py file",
+        description="Built-in task (digits, linear, mlp, charlm, imagefolder, causal-lm) or a path to a .py file",
     )
     params: dict[str, Any] = Field(default_factory=dict, description="The task's own hyperparameters")
 

@@ -54,7 +54,7 @@ from multilane.engine.run.optim import build_optimizer, lr_at
 from multilane.engine.run.run_spec import planned_steps
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import RunDir
-from multilane.engine.tasks import loss_weight_fn
+from multilane.engine.tasks import add_token_fields, loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors.features import check_model
@@ -306,6 +306,7 @@ class DdpTrainer(RankAgreement, Trainer):
             **extra,
         )
         rec["phase_ms"] = everyone[0][2]
+        add_token_fields(self.task, rec)  # a language model's tokens_per_s
         self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
         if self.info.is_main:
             for _, records, _ in everyone[1:]:

@@ -39,7 +39,7 @@ from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
-from multilane.engine.tasks import Task, loss_weight_fn
+from multilane.engine.tasks import Task, add_token_fields, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
@@ -352,6 +352,7 @@ class Trainer:
         if rec is None:
             return
         rec["phase_ms"] = self.timer.read()
+        add_token_fields(self.task, rec)  # a language model's tokens_per_s
         busy = self.backend.lane_busy_seconds()
         if busy is not None:
             rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
