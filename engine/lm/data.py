@@ -102,13 +102,15 @@ def _ids(tok: Any, texts: list[str], special: bool) -> list[list[int]]:
 def tokenize(files: list[Path], tok: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The token stream of every document of ``files`` (int32) and its loss flags (bool)."""
     eos = int(tok.eos_token_id)
-    ids: list[int] = []
-    loss: list[bool] = []
+    id_parts: list[torch.Tensor] = []  # one tensor per chunk of documents: no Python int per token is kept
+    loss_parts: list[torch.Tensor] = []
     docs = [d for f in files for d in documents(f)]  # every line checked before any token is kept
     for start in range(0, len(docs), BATCH):
         chunk = docs[start : start + BATCH]
         heads = _ids(tok, [a for a, _ in chunk], special=True)
         tails = iter(_ids(tok, [b for _, b in chunk if b is not None], special=False))
+        ids: list[int] = []
+        loss: list[bool] = []
         for (_, completion), head in zip(chunk, heads, strict=True):
             if completion is None:
                 body = head if head and head[-1] == eos else [*head, eos]
@@ -119,7 +121,11 @@ def tokenize(files: list[Path], tok: Any) -> tuple[torch.Tensor, torch.Tensor]:
                 answer = [*next(tails), eos]
                 ids += prompt + answer
                 loss += [False] * len(prompt) + [True] * len(answer)
-    return torch.tensor(ids, dtype=torch.int32), torch.tensor(loss, dtype=torch.bool)
+        id_parts.append(torch.tensor(ids, dtype=torch.int32))
+        loss_parts.append(torch.tensor(loss, dtype=torch.bool))
+    if not id_parts:
+        return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bool)
+    return torch.cat(id_parts), torch.cat(loss_parts)
 
 
 def cache_key(files: list[Path], tokenizer_key: str) -> str:

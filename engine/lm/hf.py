@@ -10,22 +10,31 @@ from types import ModuleType
 EXTRA = "lm"
 
 
-def transformers() -> ModuleType:
-    """``transformers``, or ``MissingExtra`` (one line naming the ``[lm]`` extra)."""
-    from multilane.integrations.extras import require
+def _require(module: str, what: str) -> ModuleType:
+    from multilane.engine.errors import UserError
+    from multilane.integrations.extras import MissingExtra, require
 
-    module = require("transformers", EXTRA, "task causal-lm")
+    try:
+        return require(module, EXTRA, what)
+    except MissingExtra as e:  # a refusal like any bad input: one line, exit 2
+        raise UserError(str(e)) from None
+
+
+def transformers() -> ModuleType:
+    """``transformers``, or ``UserError``: one line naming the ``[lm]`` extra."""
+    module = _require("transformers", "task causal-lm")
     module.utils.logging.set_verbosity_error()  # no "Loading weights" bars or notices in a run's output
     module.utils.logging.disable_progress_bar()
+    import huggingface_hub
+
+    huggingface_hub.utils.logging.set_verbosity_error()  # an unreachable Hub: one line at the end, not each retry
     return module
 
 
 def peft() -> ModuleType:
-    """``peft``, or ``MissingExtra`` (one line naming the ``[lm]`` extra)."""
-    from multilane.integrations.extras import require
-
+    """``peft``, or ``UserError``: one line naming the ``[lm]`` extra."""
     transformers()
-    return require("peft", EXTRA, "task causal-lm with lora_rank > 0")
+    return _require("peft", "task causal-lm with lora_rank > 0")
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,16 @@ WHO = "task causal-lm"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+"""A Hub model id: ``name`` or ``org/name`` (letters, digits, ``_ . -``)."""
+
+
 def _is_local(name: str) -> bool:
-    """Whether ``name`` means a folder on this machine (else a Hub name such as ``org/model``)."""
-    p = Path(name).expanduser()
-    if p.exists() or name.startswith((".", "/", "~")) or "\\" in name:
+    """Whether ``name`` means a folder on this machine (else a Hub id such as ``org/model``), as transformers
+    decides: an existing folder is local, and so is anything shaped like a path rather than a Hub id."""
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
         return True
-    return name.count("/") != 1  # a Hub name is "org/name"; anything else is a path
+    return not HUB_ID.match(name)
 
 
 def resolve(name: str, field: str) -> str:
@@ -56,10 +61,27 @@ def load_config(source: str) -> Any:
         with hf.quiet():
             return tf.AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{WHO}: model = {source!r}: cannot read its config ({_one_line(e)})") from None
+        where = "" if _is_local(source) else "no such folder here, and from the Hub: "
+        raise UserError(f"{WHO}: model = {source!r}: cannot read its config ({where}{_one_line(e)})") from None
 
 
-def load_tokenizer(source: str) -> Any:
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+"""A local tokenizer folder holds at least one of these (else transformers builds an empty tokenizer from config.json)."""
+
+
+def load_tokenizer(source: str, field: str = "tokenizer") -> Any:
+    if Path(source).is_dir() and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        hint = "; give task.params.tokenizer" if field == "model" else ""
+        raise UserError(
+            f"{WHO}: tokenizer = {source!r}: the folder holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}"
+        )
     tf = hf.transformers()
     try:
         with hf.quiet():
@@ -137,11 +159,15 @@ def load_model(p: Any, source: str) -> CausalLM:
     try:
         with hf.quiet():
             lm = tf.AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[p.dtype])
-    except (OSError, ValueError) as e:
+    except Exception as e:  # missing, damaged or foreign weight files: whatever the reader raises, one line
         raise UserError(f"{WHO}: model = {p.model!r}: cannot load it ({_one_line(e)})") from None
     lm.config.use_cache = False
-    if p.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if p.gradient_checkpointing:  # non-reentrant: it needs no input that requires grad (a frozen embedding)
+        with hf.quiet():
+            if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5.x's name
+                lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if p.lora_rank > 0:
         lm = with_lora(lm, p)
     return CausalLM(lm)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.runlog import CONFIG

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.remote.connection import Connection, Disconnected, RemoteError
 from multilane.engine.remote.launch import CONSOLE, RemoteRun, write_remote_control
 from multilane.engine.remote.mirror_copy import NotAFile, lstat_regular, open_checked, read_range, still_regular

@@ -261,8 +261,7 @@ class Trainer:
                 why = self.control.stop_reason
                 return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
-            if self.window.steps == 0:
-                self.run_health.window_start(self)  # the state a replay of this window starts from
+            self.run_health.before_step(self)  # the state a replay of this window starts from
             with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
                 self._train_step(accum)
             self.step += 1

@@ -13,13 +13,16 @@ the eval record's ``perplexity``.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from typing import Any, Literal
 
 import torch
 from multilane.engine.lm import data as lm_data
 from multilane.engine.lm import model as lm_model
 from multilane.engine.tasks.base import Task
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import nn
 from torch.nn import functional as F
 
@@ -69,8 +72,17 @@ class CausalLMParams(BaseModel):
 
     @field_validator("data", "lora_targets", "prompts", mode="before")
     @classmethod
-    def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+    def _one_or_many(cls, v: Any, info: ValidationInfo) -> Any:
+        """A list; or one string: a JSON list (``["a", "b"]``, as a form's text field holds one), names
+        separated by commas (``lora_targets``: ``q_proj, v_proj``), else the one path or prompt."""
+        if not isinstance(v, str):
+            return v
+        if v.strip().startswith("["):
+            with contextlib.suppress(ValueError):
+                return json.loads(v)
+        if info.field_name == "lora_targets":
+            return [t for t in re.split(r"[,\s]+", v) if t]
+        return [v] if v else []
 
 
 class CausalLMTask(Task):
@@ -88,7 +100,7 @@ class CausalLMTask(Task):
         self.source = lm_model.resolve(p.model, "model")
         self.tokenizer_source = lm_model.resolve(p.tokenizer, "tokenizer") if p.tokenizer else self.source
         config = lm_model.load_config(self.source)
-        self.tokenizer = lm_model.load_tokenizer(self.tokenizer_source)
+        self.tokenizer = lm_model.load_tokenizer(self.tokenizer_source, "tokenizer" if p.tokenizer else "model")
         lm_model.check_pair(config, self.tokenizer, p.context, p.model, p.tokenizer or p.model)
         if p.lora_rank > 0 and p.lora_targets:
             lm_model.check_targets(p.lora_targets, lm_model.module_names(config))

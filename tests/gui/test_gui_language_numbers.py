@@ -16,7 +16,7 @@ from multilane.engine.cli.watch import WatchState
 from multilane.gui.plots.export import export_headless
 from multilane.gui.plots.figures import run_caption
 from multilane.gui.runs.run_data import RunData
-from multilane.gui.window.runs_index import COLUMNS
+from multilane.gui.table.runs_index import COLUMNS
 
 TOKENS = [1210.0, 1390.5, 1402.25]
 PPL = [61.5, 40.25]

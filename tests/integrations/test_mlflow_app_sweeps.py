@@ -39,7 +39,7 @@ def test_the_apps_form_offers_the_tracking_server_and_refuses_a_password_in_it(q
 
 @pytest.mark.slow
 def test_the_runs_table_sends_the_selected_runs_and_says_how_each_went(server, tmp_path, qtbot):
-    from multilane.gui.window.runs_table import RunsTable
+    from multilane.gui.table.runs_table import RunsTable
 
     runs = tmp_path / "runs"
     _, run = train(runs)

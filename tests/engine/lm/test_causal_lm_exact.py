@@ -25,8 +25,8 @@ from torch.nn import functional as F
 BATCH, STEPS, SEED, LR, VAL = 6, 3, 7, 0.02, 0.2
 
 
-def lm_params(model, data, rank=2):
-    return {"model": str(model), "data": [str(data)], "context": 16, "lora_rank": rank, "lora_alpha": 4.0}
+def lm_params(model, data, rank=2, **more):
+    return {"model": str(model), "data": [str(data)], "context": 16, "lora_rank": rank, "lora_alpha": 4.0, **more}
 
 
 def settings(tmp_path, p, devices, strategy, steps=STEPS, weights=()):
@@ -106,14 +106,18 @@ def assert_matches(run, ref, state, evals=1):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind, strategy, devices, weights",
-    [("gpt2", "replicate", "cpu:0,cpu:1", (1, 2)), ("llama", "persistent", "cpu:0,cpu:1,cpu:2", (2, 1, 3))],
+    "kind, strategy, devices, weights, checkpointing, rank",
+    [
+        ("gpt2", "replicate", "cpu:0,cpu:1", (1, 2), False, 2),
+        ("llama", "persistent", "cpu:0,cpu:1,cpu:2", (2, 1, 3), True, 2),
+        ("gpt2", "persistent", "cpu:0,cpu:1,cpu:2", (), False, 0),  # every weight, the head tied to the embeddings
+    ],
 )
-def test_lora_on_lanes_equals_one_device_and_resumes_exactly(
-    tmp_path, lm_text, kind, strategy, devices, weights, request
+def test_lanes_equal_one_device_and_resume_exactly(
+    tmp_path, lm_text, kind, strategy, devices, weights, checkpointing, rank, request
 ):
     model = request.getfixturevalue(f"tiny_{kind}")
-    p = lm_params(model, lm_text)
+    p = lm_params(model, lm_text, rank, gradient_checkpointing=checkpointing)
     ref = reference(p, STEPS + 1)
     # Two steps, then resumed to the end: one straight run's numbers.
     first = Trainer(build_config(settings(tmp_path, p, devices, strategy, steps=2, weights=weights))).run()
@@ -126,8 +130,11 @@ def test_lora_on_lanes_equals_one_device_and_resumes_exactly(
     noise = [r["noise"] for r in read_metrics(first.run_dir) if r.get("noise")]
     assert noise and all(n["unit"] == "tokens" for n in noise)
     layers = json.loads((first.run_dir / HEALTH_LAYERS).read_text().splitlines()[-1])["names"]
-    assert any("lora_A" in name for name in layers) and any("lora_B" in name for name in layers)
-    assert not any("lora" not in name for name in layers)  # the frozen base has no health of its own
+    if rank:
+        assert any("lora_A" in name for name in layers) and any("lora_B" in name for name in layers)
+        assert not any("lora" not in name for name in layers)  # the frozen base has no health of its own
+    else:
+        assert any("wte" in name for name in layers) and any("c_attn" in name for name in layers)
 
 
 @pytest.mark.slow

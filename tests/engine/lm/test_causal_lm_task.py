@@ -4,6 +4,7 @@ it is due, the tokenized text cached beside the data, and each bad input refused
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from lm_tiny import tiny_tokenizer
 from multilane.engine.config import build_config
 from multilane.engine.errors import UserError
 from multilane.engine.lm.data import CACHE, IGNORE
+from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import make_task
 
@@ -71,6 +73,19 @@ def test_tokenized_text_is_cached_beside_the_data_keyed_by_tokenizer_and_files(t
     assert len(list((lm_text / CACHE).iterdir())) == 3
 
 
+def test_frozen_weights_have_no_gradients_nor_optimizer_state_in_the_forecast(tiny_llama, lm_text):
+    # fsdp's per-rank forecast (engine/plan/shards.py) of the task's own model, LoRA against full.
+    lora = make_task("causal-lm", params(tiny_llama, lm_text, lora_rank=4)).build_model()
+    full = make_task("causal-lm", params(tiny_llama, lm_text, lora_rank=0)).build_model()
+    trainable = [q for q in lora.parameters() if q.requires_grad]
+    assert trainable and all("lora_" in n for n, q in lora.named_parameters() if q.requires_grad)
+    with_lora, whole = shard_bytes(lora.parameters(), 2, 0, "adam"), shard_bytes(full.parameters(), 2, 0, "adam")
+    adapters = shard_bytes(trainable, 2, 0, "adam")
+    assert with_lora.grads == adapters.grads and with_lora.optimizer == adapters.optimizer
+    assert with_lora.params > whole.params and with_lora.grads < whole.grads / 10
+    assert whole.grads == whole.params  # every weight trained: a gradient each
+
+
 def _config(tmp_path, p):
     return build_config(
         {
@@ -88,7 +103,9 @@ def _refused(tmp_path, p) -> str:
     with pytest.raises(UserError) as e:
         Trainer(_config(tmp_path, p)).run()
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    return str(e.value)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("task causal-lm: ") and line.count("task causal-lm") == 1, line
+    return line
 
 
 def test_each_bad_input_is_one_line_and_nothing_is_written(tiny_gpt2, lm_text, tmp_path):
@@ -101,8 +118,18 @@ def test_each_bad_input_is_one_line_and_nothing_is_written(tiny_gpt2, lm_text, t
     assert "more than the 200 embeddings" in line
     line = _refused(tmp_path, params(tiny_gpt2, lm_text, context=65))
     assert "context = 65" in line and "64 positions" in line
+    weights_only = tmp_path / "no-tokenizer"
+    weights_only.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_gpt2 / f, weights_only / f)
+    line = _refused(tmp_path, params(weights_only, lm_text))
+    assert "holds no tokenizer" in line and "task.params.tokenizer" in line
+    (weights_only / "model.safetensors").write_bytes(b"not safetensors")
+    line = _refused(tmp_path, params(weights_only, lm_text, tokenizer=str(tiny_gpt2)))
+    assert "cannot load it" in line
     line = _refused(tmp_path, params(tiny_gpt2, lm_text, lora_targets=["q_proj"]))
     assert "'q_proj'" in line and "c_attn" in line
+    shutil.rmtree(lm_text / CACHE, ignore_errors=True)  # the good text's, tokenized before the weights failed
     with open(lm_text / "pairs.jsonl", "a") as f:
         f.write(json.dumps({"prompt": "no completion"}) + "\n")
     line = _refused(tmp_path, params(tiny_gpt2, lm_text))
@@ -123,3 +150,13 @@ def test_the_cli_refuses_bad_input_with_exit_2_and_one_line(tiny_gpt2, lm_text, 
         err = p.stderr.strip()
         assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
         assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_list_fields_take_a_list_or_one_string_as_a_command_line_or_a_form_gives_it():
+    from multilane.engine.tasks.causal_lm import CausalLMParams
+
+    assert CausalLMParams(data="notes.txt").data == ["notes.txt"]
+    assert CausalLMParams(data='["a.txt", "b"]').data == ["a.txt", "b"]
+    assert CausalLMParams(lora_targets="q_proj, v_proj").lora_targets == ["q_proj", "v_proj"]
+    assert CausalLMParams(prompts="Once, upon a time").prompts == ["Once, upon a time"]
+    assert CausalLMParams(lora_targets="").lora_targets == [] and CausalLMParams(data="").data == []
