@@ -149,5 +149,15 @@ def test_lanes_then_fsdp_then_one_device_resume_over_a_frozen_base_equal_a_strai
     folder = run / "checkpoints" / ck["sharded"]
     shards = sum(f.stat().st_size for f in folder.iterdir())
     assert shards < 0.5 * ck["frozen_base"]["bytes"], (shards, ck["frozen_base"])  # no frozen weight in it
+    # The sharded checkpoint exports as a PEFT adapter holding exactly its adapters.
+    from multilane.engine.fsdp.sharded import read_model_state
+    from safetensors.torch import load_file
+
+    assert main(["export", str(run), "--adapter", str(tmp_path / "adapter")]) == 0
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    sharded = read_model_state(run)
+    assert len(exported) == len(sharded) == 8
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, sharded["lm." + key.replace(".weight", ".default.weight")]), key
     assert main(["train", "--resume", str(run), "--steps", "5", "--strategy", "replicate", "--devices", "cpu:0"]) == 0
     assert_equal_to_straight(run, ref_state, ref_records, "lanes(2) > fsdp(2) > one device")
