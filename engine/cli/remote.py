@@ -131,6 +131,8 @@ def _watch_remote(conn: Any, remote_dir: str, follower: Any, interval: float) ->
         return printable(f"stop requested on {conn.name} (Ctrl+C again leaves it training)")
 
     code = watch(follower.run_dir, interval, follower=follower, on_interrupt=stop)
+    if follower.done:  # the records the mirror sends for a host that cannot reach the MLflow server
+        follower.close()
     if not follower.done:
         where = printable(f"{conn.name}:{remote_dir}")
         print(f"left {where} training; follow it with: multilane watch {where}")
