@@ -11,6 +11,7 @@ from helpers import CLI, run_folders
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServer
 from multilane.engine.rundir.runread import iter_metrics
+from multilane.integrations.mlflow_records import metric_name
 
 SETS = ("train.log_every=2", "train.eval_every=10", "telemetry.record_s=0.2")
 
@@ -47,9 +48,11 @@ def assert_run_equals_its_records(client: MlflowClient, run_id: str, run: Path) 
     train, evals = records(run, "train"), records(run, "eval")
     assert train and evals
     assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
-    for dev in ("cpu:0", "cpu:1"):
+    devices = sorted(train[-1]["device_loss"])  # cpu:0, cpu:1; under ddp host/rank0/cpu:0, ...
+    assert len(devices) == 2
+    for dev in devices:
         want = sorted((r["step"], r["device_loss"][dev]) for r in train)
-        assert history(client, run_id, f"loss/{dev.replace(':', '_')}") == want
+        assert history(client, run_id, metric_name("loss", dev)) == want
     assert history(client, run_id, "lr") == sorted((r["step"], r["lr"]) for r in train)
     assert history(client, run_id, "val_loss") == sorted((r["step"], r["val_loss"]) for r in evals)
     assert history(client, run_id, "val/r2") == sorted((r["step"], r["metrics"]["r2"]) for r in evals)

@@ -25,9 +25,11 @@ def server(tmp_path_factory):
     yield from started_server(tmp_path_factory)
 
 
-def train_on(host: str, command: str, remote_runs: Path, local: Path, uri: str, env: dict) -> tuple[str, Path, Path]:
+def train_on(
+    host: str, command: str, remote_runs: Path, local: Path, uri: str, env: dict, *more: str
+) -> tuple[str, Path, Path]:
     """``train --host`` followed to its end: (its output, the host's run folder, the mirror)."""
-    args = [*CLI, "train", "--host", host, "--remote-command", command, "--remote-runs-dir", str(remote_runs)]
+    args = [*CLI, "train", "--host", host, "--remote-command", command, "--remote-runs-dir", str(remote_runs), *more]
     args += ["--runs-dir", str(local), "--task", "linear", "--steps", "20", "--devices", "cpu:0,cpu:1"]
     for s in (*SETS, f"tracking.mlflow={uri}", f"tracking.experiment=remote-{host}"):
         args += ["--set", s]
@@ -59,9 +61,12 @@ def hand_overs(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_host_that_reaches_the_server_logs_its_run_itself(sshd, server, tmp_path):
-    out, there, mirror = train_on("testhost", MULTILANE, sshd.runs, tmp_path / "local", server.uri, sshd.env())
+def test_a_host_that_reaches_the_server_logs_its_run_itself_from_one_rank(sshd, server, tmp_path):
+    local, env = tmp_path / "local", sshd.env()
+    out, there, mirror = train_on("testhost", MULTILANE, sshd.runs, local, server.uri, env, "--strategy", "ddp")
     assert "mlflow" not in out, out
+    ranks = sorted(k.split("/", 1)[1] for k in records(there, "train")[-1]["device_loss"])
+    assert ranks == ["rank0/cpu:0", "rank1/cpu:1"], "a ddp run: each rank's loss, logged by rank 0"
     client = MlflowClient(server.uri)
     run = the_mlflow_run(client, "testhost", there)
     assert not hand_overs(there)
@@ -89,3 +94,34 @@ def test_a_host_that_cannot_reach_the_server_hands_its_run_to_the_mirror(sshd, n
     # An export of the mirror afterwards finds the same MLflow run and has nothing left to send.
     p = subprocess.run([*CLI, "export", str(mirror), "--mlflow", server.uri], capture_output=True, text=True)
     assert p.returncode == 0 and f"0 new points sent to run {run.info.run_id}" in p.stdout, (p.stdout, p.stderr)
+
+
+def test_the_mirror_sends_from_a_hand_over_to_the_next_start_of_the_host(tmp_path):
+    # Unmarked: the mirror's reading of the hand-over (no server needed: a closed port, nothing reaches it).
+    from mlflow_server import free_port
+    from multilane.integrations.mlflow_logger import MirrorLogger
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "config.json").write_text(json.dumps({"tracking": {"mlflow": uri}, "task": {"name": "linear"}}))
+
+    def rec(kind: str, step: int, **kw) -> dict:
+        return {"kind": kind, "step": step, "wall_time": 1000.0 + step, **kw}
+
+    handed = rec("event", 2, event="warning", message="handed", **{mr.HAND_OVER_FIELD: uri})
+    lines = [rec("event", 0, event="started"), rec("train", 1, loss=1.0), rec("train", 2, loss=0.5)]
+    lines += [handed, rec("train", 3, loss=0.25), rec("event", 3, event="started"), rec("train", 4, loss=0.125)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    m = MirrorLogger(tmp_path)
+    m.poll(force=True)
+    assert m.sender is None, "no hand-over: the host sends, the mirror nothing"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    m.poll(force=True)
+    try:
+        s = m.sender
+        assert s is not None and not m.owner, "the host's new process (a resume) sends again"
+        with s._cv:
+            queued = sorted(p[3] for p in [*s._check, *s._points])
+        assert queued == [1, 2, 3], "every point up to the host's next start, none after it"
+        assert [p[3] for p in s._check] == [1, 2], "those before the hand-over are read back first"
+    finally:
+        assert m.close(0.5) is False, "the server is not there: nothing was sent"
