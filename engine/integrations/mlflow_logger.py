@@ -264,7 +264,8 @@ class MirrorLogger:
                 return
             key = mr.run_key(self.dir, self._first_started)
             tags = _tags(self.dir, config, self._lanes)
-            self.sender = Sender(uri, _experiment(config), self.dir, key, tags, self._problem)
+            live = (read_json(self.dir / STATUS) or {}).get("state") not in TERMINAL_STATES  # else: leave its end
+            self.sender = Sender(uri, _experiment(config), self.dir, key, tags, self._problem, live=live)
             self.sender.add(params=mr.flat_params(config))
             self.sender.start()
         self.maker = mr.PointMaker()
