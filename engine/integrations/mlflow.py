@@ -87,7 +87,7 @@ class Sender:
         self.failing = False
         self.dropped = 0  # points, params and tags the server refused for good
         self.reached = False  # one send went through
-        # On a host (mlflow_mirror.py): never reached within ``hand_over_s`` (or by the end), the sending is
+        # On a host (mlflow_logger.py): never reached within ``hand_over_s`` (or by the end), the sending is
         # handed to the mirror: ``on_hand_over(why)``, and this sender sends nothing more.
         self.hand_over_s, self._on_hand_over, self.handed_over = hand_over_s, on_hand_over, False
         self._client: Any = None
@@ -112,6 +112,8 @@ class Sender:
 
     def finish(self, status: str, end_ms: int, artifacts: list[tuple[Path, str]], figures: bool) -> None:
         with self._cv:
+            if self.handed_over:  # the mirror sends the end
+                return
             self._artifacts += artifacts
             self._figures = figures
             self._end = (status, end_ms)

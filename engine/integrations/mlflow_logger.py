@@ -57,7 +57,7 @@ class MlflowLogger(TrainerCallback):
     ) -> None:
         self.uri, self.experiment, self.run_dir, self.config = uri, experiment, Path(run_dir), config
         # started on a host by ``train --host`` (engine/remote/launch.py): a server this host does not reach
-        # is handed to the mirror on the launching machine (mlflow_mirror.py)
+        # is handed to the mirror on the launching machine (``MirrorLogger``)
         self.hand_over = os.environ.get(mr.MIRROR_ENV) == "1" if hand_over is None else hand_over
         self._handed: str | None = None
         self.points = mr.PointMaker()
@@ -94,7 +94,7 @@ class MlflowLogger(TrainerCallback):
             return
         if message:
             self._trainer._event("warning", message=message)
-        if handed:  # the record the mirror takes over from (mlflow_mirror.py)
+        if handed:  # the record the mirror takes over from (``MirrorLogger``)
             self._trainer._event("warning", message=handed, **{mr.HAND_OVER_FIELD: mr.public_uri(self.uri)})
 
     def on_train_start(self, trainer: Trainer) -> None:
@@ -200,13 +200,21 @@ class MirrorLogger:
         self._lanes: Any = None
         self._end: tuple[str, Any] | None = None  # this part's end (a hand-over may come after it)
         self._uri = ""
+        self._broken = False
         self._next = 0.0
 
     def poll(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now < self._next:
+        if self._broken or (not force and now < self._next):
             return
         self._next = now + POLL_S
+        try:
+            self._read()
+        except Exception as e:  # never the follow's end: one line, and the export is the way left
+            self._broken = True
+            self._problem(f"{type(e).__name__}: {e}")
+
+    def _read(self) -> None:
         path = self.dir / METRICS
         try:
             size = path.stat().st_size
@@ -281,7 +289,7 @@ class MirrorLogger:
 
     def _problem(self, words: str) -> None:
         self.warnings.append(  # the host could not send either: the export is the way left
-            f"mlflow: {self._uri}: the mirror here cannot send the host's records either: {words}"
+            f"mlflow{': ' + self._uri if self._uri else ''}: the mirror here cannot send the host's records either: {words}"
             f" (later: multilane export {self.dir} --mlflow URI)"
         )
 

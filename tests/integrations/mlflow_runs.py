@@ -1,4 +1,4 @@
-"""The MLflow tests' shared parts: a real ``mlflow server`` for a test module (started once), a short run of
+"""The MLflow tests' shared parts: a real ``mlflow server`` (started once per test process), a short run of
 the linear task on two CPU lanes, and the check that an MLflow run holds exactly a run folder's records."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SETS = ("train.log_every=2", "train.eval_every=10", "telemetry.record_s=0.2")
 
 
 def started_server(tmp_path_factory) -> Iterator[MlflowServer]:
-    """For a module-scoped ``server`` fixture: one real server per test module, stopped after it."""
+    """For the ``server`` fixture (tests/integrations/conftest.py): one real server, stopped after its tests."""
     s = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     s.start()
     yield s

@@ -16,14 +16,9 @@ from pathlib import Path
 import pytest
 from helpers import CLI, run_folders, start_long_cli_run
 from mlflow.tracking import MlflowClient
-from mlflow_runs import assert_run_equals_its_records, history, records, started_server, train
+from mlflow_runs import assert_run_equals_its_records, history, records, train
 from mlflow_server import free_port
 from multilane.integrations import mlflow_records as mr
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from started_server(tmp_path_factory)
 
 
 def test_records_become_mlflow_points_names_and_states():

@@ -12,17 +12,12 @@ from pathlib import Path
 import pytest
 from helpers import CLI
 from mlflow.tracking import MlflowClient
-from mlflow_runs import SETS, assert_run_equals_its_records, history, records, started_server
+from mlflow_runs import SETS, assert_run_equals_its_records, history, records
 from multilane.integrations import mlflow_records as mr
 from netns_hosts import netns_hosts  # noqa: F401 (the fixture)
 from sshd_server import MULTILANE
 
 pytestmark = pytest.mark.timeout(400)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from started_server(tmp_path_factory)
 
 
 def train_on(
