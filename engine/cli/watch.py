@@ -154,11 +154,15 @@ def watch(
     while True:
         try:
             update = follower.poll()
+            said = []  # the run's own warnings (an MLflow server out of reach), one line each
             for rec in update.records:
                 state.add(rec)
+                if rec.get("kind") == "event" and rec.get("event") == "warning":
+                    said.append(str(rec.get("message")))
             if update.status is not None:
                 state.set_status(update.status)
-            for warning in getattr(follower, "new_warnings", list)():  # a link or FIFO in a file's place there
+            # and the follower's: a link or FIFO in a file's place there
+            for warning in said + getattr(follower, "new_warnings", list)():
                 if tty:
                     out.write("\r\x1b[2K")
                     out.flush()
