@@ -20,7 +20,7 @@ NAN_ORIGIN = "nan_origin.json"
 
 
 def make_monitor(t: Trainer, lanes: int, device: Any, exchange: Any = None, sharded: bool = False) -> HealthMonitor:
-    unit = "samples" if t._loss_weight is None else "loss weight"
+    unit = "samples" if t._loss_weight is None else getattr(t.task, "loss_unit", "") or "loss weight"
     return HealthMonitor(t.config.health, lanes, device, unit, exchange, sharded)
 
 

@@ -60,6 +60,9 @@ class Task(ABC):
     """The task's own hyperparameters: a pydantic model (fields with defaults, bounds, descriptions)."""
     metric: ClassVar[str | None] = None
     """The name of the headline metric in ``metrics()`` (shown in summaries), if any."""
+    loss_unit: ClassVar[str] = ""
+    """What one unit of ``loss_weight`` is, plural ("tokens"): the noise scale and the batch beside it
+    are counted in it; empty: "loss weight" (where ``loss_weight`` is defined; else samples)."""
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
