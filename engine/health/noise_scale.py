@@ -135,8 +135,15 @@ class NoiseScale:
         g, t = s["wg"] / s["w"], s["wt"] / s["w"]
         b = t / g if g > 0 and t >= 0 else None
         lo, hi = self.band(g, t)
-        return {"g2": g, "trace": t, "b_simple": b, "lo": lo, "hi": hi, "steps": self.samples,
-                "batch": s["units"] / s["n"]}
+        return {
+            "g2": g,
+            "trace": t,
+            "b_simple": b,
+            "lo": lo,
+            "hi": hi,
+            "steps": self.samples,
+            "batch": s["units"] / s["n"],
+        }
 
     def band(self, g: float, t: float) -> tuple[float | None, float | None]:
         """Fieller's interval for ``t / g`` at ``Z`` standard errors, clipped at 0; ``(None, None)``

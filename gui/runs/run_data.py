@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from multilane.engine.health.noise_scale import noise_text
 from multilane.engine.rundir.runlog import load_metrics
-
 
 NOISE_KEYS = ("b_simple", "lo", "hi", "batch", "g2", "trace", "steps")
 """A train record's noise-scale numbers kept per logged step (``lo``–``hi``: the 95 % band; ``steps``: the
 measured steps averaged)."""
+
 
 class Column:
     """A float64 array that grows by doubling; ``.data`` is a view of the filled part."""
@@ -275,6 +276,15 @@ class RunData:
                     ]
                 )
         return self.train.rows
+
+    def noise_summary(self) -> str | None:
+        """The last logged noise scale as ``watch`` prints it ("noise scale ≈ 600 samples (95 % band
+        480–780)"), for an export's caption; None before one is known."""
+        if not self.noise.rows:
+            return None
+        last = {k: float(self.noise.get(k)[-1]) for k in NOISE_KEYS if k in self.noise.columns}
+        last = {k: (v if np.isfinite(v) else None) for k, v in last.items()}
+        return noise_text({**last, "unit": self.noise_unit})
 
     def write_health_csv(self, path: str | Path) -> int:
         """Every sampled step's per-layer health, one row per (step, quantity, layer) — the long form

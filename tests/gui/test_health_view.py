@@ -163,6 +163,7 @@ def test_export_writes_health_in_long_form(tmp_path):
     assert float(got[("65", "noise_b_simple", "")]) == 600
     assert float(got[("65", "noise_lo", "")]) == 480 and float(got[("65", "noise_hi", "")]) == 780
     assert got[("15", "noise_hi", "")] == ""  # unbounded: no number
+    assert d.noise_summary() == "noise scale ≈ 600 samples (95 % band 480–780)"  # the export's caption
     assert np.isfinite(float(got[("10", "grad_norm", "features.0")]))
 
 
