@@ -17,7 +17,7 @@ second "off" block gives the noise floor (A/A). Variants:
 - noise every step: the lanes' squared norms at every step, nothing else sampled;
 - every=1: everything at every step.
 
-**In processes** (ddp, fsdp on two CPU ranks; Lightning's ddp and the Hugging Face Trainer's ddp, two
+**In processes** (ddp, fsdp on two CPU ranks, the digits CNN; Lightning's ddp and the Hugging Face Trainer's ddp, two
 processes each, on the tests' own scripts): ``--runs`` rounds of whole runs, health default and off (and
 off again) in a shuffled order, each run's median ``step_ms`` over its train records after the first
 fifth (its start), the medians of the rounds compared. Wall time, so a busy machine's noise lands here
@@ -139,10 +139,10 @@ def in_process(args: argparse.Namespace, strategies: list[str]) -> None:
 
 
 def _native(strategy: str, steps: int, health: bool, where: Path) -> list[str]:
-    """A native run on two CPU ranks (ddp, fsdp): charlm, small, as the in-process bench."""
+    """A native run on two CPU ranks (ddp, fsdp): the digits CNN, batch 64, as the in-process bench."""
     cfg = {
-        "task": TASKS["charlm"][0],
-        "data": {"batch_size": 16, "workers": 0},
+        "task": TASKS["digits"][0],
+        "data": {"batch_size": 64, "workers": 0},
         "devices": {"use": "cpu:0,cpu:1", "strategy": strategy},
         "train": {"steps": steps, "log_every": 10, "eval_every": 0},
         "health": {"enabled": health},

@@ -235,8 +235,8 @@ class HealthSection(Section):
         4,
         ge=1,
         le=MAX_COUNT,
-        description="Measure the gradient noise scale every N optimizer steps (two or more devices; each "
-        "device's squared gradient norm, read at log time)",
+        description="Measure the gradient noise scale on about one optimizer step in N (two or more devices; "
+        "each device's squared gradient norm, read at log time; steps picked by a hash, never in step with an epoch)",
     )
     noise_decay: float = Field(
         0.99,

@@ -3,8 +3,8 @@
 The trainer calls, on every step, ``begin_step`` → ``micro`` (per micro-batch) → ``after_reduce``
 (the model's ``.grad`` is the batch's) → ``before_update`` → the optimizer steps → ``after_update``;
 each is a flag test on a step that is neither sampled nor measured. On a sampled step the per-layer
-values (layers.py) are computed on the device; on every ``health.noise_every``-th step (with two or
-more devices) each lane's squared gradient norm and the combined one (lane_grads.py), kept on the
+values (layers.py) are computed on the device; on about one step in ``health.noise_every`` (with two
+or more devices; ``noise_scale.measured``) each lane's squared gradient norm and the combined one (lane_grads.py), kept on the
 device. ``at_log`` reads every such step of the log window in one transfer, adds each measured step's
 estimate to the run's noise scale (noise_scale.py) and returns it for the train record, with one
 ``health`` record per sampled step.
@@ -22,7 +22,7 @@ import torch
 from multilane.engine.health.groups import add_by_group, group_rows
 from multilane.engine.health.lane_grads import LaneGradProbe, squared_norm
 from multilane.engine.health.layers import LayerSample, activation_values, layer_values
-from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate
+from multilane.engine.health.noise_scale import LaneShares, NoiseScale, measured, step_estimate
 from torch import nn
 
 SHARDED_SUMS = ("act", "grad_sq", "total_sq", "update_sq", "weight_sq")
@@ -92,8 +92,8 @@ class HealthMonitor:
         are their own; None while they are still to be made (that step samples no activations: a copy
         made then would keep the hooks)."""
         sampled = bool(self.every) and step % self.every == 0
-        measured = self.probe is not None and step % self.noise_every == 0
-        if not (sampled or measured):
+        noise = self.probe is not None and measured(step, self.noise_every)
+        if not (sampled or noise):
             return
         self.on, self._sampled, self._step = True, sampled, step
         self._shares = LaneShares.empty(self.lanes)

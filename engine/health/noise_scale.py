@@ -59,6 +59,19 @@ class LaneShares:
             self.units += n
 
 
+def measured(step: int, every: int) -> bool:
+    """Whether step ``step`` is one of the noise scale's measured steps: about one in ``every``, picked by
+    a fixed hash of the step (murmur3's finalizer), not ``step % every``, so that no period of the run
+    lines up with them — every 4th step of 4-step epochs would measure only their short last batches.
+    The same on every rank and in every run."""
+    if every <= 1:
+        return True
+    x = step & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return (x ^ (x >> 16)) % every == 0
+
+
 def step_estimate(lane_sq: Sequence[float], total_sq: float, shares: LaneShares) -> tuple[float, float] | None:
     """The unbiased ``(|G|², S)`` of one step from each lane's ``|h_i|²`` and the combined ``|h|²``;
     None when fewer than two lanes took part or a value is not finite."""

@@ -20,7 +20,7 @@ import torch
 from multilane.engine.config import HealthSection
 from multilane.engine.health.lane_grads import LaneGradProbe
 from multilane.engine.health.monitor import ONE_DEVICE, HealthMonitor
-from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate, verdict
+from multilane.engine.health.noise_scale import LaneShares, NoiseScale, measured, step_estimate, verdict
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.run.trainer import Trainer, TrainerCallback
@@ -106,6 +106,17 @@ def test_the_average_weights_each_step_by_its_batch_and_its_band_covers_the_trut
     assert again.value() == ns.value()
     again.load_state_dict({"g2": 1.0, "trace": 2.0, "weight": 0.5, "samples": 3})
     assert again.value() == ns.value()
+
+
+def test_the_measured_steps_line_up_with_no_period_of_the_run():
+    # about one step in 4, and at every place of an epoch of 2 to 12 steps: 4-step epochs measured at
+    # every 4th step would see only their (short) last batches
+    steps = [s for s in range(1, 4801) if measured(s, 4)]
+    assert 0.23 < len(steps) / 4800 < 0.27
+    for period in range(2, 13):
+        at = [sum(1 for s in steps if s % period == k) for k in range(period)]
+        assert min(at) > 0.6 * len(steps) / period, (period, at)
+    assert all(measured(s, 1) for s in range(1, 50))
 
 
 def test_the_verdict_is_given_only_when_the_band_is_clear_of_the_batch():
@@ -253,8 +264,8 @@ def test_a_default_run_shows_the_noise_scale_within_30_percent_and_its_band_hold
     g2, trace = brute_force(trainer.model, data.inputs, data.target)
     got = noise.values[-1]
     truth = trace / g2
-    measured = [s for s in range(1, trainer.step + 1) if s % 4 == 0 or s % 50 == 0]  # a sampled step: measured too
-    assert got["steps"] == len(measured) and got["unit"] == "samples"
+    steps = [s for s in range(1, trainer.step + 1) if measured(s, 4) or s % 50 == 0]  # a sampled step: measured too
+    assert got["steps"] == len(steps) and got["unit"] == "samples"
     assert 55 < got["batch"] < 60  # the steps' mean batch: the short last ones count as they are
     assert abs(got["b_simple"] / truth - 1) < 0.3, (got, truth)
     assert got["lo"] <= truth <= got["hi"], (got, truth)
