@@ -281,6 +281,25 @@ def test_one_device_says_why_there_is_no_noise_scale():
     assert math.isfinite(HealthSection().every)
 
 
+def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
+    from types import SimpleNamespace
+
+    from multilane.engine.health.run_health import make_monitor
+    from multilane.engine.tasks import loss_weight_fn
+    from multilane.engine.tasks.charlm import CharLMTask
+
+    class ClassWeighted(MlpRegression):  # a loss_weight with no loss_unit
+        def loss_weight(self, output, target):
+            return float(len(target))
+
+    units = []
+    for task in (CharLMTask(), ClassWeighted(), MlpRegression()):
+        trainer = SimpleNamespace(config=SimpleNamespace(health=HealthSection()), task=task)
+        trainer._loss_weight = loss_weight_fn(task)
+        units.append(make_monitor(trainer, 2, torch.device("cpu")).unit)
+    assert units == ["tokens", "loss weight", "samples"]
+
+
 def test_watch_prints_the_noise_scale_and_its_band_as_the_view_does():
     from multilane.engine.cli.watch import WatchState
 
