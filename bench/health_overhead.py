@@ -19,7 +19,7 @@ second "off" block gives the noise floor (A/A). Variants:
 
 **In processes** (ddp, fsdp on two CPU ranks, the digits CNN; Lightning's ddp and the Hugging Face Trainer's ddp, two
 processes each, on the tests' own scripts): ``--runs`` rounds of whole runs, health default and off (and
-off again) in a shuffled order, each run's median ``step_ms`` over its train records after the first
+off again; for ddp and fsdp also health without the noise scale) in a shuffled order, each run's median ``step_ms`` over its train records after the first
 fifth (its start), the medians of the rounds compared. Wall time, so a busy machine's noise lands here
 in full: the A/A column says how much.
 
@@ -138,14 +138,14 @@ def in_process(args: argparse.Namespace, strategies: list[str]) -> None:
             t.loader.close()
 
 
-def _native(strategy: str, steps: int, health: bool, where: Path) -> list[str]:
+def _native(strategy: str, steps: int, health: bool | str, where: Path) -> list[str]:
     """A native run on two CPU ranks (ddp, fsdp): the digits CNN, batch 64, as the in-process bench."""
     cfg = {
         "task": TASKS["digits"][0],
         "data": {"batch_size": 64, "workers": 0},
         "devices": {"use": "cpu:0,cpu:1", "strategy": strategy},
         "train": {"steps": steps, "log_every": 10, "eval_every": 0},
-        "health": {"enabled": health},
+        "health": {"enabled": bool(health), **({"noise_every": 10**12} if health == "no noise" else {})},
         "telemetry": {"enabled": False},
         "run": {"runs_dir": str(where / "runs")},
     }
@@ -179,17 +179,22 @@ def _step_ms(cmd: list[str], where: Path) -> float:
 
 def in_processes(args: argparse.Namespace, kinds: list[str]) -> None:
     rng = random.Random(1)
-    print(f"\n{'run':11} {'steps':>6} {'off ms':>7} {'default':>8} {'def/off':>8} {'A/A':>6}   (wall ms/step, medians)")
+    print(
+        f"\n{'run':11} {'steps':>6} {'off ms':>7} {'default':>8} {'def/off':>8} {'A/A':>6} {'no-noise/off':>13}"
+        "   (wall ms/step, medians)"
+    )
     for kind in kinds:
         steps = args.process_steps
         runs: dict[str, list[float]] = {"off": [], "default": [], "off again": []}
+        if kind in ("ddp", "fsdp"):
+            runs["no noise"] = []  # health as shipped but the noise scale: what the noise scale adds
         for _ in range(args.runs):
             order = list(runs)
             rng.shuffle(order)
             for v in order:
                 with tempfile.TemporaryDirectory() as tmp:
                     where = Path(tmp)
-                    health = v == "default"
+                    health = "no noise" if v == "no noise" else v == "default"
                     if kind in ("ddp", "fsdp"):
                         cmd = _native(kind, steps, health, where)
                     else:
@@ -198,7 +203,8 @@ def in_processes(args: argparse.Namespace, kinds: list[str]) -> None:
         m = {k: statistics.median(v) for k, v in runs.items()}
         off = m["off"]
         print(
-            f"{kind:11} {steps:6d} {off:7.2f} {m['default']:8.2f} {m['default'] / off:8.3f} {m['off again'] / off:6.3f}",
+            f"{kind:11} {steps:6d} {off:7.2f} {m['default']:8.2f} {m['default'] / off:8.3f} {m['off again'] / off:6.3f}"
+            + (f" {m['no noise'] / off:13.3f}" if "no noise" in m else ""),
             flush=True,
         )
 
