@@ -161,7 +161,10 @@ def _recorder(kind: str, steps: int, health: bool, where: Path) -> list[str]:
         script = ROOT / "tests" / "integrations" / "lightning_script.py"
         return [sys.executable, str(script), *common, "--devices", "2", "--health-every", every]
     script = ROOT / "tests" / "integrations" / "transformers_script.py"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
+    from multilane.engine.distributed.launcher import free_port
+
+    port = ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]  # torchrun's 0 is no free port
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *port]
     return [*launch, str(script), *common, "--model", "mlp", "--samples", str(16 * steps), "--health-every", every]
 
 
