@@ -230,8 +230,19 @@ class HealthSection(Section):
         description="Keep the state before each log window, so that a loss gone NaN or inf is replayed to "
         "name the first module, parameter, device and samples that went non-finite",
     )
+    noise_every: int = Field(
+        4,
+        ge=1,
+        le=MAX_COUNT,
+        description="Measure the gradient noise scale on about one optimizer step in N (two or more devices; "
+        "each device's squared gradient norm, read at log time; steps picked by a hash, never in step with an epoch)",
+    )
     noise_decay: float = Field(
-        0.9, ge=0.0, lt=1.0, description="Smoothing of the noise-scale estimates (per sample: EMA decay)"
+        0.99,
+        ge=0.0,
+        lt=1.0,
+        description="The noise scale's averaging window: each measured step's weight decays by this factor "
+        "per later measured step (0.99: about the last 200 measured steps)",
     )
 
 

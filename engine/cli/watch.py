@@ -15,7 +15,7 @@ from typing import Any
 from multilane.engine.display.device_line import DeviceTelemetry
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
-from multilane.engine.health.noise_scale import format_noise_scale
+from multilane.engine.health.noise_scale import noise_text
 from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import DIVERGED, RunFollower
 from multilane.engine.rundir.readfile import user_path
@@ -89,8 +89,8 @@ class WatchState:
             if "perplexity" in self.eval:
                 parts.append(f"perplexity {_value(self.eval['perplexity'])}")
         noise = self.train.get("noise")
-        if isinstance(noise, dict) and noise.get("b_simple") is not None:
-            parts.append(f"noise scale ≈ {format_noise_scale(noise['b_simple'])}")
+        if isinstance(noise, dict) and (said := noise_text(noise)) is not None:
+            parts.append(said)
         if self.health:
             parts.append(self.health)
         text = " · ".join(parts)

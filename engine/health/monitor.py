@@ -2,10 +2,12 @@
 
 The trainer calls, on every step, ``begin_step`` → ``micro`` (per micro-batch) → ``after_reduce``
 (the model's ``.grad`` is the batch's) → ``before_update`` → the optimizer steps → ``after_update``;
-each is a flag test on a step that is not sampled. On a sampled step the per-layer values
-(layers.py) and each lane's gradient (lane_grads.py) are computed on the device; ``at_log`` reads
-every sampled step of the log window in one transfer and returns the noise scale for the train record
-and one ``health`` record per sampled step.
+each is a flag test on a step that is neither sampled nor measured. On a sampled step the per-layer
+values (layers.py) are computed on the device; on about one step in ``health.noise_every`` (with two
+or more devices; ``noise_scale.measured``) each lane's squared gradient norm and the combined one (lane_grads.py), kept on the
+device. ``at_log`` reads every such step of the log window in one transfer, adds each measured step's
+estimate to the run's noise scale (noise_scale.py) and returns it for the train record, with one
+``health`` record per sampled step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from multilane.engine.health.groups import add_by_group, group_rows
 from multilane.engine.health.lane_grads import LaneGradProbe, squared_norm
 from multilane.engine.health.layers import LayerSample, activation_values, layer_values
-from multilane.engine.health.noise_scale import LaneShares, NoiseScale, step_estimate
+from multilane.engine.health.noise_scale import LaneShares, NoiseScale, measured, step_estimate
 from torch import nn
 
 SHARDED_SUMS = ("act", "grad_sq", "total_sq", "update_sq", "weight_sq")
@@ -55,6 +57,7 @@ class HealthMonitor:
         """fsdp: each rank's per-layer sums are over its own shards (and its activations over its own
         part of the batch): ``exchange`` adds them over the ranks at log time, with the lanes' entries."""
         self.every = cfg.every if cfg.enabled else 0
+        self.noise_every = getattr(cfg, "noise_every", 1) if cfg.enabled else 0
         self.lanes = lanes
         self.device = device
         self.unit = unit
@@ -67,10 +70,13 @@ class HealthMonitor:
         self._rows: tuple[list[str], list[int]] | None = None
         self._act_rows: tuple[list[str], list[int]] | None = None
         self.on = False
+        """This step is sampled or measured (between ``begin_step`` and ``after_update``)."""
+        self._sampled = False  # this step's per-layer values are taken
         self._step = 0
         self._shares = LaneShares.empty(lanes)
         self._handles: list[Any] = []
-        self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]] = []
+        self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares, bool]] = []
+        self._noise_tensors: dict[str, torch.Tensor] = {}
         self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
         self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
 
@@ -81,19 +87,24 @@ class HealthMonitor:
 
     # -- the step ---------------------------------------------------------------------------------
     def begin_step(self, step: int, model: nn.Module, accum: int, replicas: Sequence[nn.Module] | None = ()) -> None:
-        """Before step ``step`` (1-based): arm the sampling if this step is sampled. ``replicas``: the
-        strategy's own copies of the model (persistent), whose hooks are their own; None while they are
-        still to be made (that step samples no activations: a copy made then would keep the hooks)."""
-        if not self.every or step % self.every:
+        """Before step ``step`` (1-based): arm the sampling if this step is sampled, the lanes' probe if
+        it is measured. ``replicas``: the strategy's own copies of the model (persistent), whose hooks
+        are their own; None while they are still to be made (that step samples no activations: a copy
+        made then would keep the hooks)."""
+        sampled = bool(self.every) and step % self.every == 0
+        noise = self.probe is not None and measured(step, self.noise_every)
+        if not (sampled or noise):
             return
-        self.on, self._step = True, step
+        self.on, self._sampled, self._step = True, sampled, step
+        self._shares = LaneShares.empty(self.lanes)
+        if self.probe is not None:
+            self.probe.arm(accum)
+        if not sampled:
+            return
         if self.layers is None:
             # every rank sends its activations' sums, zeros where it saw none (an empty shard)
             self.layers = LayerSample(model, self.kinds, self.device, always_act=self.exchange is not None)
         self.layers.reset()
-        self._shares = LaneShares.empty(self.lanes)
-        if self.probe is not None:
-            self.probe.arm(accum)
         # replicate's replicas share the model's hooks; persistent's own copies need their own
         if replicas is not None:
             targets = [model, *[r for r in replicas if r is not model]]
@@ -130,8 +141,9 @@ class HealthMonitor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        assert self.layers is not None
-        self.layers.gradients(scale)
+        if self._sampled:
+            assert self.layers is not None
+            self.layers.gradients(scale)
         out: dict[str, torch.Tensor] = {}
         if self.probe is not None:
             lane_sq = self.probe.lane_squares()
@@ -148,17 +160,22 @@ class HealthMonitor:
         self._noise_tensors = out
 
     def before_update(self) -> None:
-        if self.on and self.layers is not None:
+        if self._sampled and self.layers is not None:
             self.layers.before_update()
 
     def after_update(self) -> None:
         if not self.on:
             return
-        assert self.layers is not None
-        self.layers.after_update()
-        self._pending.append((self._step, {**self.layers.tensors(), **self._noise_tensors}, self._shares))
+        tensors = dict(self._noise_tensors)
+        if self._sampled:
+            assert self.layers is not None
+            self.layers.after_update()
+            tensors |= self.layers.tensors()
+        if tensors:
+            self._pending.append((self._step, tensors, self._shares, self._sampled))
+        self._noise_tensors = {}
         self.batch_units = self._shares.units
-        self.on = False
+        self.on = self._sampled = False
 
     def abandon(self) -> None:
         """A step that failed part way: drop what it armed."""
@@ -167,29 +184,35 @@ class HealthMonitor:
         self._handles = []
         if self.probe is not None:
             self.probe.disarm()
-        self.on = False
+        self._noise_tensors = {}
+        self.on = self._sampled = False
 
     # -- log time ---------------------------------------------------------------------------------
-    def at_log(self, wall_time: float | None = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        """``(noise, records)``: the smoothed noise scale for the train record (None if not measured)
+    def at_log(
+        self, wall_time: float | None = None, read: bool = True
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """``(noise, records)``: the run's noise scale for the train record (None if not measured)
         and one ``health`` record per sampled step of the window (grouped rows; its ``layers`` holds
         every layer's values, for the run folder's ``health_layers.jsonl``). The window's one read of
-        the device."""
+        the device. ``read=False`` (an outside loop that calls this every step): the measured steps
+        stay on the device until a sampled step is pending (every rank alike: a ddp read is a collective)."""
+        if not read and not any(sampled for *_, sampled in self._pending):
+            return self._noise_value(), []
         pending, self._pending = self._pending, []
         if not pending:
             return self._noise_value(), []
         if self.exchange is not None:
             self._exchange(pending)
-        keys = [sorted(t) for _, t, _ in pending]
+        keys = [sorted(t) for _, t, _, _ in pending]
         flat = [
             t[k].reshape(-1).to(self.device, torch.float64)
-            for (_, t, _), ks in zip(pending, keys, strict=True)
+            for (_, t, _, _), ks in zip(pending, keys, strict=True)
             for k in ks
         ]
         values = torch.cat(flat).tolist() if flat else []
         records, at = [], 0
         wall = time.time() if wall_time is None else wall_time
-        for (step, tensors, shares), ks in zip(pending, keys, strict=True):
+        for (step, tensors, shares, sampled), ks in zip(pending, keys, strict=True):
             sums: dict[str, list[float]] = {}
             for k in ks:
                 n = tensors[k].numel()
@@ -198,17 +221,18 @@ class HealthMonitor:
             if "lane_sq" in sums:
                 est = step_estimate(sums["lane_sq"], sums["total_sq"][0], shares)
                 if est is not None:
-                    self.noise.add(*est)
-            records.append(self._record(step, sums, wall))
+                    self.noise.add(*est, weight=shares.units)
+            if sampled:
+                records.append(self._record(step, sums, wall))
         return self._noise_value(), records
 
-    def _exchange(self, pending: list[tuple[int, dict[str, torch.Tensor], LaneShares]]) -> None:
+    def _exchange(self, pending: list[tuple[int, dict[str, torch.Tensor], LaneShares, bool]]) -> None:
         """ddp, fsdp: every rank's lane entries and shares, its activations' sums (and under fsdp its
         sums over its own shards) summed over the ranks (one collective)."""
         n = self.lanes
         summed = SHARDED_SUMS if self.sharded else RANK_SUMS
         parts = []
-        for _, t, sh in pending:
+        for _, t, sh, _ in pending:
             parts += [t[k].reshape(-1).to(self.device, torch.float64) for k in sorted(t) if k in summed]
             if "lane_sq" in t:
                 parts += [t["lane_sq"], torch.tensor([*sh.a, *sh.q, sh.units], dtype=torch.float64, device=self.device)]
@@ -217,7 +241,7 @@ class HealthMonitor:
         pack = torch.cat(parts)
         self.exchange(pack)
         at = 0
-        for _, t, sh in pending:
+        for _, t, sh, _ in pending:
             for k in [k for k in sorted(t) if k in summed]:
                 size = t[k].numel()
                 t[k] = pack[at : at + size].reshape(t[k].shape)
@@ -230,10 +254,12 @@ class HealthMonitor:
                 at += 3 * n + 1
 
     def _noise_value(self) -> dict[str, Any] | None:
+        """The train record's ``noise``: ``g2``, ``trace``, ``b_simple``, its band ``lo``–``hi``, the
+        measured ``steps``, the steps' mean ``batch`` and the ``unit`` both count."""
         v = self.noise.value()
         if v is None:
             return None
-        return {k: _round(x) for k, x in v.items()} | {"batch": self.batch_units, "unit": self.unit}
+        return {k: _round(x) if k != "steps" else x for k, x in v.items()} | {"unit": self.unit}
 
     def _record(self, step: int, sums: dict[str, list[float]], wall: float) -> dict[str, Any]:
         """One ``health`` record: the grouped rows (the full per-layer list is ``layers``)."""

@@ -191,5 +191,6 @@ class LoopHealth:
 
     def end_step(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """``(noise, records)``: the smoothed noise scale (None if not measured) and the sampled
-        steps' ``health`` records. Under ddp a collective when a step was sampled: every rank calls it."""
-        return self.monitor.at_log(time.time())
+        steps' ``health`` records. Under ddp a collective when a step was sampled: every rank calls it.
+        The noise scale's measured steps wait on the device until then (no read per step)."""
+        return self.monitor.at_log(time.time(), read=False)

@@ -183,6 +183,7 @@ class CharLMTask(Task):
     description = "Small GPT-style decoder on the bytes of a text file (default: a public-domain corpus), bits/byte"
     Params = CharLMParams
     metric = "bits_per_byte"
+    loss_unit = "tokens"  # loss_weight counts the real target bytes (tokens): the noise scale is in them
 
     def build_model(self) -> nn.Module:
         return ByteGPT(self.params)

@@ -6,8 +6,9 @@ activations' mean and fraction of zeros), a missing value left transparent. An e
 (a dead layer's gradient, a frozen one's update) is drawn one decade under the smallest value, the bottom
 of the colour bar, never blank: the sickest rows must not look empty. Hovering names the layer, the step
 and the value. Above it, the diagnosis (engine/health/diagnosis.py): the few layers that need attention
-and why, each a click away from its row. Below it, the smoothed noise scale ``B_simple`` per logged step
-with the run's batch as a line (both in the y range), and the verdict (engine/health/noise_scale.py). A
+and why, each a click away from its row. Below it, the run's noise scale ``B_simple`` per logged step,
+its 95 % band shaded, with the run's batch as a line (all in the y range), and the verdict
+(engine/health/noise_scale.py: only where the band is clear of the batch). A
 run that sampled no health says why (the NaN that ended it first). Redrawn from the run's lists on the
 window's timer, only while the view is shown.
 """
@@ -21,7 +22,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.engine.health.diagnosis import Finding, diagnose
 from multilane.engine.health.monitor import ONE_DEVICE
-from multilane.engine.health.noise_scale import verdict
+from multilane.engine.health.noise_scale import unit_word, verdict
 from multilane.gui.runs.run_data import RunData
 from PySide6.QtCore import QRectF
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
@@ -93,6 +94,13 @@ class HealthView(QWidget):
         self.noise.setLabel("left", "noise scale B_simple")
         self.noise.setLabel("bottom", "step")
         self.noise.setXLink(self.heat)
+        # the 95 % band: two faint edges and the fill between them, under the curve
+        edge = pg.mkPen((31, 119, 180, 90), width=1)
+        self.band_lo = pg.PlotDataItem([], [], pen=edge)
+        self.band_hi = pg.PlotDataItem([], [], pen=edge)
+        self.band = pg.FillBetweenItem(self.band_lo, self.band_hi, brush=pg.mkBrush(31, 119, 180, 60))
+        for item in (self.band_lo, self.band_hi, self.band):
+            self.noise.addItem(item)
         self.noise_curve = self.noise.plot([], [], pen=pg.mkPen("#1f77b4", width=2), name="B_simple")
         self.batch_line = pg.InfiniteLine(angle=0, movable=False, pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.DashLine))
         self.batch_label = pg.TextItem("", color="#d62728", anchor=(0, 1))
@@ -207,8 +215,14 @@ class HealthView(QWidget):
         steps, b = d.noise.get("step"), d.noise.get("b_simple")
         keep = np.isfinite(b)
         self.noise_curve.setData(steps[keep], b[keep])
+        lo, hi = d.noise.get("lo"), d.noise.get("hi")
+        banded = keep & np.isfinite(lo) & np.isfinite(hi)  # an unbounded band (null) is not drawn
+        self.band_lo.setData(steps[banded], lo[banded])
+        self.band_hi.setData(steps[banded], hi[banded])
         batch = d.noise.get("batch")
-        known = np.concatenate([b[keep], batch[np.isfinite(batch)][-1:]])
+        top = max([*b[keep][-1:], *batch[np.isfinite(batch)][-1:]], default=0.0)
+        # the band in view too, up to 3× the curve's or the batch's level (an early band can be very wide)
+        known = np.concatenate([b[keep], batch[np.isfinite(batch)][-1:], np.minimum(hi[banded], 3 * top), lo[banded]])
         if known.size:  # the curve and the batch it is judged against, both in view
             top = float(known.max())
             self.noise.setYRange(min(0.0, float(known.min())), top * 1.1 if top > 0 else 1.0, padding=0)
@@ -216,9 +230,11 @@ class HealthView(QWidget):
             last = float(b[keep][-1]) if keep.any() else None
             self.batch_line.setPos(float(batch[-1]))
             self.batch_line.setVisible(True)
-            self.batch_label.setText(f"batch {batch[-1]:,.0f}")
+            unit = unit_word(d.noise_unit)
+            self.batch_label.setText(f"batch {batch[-1]:,.0f} {unit}")
             self.batch_label.setPos(float(steps[0]), float(batch[-1]))
-            self.noise_line.setText(verdict(float(batch[-1]), last))
+            band = [float(lo[-1]), float(hi[-1])] if np.isfinite(lo[-1]) and np.isfinite(hi[-1]) else [None, None]
+            self.noise_line.setText(verdict(float(batch[-1]), last, unit, *band))
         else:
             self.batch_line.setVisible(False)
             self.batch_label.setText("")

@@ -40,6 +40,8 @@ def export_run(
         raise UserError(f"export: cannot create {out} ({e.strerror or e})") from None
     opts = options or FigureOptions()
     caption = run_caption(run_dir) if run_dir is not None else None
+    if caption is not None and (noise := run.noise_summary()) is not None:
+        caption += f" · {noise}"  # the noise scale, its unit and band, as the view and watch print it
     images = [f for f in formats if f in FORMATS and f != "csv"]
     figures = [
         ("loss", lambda: loss_figure(run, opts, caption)),

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from multilane.engine.health.noise_scale import noise_text
 from multilane.engine.rundir.runlog import load_metrics
+
+NOISE_KEYS = ("b_simple", "lo", "hi", "batch", "g2", "trace", "steps")
+"""A train record's noise-scale numbers kept per logged step (``lo``–``hi``: the 95 % band; ``steps``: the
+measured steps averaged)."""
 
 
 class Column:
@@ -118,7 +123,8 @@ class RunData:
         self.last_step = 0
         self.skipped = 0  # unreadable lines of the run's metrics.jsonl, left out
         self.config: dict[str, Any] | None = None  # the run's config.json, for what differs between runs
-        self.noise = Series()  # step, b_simple, batch, g2, trace (engine/health: the gradient noise scale)
+        self.noise = Series()  # step and NOISE_KEYS (engine/health: the gradient noise scale and its band)
+        self.noise_unit = "samples"  # what the noise scale and the batch beside it count
         self.health: list[dict[str, Any]] = []  # the sampled steps' per-layer health records, in step order
         self.nan_origin: dict[str, Any] | None = None  # the "nonfinite_origin" event: where a NaN began
 
@@ -142,8 +148,10 @@ class RunData:
             self.train.add(row)
             noise = rec.get("noise")
             if isinstance(noise, dict):
-                values = {k: _num(noise.get(k)) for k in ("b_simple", "batch", "g2", "trace")}
+                values = {k: _num(noise.get(k)) for k in NOISE_KEYS}
                 self.noise.add({"step": rec["step"], **values})
+                if isinstance(noise.get("unit"), str):
+                    self.noise_unit = noise["unit"]
         elif kind == "health":
             self.health.append(rec)
         elif kind == "eval":
@@ -276,6 +284,15 @@ class RunData:
                 )
         return self.train.rows
 
+    def noise_summary(self) -> str | None:
+        """The last logged noise scale as ``watch`` prints it ("noise scale ≈ 600 samples (95 % band
+        480–780)"), for an export's caption; None before one is known."""
+        if not self.noise.rows:
+            return None
+        last = {k: float(self.noise.get(k)[-1]) for k in NOISE_KEYS if k in self.noise.columns}
+        last = {k: (v if np.isfinite(v) else None) for k, v in last.items()}
+        return noise_text({**last, "unit": self.noise_unit})
+
     def write_health_csv(self, path: str | Path) -> int:
         """Every sampled step's per-layer health, one row per (step, quantity, layer) — the long form
         a spreadsheet or pandas pivots — and the noise scale per logged step; returns rows."""
@@ -290,7 +307,7 @@ class RunData:
                             w.writerow([rec["step"], q, layer, _fmt(_num(v))])
                             n += 1
             steps = self.noise.get("step")
-            for key in ("b_simple", "batch", "g2", "trace"):
+            for key in [k for k in NOISE_KEYS if k in self.noise.columns]:  # older runs: no band, no steps
                 for i, v in enumerate(self.noise.get(key)):
                     w.writerow([int(steps[i]), f"noise_{key}", "", _fmt(v)])
                     n += 1

@@ -55,7 +55,16 @@ def with_noise(d: RunData) -> RunData:
                 "wall_time": 2000.0 + k,
                 "loss": 0.5,
                 "device_loss": {"cpu:0": 0.5},
-                "noise": {"g2": 1.0, "trace": 100.0 * k, "b_simple": 100.0 * k, "batch": 64, "unit": "samples"},
+                "noise": {
+                    "g2": 1.0,
+                    "trace": 100.0 * k,
+                    "b_simple": 100.0 * k,
+                    "lo": None if k == 1 else 80.0 * k,  # the first band unbounded
+                    "hi": None if k == 1 else 130.0 * k,
+                    "steps": 3 * k,
+                    "batch": 64,
+                    "unit": "samples",
+                },
             }
         )
     return d
@@ -99,7 +108,17 @@ def test_the_noise_curve_and_the_batch_line(qtbot):
     x, y = view.noise_curve.getData()
     assert x.tolist() == [15, 25, 35, 45, 55, 65] and y.tolist() == [100, 200, 300, 400, 500, 600]
     assert view.batch_line.isVisible() and view.batch_line.value() == 64
-    assert view.noise_line.text().startswith("batch 64 · noise scale ≈ 600")
+    assert view.noise_line.text().startswith("batch 64 samples · noise scale ≈ 600 samples (95 % band 480–780)")
+    assert view.noise_line.text().endswith("a larger batch, or more GPUs, would still help")
+    # the band is drawn: the fill between its two edges, each edge the records' lo / hi where bounded
+    assert view.band.curves == [view.band_lo, view.band_hi] and view.band in view.noise.items
+    for edge, per in ((view.band_lo, 80.0), (view.band_hi, 130.0)):
+        ex, ey = edge.getData()
+        assert ex.tolist() == [25, 35, 45, 55, 65] and ey.tolist() == [per * k for k in range(2, 7)]
+    path = view.band.path().boundingRect()  # the fill's own shape spans the band
+    assert (path.left(), path.right(), path.top(), path.bottom()) == pytest.approx((25, 65, 160, 780))
+    lo, hi = view.noise.vb.viewRange()[1]
+    assert lo <= 64 and hi >= 780  # batch and band in view
 
 
 def test_one_device_says_why_there_is_no_noise_scale(qtbot):
@@ -137,11 +156,14 @@ def test_export_writes_health_in_long_form(tmp_path):
     d = with_noise(make_run())
     n = d.write_health_csv(tmp_path / "health.csv")
     rows = list(csv.DictReader((tmp_path / "health.csv").read_text().splitlines()))
-    assert len(rows) == n == 6 * (3 + 3 + 1) + 6 * 4
+    assert len(rows) == n == 6 * (3 + 3 + 1) + 6 * 7  # the noise: value, band, batch, g2, trace, steps
     got = {(r["step"], r["quantity"], r["layer"]): r["value"] for r in rows}
     assert float(got[("40", "update_ratio", "head.1")]) == pytest.approx(1e-6)
     assert got[("30", "update_ratio", "features.2")] == ""
     assert float(got[("65", "noise_b_simple", "")]) == 600
+    assert float(got[("65", "noise_lo", "")]) == 480 and float(got[("65", "noise_hi", "")]) == 780
+    assert got[("15", "noise_hi", "")] == ""  # unbounded: no number
+    assert d.noise_summary() == "noise scale ≈ 600 samples (95 % band 480–780)"  # the export's caption
     assert np.isfinite(float(got[("10", "grad_norm", "features.0")]))
 
 

@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--crash", default=None, help="STEP:RANK: that rank raises at that step")
-    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
+    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default, -1: health off)")
     p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"], help="with --devices > 1")
     p.add_argument("--dump", type=int, default=0, help="each rank saves its batch and weights at this step")
     a = p.parse_args()
@@ -120,11 +120,7 @@ def main() -> None:
         enable_checkpointing=a.checkpoint,
         default_root_dir=str(out / "lightning"),
         logger=False,
-        callbacks=[
-            MultilaneCallback(
-                runs_dir=a.runs_dir, name="lit", health={"every": a.health_every} if a.health_every else None
-            )
-        ],
+        callbacks=[MultilaneCallback(runs_dir=a.runs_dir, name="lit", health=health_section(a.health_every))],
     )
     trainer.fit(
         Regression(
@@ -133,6 +129,11 @@ def main() -> None:
         DataLoader(data(256, 0), batch_size=16, shuffle=True),
         DataLoader(data(64, 1), batch_size=32),
     )
+
+
+def health_section(every: int) -> dict | None:
+    """The callback's ``health``: ``every`` steps, the default (0) or off (-1: bench/health_overhead.py)."""
+    return {"every": every} if every > 0 else {"enabled": False} if every < 0 else None
 
 
 if __name__ == "__main__":

@@ -57,12 +57,17 @@ def test_hf_ddp_noise_scale_comes_from_each_ranks_gradient_as_a_hand_computation
     second, g2_2, tr_2 = by_hand(model, [s[2:] for s in seen], 2)
     train = records(run, "train")
     assert [r["step"] for r in train] == [1, 2]
-    # the records carry the bias-corrected EMA (decay 0.9) of the steps' estimates
-    want = [(g2_1, tr_1, 32), ((0.09 * g2_1 + 0.1 * g2_2) / 0.19, (0.09 * tr_1 + 0.1 * tr_2) / 0.19, 12)]
-    for rec, (g2, trace, batch) in zip(train, want, strict=True):
+    # the records carry the steps' estimates averaged, each weighted by its batch (32, then 12) and the
+    # earlier one decayed by health.noise_decay (0.99); the batch beside them is the steps' mean
+    w1, w2 = 0.99 * 32, 12
+    want = [
+        (g2_1, tr_1, 32, 32),
+        ((w1 * g2_1 + w2 * g2_2) / (w1 + w2), (w1 * tr_1 + w2 * tr_2) / (w1 + w2), (w1 + w2) / 1.99, 12),
+    ]
+    for rec, (g2, trace, mean_batch, batch) in zip(train, want, strict=True):
         assert rec["noise"]["g2"] == pytest.approx(g2, rel=2e-3)
         assert rec["noise"]["trace"] == pytest.approx(trace, rel=2e-3)
-        assert rec["noise"]["batch"] == batch and rec["noise"]["unit"] == "samples"
+        assert rec["noise"]["batch"] == pytest.approx(mean_batch, rel=1e-3) and rec["noise"]["unit"] == "samples"
         # the samples the step trained on over both ranks (32, then 8 + 4), not the nominal 32 each
         assert rec["samples_per_s"] == pytest.approx(batch / (rec["step_ms"] / 1000))
     for rec, grad in zip(records(run, "health"), (first, second), strict=True):  # the combined gradient's

@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--model", default="gpt2", choices=["gpt2", "mlp"])
     p.add_argument("--samples", type=int, default=None, help="the training set's size (mlp: 44, gpt2: 64)")
     p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default)")
+    p.add_argument("--health-every", type=int, default=0, help="health.every (0: the default, -1: health off)")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -114,7 +114,8 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    health = {"every": a.health_every} if a.health_every else None
+    # health.every, the default (0) or off (-1: bench/health_overhead.py)
+    health = {"every": a.health_every} if a.health_every > 0 else {"enabled": False} if a.health_every < 0 else None
     ours = MultilaneCallback(runs_dir=a.runs_dir, name="hf", health=health)
     model = Regression() if mlp else transformers.GPT2LMHeadModel(config)
     trainer = transformers.Trainer(
