@@ -45,10 +45,10 @@ from multilane.engine.plan.probe import (
     probe_batches,
 )
 from multilane.engine.plan.shards import shard_bytes
-from multilane.engine.run.optim import build_optimizer
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.optim import build_optimizer
 from torch.utils._pytree import tree_map
 
 FSDP_PHASES = ("setup", "forward", "backward", "optimizer")

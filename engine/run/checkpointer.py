@@ -42,7 +42,7 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it. A checkpoint
     that does not fit the run (damaged, or another model's) is refused in one line naming the
     checkpoint and the part that does not fit, not the task."""
-    if ck.get("sharded") is not None or getattr(t, "sharded", False):
+    if ck.get("sharded") is not None or t.spread.sharded:
         # A sharded checkpoint (engine/fsdp/sharded.py), or any checkpoint into a sharded model.
         from multilane.engine.fsdp.sharded import restore_model
 
@@ -87,7 +87,7 @@ def _load(t: Trainer, part: str, target: str, load: Any, state: Any) -> None:
 def _lane_random(t: Trainer) -> Any:
     """The lanes' random streams of a single-process run, or a ddp run's ranks' (one lane per rank,
     the same format: engine/distributed/rank_state.py); a ddp rank restores its own."""
-    streams = getattr(t, "streams", None)
+    streams = getattr(t.spread, "streams", None)
     if streams is not None:
         return streams
     strategy = getattr(t, "strategy", None)
@@ -147,9 +147,9 @@ def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None
     t.run_dir.save_checkpoint(t.checkpoint_state())  # a sharded model's writes its shards first
-    saved = getattr(t, "checkpoint_saved", None)
+    saved = getattr(t.spread, "checkpoint_saved", None)  # a sharded checkpoint's folders (fsdp)
     if saved is not None:
-        saved()
+        saved(t)
     elif (t._checkpoint or {}).get("sharded") and t.run_dir.writes:  # resumed from shards, saved whole
         from multilane.engine.fsdp.sharded import remove_older
 

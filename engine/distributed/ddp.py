@@ -1,10 +1,10 @@
-"""The ddp trainer: the engine's loop, one process per device, DistributedDataParallel.
+"""The ddp strategy: one process per device, DistributedDataParallel, under the engine's one loop.
 
-It reuses ``Trainer``'s loop and overrides the parts that differ: each rank takes its shard of global
+The loop (engine/run/trainer.py) calls it at its named points: each rank takes its shard of global
 micro-batch ``m`` (the same global batches as the single-process engine), scales its shard loss so
 that DDP's equal-weight gradient average is the full-batch gradient, gathers the log window to every
 rank once per window, evaluates its shard of the validation set, and agrees with the other ranks on
-pause and stop (see ``_sync_control``). Rank 0 writes the run folder; the other ranks write nothing.
+pause and stop (agreement.py). Rank 0 writes the run folder; the other ranks write nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from multilane.engine.distributed.agreement import RankAgreement
 from multilane.engine.distributed.batchnorm import convert_rank_batchnorm, touch_exchanges
 from multilane.engine.distributed.evaluation import evaluate_shards
 from multilane.engine.distributed.failures import clear_notes
-from multilane.engine.distributed.rank import NullRunDir, RankInfo, cpu_threads_per_rank
+from multilane.engine.distributed.rank import NullRunDir, RankInfo, RankTelemetry, cpu_threads_per_rank
 from multilane.engine.distributed.rank_state import (
     RankRules,
     RankStreams,
@@ -37,7 +37,6 @@ from multilane.engine.distributed.rank_state import (
     zero_loss,
 )
 from multilane.engine.distributed.shards import RankLoader
-from multilane.engine.distributed.telemetry import RankTelemetry
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.health.lane_grads import ddp_comm_hook
@@ -45,49 +44,47 @@ from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
-from multilane.engine.run.metrics_window import check_finite
-from multilane.engine.run.optim import build_optimizer, lr_at
-from multilane.engine.run.run_spec import planned_steps
-from multilane.engine.run.trainer import Trainer
+from multilane.engine.run.run_spec import open_run_dir, planned_steps
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors.features import check_model
 from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
+from multilane.engine.tensors.optim import build_optimizer, lr_at
+
+if TYPE_CHECKING:
+    from multilane.engine.run.trainer import Trainer
 
 RANK_LOCK_WAIT_S = 20.0
 """How long rank 0 waits for a run folder's lock that a rank of an earlier launch still holds."""
 
 
-class DdpTrainer(RankAgreement, Trainer):
-    """``Trainer`` on one rank of a ddp run; the process group must be initialised.
+class Ddp(RankAgreement):
+    """The ddp strategy of one rank; the process group must be initialised.
 
     ``requests`` takes this rank's own stop and pause requests (signals, the control file); the
-    loop acts on them only once every rank agrees (``control``), so all ranks stop at the same step.
+    loop acts on them only once every rank agrees (the loop's ``control``), so all ranks stop at the
+    same step. ``run_dir``: the folder the launcher made for the run.
     """
 
-    def __init__(
-        self,
-        info: RankInfo,
-        requests: RunControl | None = None,
-        run_dir: str | Path | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.info = info  # before the base class opens a resumed run's folder: rank 0 alone locks it
-        super().__init__(**kwargs)
+    sharded = False
+
+    def __init__(self, info: RankInfo, requests: RunControl | None = None, run_dir: str | Path | None = None) -> None:
+        self.info = info
         self.requests = requests or RunControl()
         self._given_run_dir = Path(run_dir) if run_dir else None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self.rank_telemetry = RankTelemetry(info, lambda: self.step, self._dispatch)
         self._keys: list[str] = [info.key]
         self._parent = os.getppid()
+        self.place = (info.device, info.rank, info.world)  # the rank's memory meter measures its device
+        self.control_group: Any = None
+        self.ddp: Any = None
 
-    def _open_resume_dir(self, path: str | Path) -> RunDir:
+    def open_resume_dir(self, path: str | Path) -> RunDir:
         # Rank 0 is the run folder's writer. A rank of the launch being resumed may still be on its way
         # out (its launcher already reported the failure): wait for its lock a little.
         return RunDir.open_existing(
@@ -95,102 +92,115 @@ class DdpTrainer(RankAgreement, Trainer):
         )
 
     # -- setup ----------------------------------------------------------------------------------
-    def _setup_rank(self) -> torch.device:
-        """What every process strategy's rank sets up first (ddp here, fsdp in engine/fsdp): the seed, the
-        threads, the loader, the model on the rank's device, the control group, synchronized BatchNorm."""
-        cfg, info = self.config, self.info
+    def _setup_rank(self, t: Trainer) -> torch.device:
+        """What every rank sets up first (ddp here, fsdp in fsdp_rank.py): the seed, the threads, the
+        loader, the model on the rank's device, the control group, synchronized BatchNorm."""
+        cfg, info = t.config, self.info
+        self.rank_telemetry = RankTelemetry(info, lambda: t.step, t.dispatch)
         torch.manual_seed(cfg.train.seed)
         if not info.device.is_cuda:
             torch.set_num_threads(cpu_threads_per_rank(info.local_world))
         dev = info.device.torch_device()
-        self._phase("loading data")  # rank 0's, in the run folder's status
-        self.loader = RankLoader(build_loader(self.task, cfg, dev if info.device.is_cuda else None), self._my_slice)
-        if getattr(self, "memory", None) is not None:  # the rank's peak meter: the data is not counted
-            self.memory.before_model()
-        self._phase("building the model")
-        self.model = self.task.build_model().to(dev)
-        check_model(self.model, cfg)  # every rank finds the same, before any collective
+        t._phase("loading data")  # rank 0's, in the run folder's status
+        t.loader = self.rank_loader(t)
+        if t.memory is not None:  # the rank's peak meter: the data is not counted
+            t.memory.before_model()
+        t._phase("building the model")
+        t.model = t.task.build_model().to(dev)
+        check_model(t.model, cfg)  # every rank finds the same, before any collective
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
         # group: no device sync per step on GPUs.
-        self._control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         if cfg.devices.sync_batchnorm:  # the lanes' synchronized BatchNorm, across ranks (batchnorm.py)
-            convert_rank_batchnorm(self.model, dist.new_group())
+            convert_rank_batchnorm(t.model, dist.new_group())
         return dev
 
-    def _setup(self) -> None:
-        cfg, info = self.config, self.info
-        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
-        dev = self._setup_rank()
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
-        accum = cfg.train.grad_accum
-        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
-        self.scaler = torch.amp.GradScaler(info.device.kind, enabled=cfg.train.precision == "fp16")
+    def rank_loader(self, t: Trainer) -> RankLoader:
+        """A loader of this rank's slice of every global batch (also a NaN replay's own, health/rank_replay.py)."""
+        dev = self.info.device
+        return RankLoader(build_loader(t.task, t.config, dev.torch_device() if dev.is_cuda else None), self.my_slice)
+
+    def _setup_common(self, t: Trainer, dev: torch.device, what: str) -> None:
+        """The optimizer, the step count, the log window's and the health's parts of every rank strategy."""
+        cfg, info = t.config, self.info
+        t.optimizer = build_optimizer(t.model.parameters(), cfg.optim)
+        t.total_steps = planned_steps(t.task, cfg, t.loader.per_epoch)
         self._weights = cfg.devices.weights or None
         if self._weights and len(self._weights) != info.world:
-            raise UserError(f"devices.weights: {len(self._weights)} weights for {info.world} ddp processes")
+            raise UserError(f"devices.weights: {len(self._weights)} weights for {info.world} {what} processes")
         self._sizes_cache: dict[int, list[int]] = {}
-        self.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
-        self.window = ShardWindow()
+        t.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
+        t._loss_weight = loss_weight_fn(t.task)
+        self._due_at: float | None = None  # a checkpoint every rank agreed is due (see checkpoint_due)
+
+    def _restore(self, t: Trainer, dev: torch.device) -> None:
+        """A checkpoint (any engine's: the open log window starts afresh), and each rank its own random
+        stream, as each lane has (rank_state.py), restored from it."""
+        info, saved_streams = self.info, None
+        if t._checkpoint is not None:
+            checkpointer.restore(t, {**t._checkpoint, "metrics_window": None, "lane_rng": None})
+            saved_streams = t._checkpoint.get("lane_rng")
+        self.streams = RankStreams(info.rank, info.world, dev, t.config.train.seed, self.control_group)
+        self.streams.begin(saved_streams)
+        self.rules = RankRules(t.model, dev, info.world, self.control_group)
+
+    def _gather_keys(self) -> None:
+        keys: list[Any] = [None] * self.info.world
+        dist.all_gather_object(keys, self.info.key)
+        self._keys = keys
+
+    def setup(self, t: Trainer) -> None:
+        cfg, info = t.config, self.info
+        dev = self._setup_rank(t)
+        self._setup_common(t, dev, "ddp")
+        t.scaler = torch.amp.GradScaler(info.device.kind, enabled=cfg.train.precision == "fp16")
+        t.window = ShardWindow()
         self.autocast_dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-        self._loss_weight = loss_weight_fn(self.task)
         if info.world > info.local_world:
             # Several nodes: a node that does not share host 0's runs folder (a run across hosts) has no
             # checkpoint to resume from; rank 0's travels to every rank (None when the run is new).
-            box = [self._checkpoint if info.is_main else None]
-            dist.broadcast_object_list(box, src=0, group=self._control_group)
-            self._checkpoint = box[0]
-        saved_streams = None
-        if self._checkpoint is not None:  # any engine's checkpoint: the open log window starts afresh
-            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})
-            saved_streams = self._checkpoint.get("lane_rng")
-        # Each rank its own random stream, as each lane has (rank_state.py), restored from a checkpoint.
-        self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
-        self.streams.begin(saved_streams)
-        self.rules = RankRules(self.model, dev, info.world, self._control_group)
-        self._due_at: float | None = None  # a checkpoint every rank agreed is due (see _checkpoint_due)
-        self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce)
+            box = [t._checkpoint if info.is_main else None]
+            dist.broadcast_object_list(box, src=0, group=self.control_group)
+            t._checkpoint = box[0]
+        self._restore(t, dev)
+        t.health = make_monitor(t, info.world, dev, exchange=dist.all_reduce)
         # A NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
-        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
+        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
         # This process's first steps find out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
-        self._build_ddp(find_unused=False)
-        keys: list[Any] = [None] * info.world
-        dist.all_gather_object(keys, info.key)
-        self._keys = keys
-        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
-        self.loader.start(self.step * accum, self.total_steps * accum)
+        self._build_ddp(t, find_unused=False)
+        self._gather_keys()
 
-    def _build_ddp(self, find_unused: bool) -> None:
+    def _build_ddp(self, t: Trainer, find_unused: bool) -> None:
         self.ddp = None  # the old DDP (and its reducer's hooks) goes first
-        self.ddp = build_ddp(self.model, self.info.device, find_unused)
+        self.ddp = build_ddp(t.model, self.info.device, find_unused)
         self._find_unused = find_unused
-        if self.health.probe is not None:  # this rank's gradient, before the all-reduce (engine/health)
-            self.ddp.register_comm_hook(None, ddp_comm_hook(self.health.probe, self.info.rank, self.info.world))
+        if t.health.probe is not None:  # this rank's gradient, before the all-reduce (engine/health)
+            self.ddp.register_comm_hook(None, ddp_comm_hook(t.health.probe, self.info.rank, self.info.world))
 
-    @property
-    def lane_names(self) -> list[str]:
+    def lane_names(self, t: Trainer) -> list[str]:
         return list(self._keys)
 
-    def _sizes(self, batch: int) -> list[int]:
+    def sizes(self, t: Trainer | None, batch: int) -> list[int]:
         s = self._sizes_cache.get(batch)
         if s is None:
             s = self._sizes_cache[batch] = chunk_sizes(batch, self.info.world, self._weights)
         return s
 
-    def _my_slice(self, size: int) -> tuple[int, int]:
-        sizes = self._sizes(size)
+    def my_slice(self, size: int) -> tuple[int, int]:
+        sizes = self.sizes(None, size)
         return sum(sizes[: self.info.rank]), sizes[self.info.rank]
 
-    def _open_run_dir(self) -> RunDir:
+    def open_run_dir(self, t: Trainer) -> RunDir:
         """Rank 0 opens the folder (the launcher's, the resumed one, or a new one) and tells the others."""
         rd: RunDir | None = None
         if self.info.is_main:
-            if self._given_run_dir is not None and self._resume_dir is None:
+            if self._given_run_dir is not None and t._resume_dir is None:
                 rd = RunDir(self._given_run_dir)
                 (rd.path / "checkpoints").mkdir(parents=True, exist_ok=True)
                 rd.acquire(RANK_LOCK_WAIT_S)  # the launcher made the folder; rank 0 is its writer
             else:
-                rd = super()._open_run_dir()
+                rd = open_run_dir(t._resume_dir, t._made_run_dir, t.config)
         if rd is not None:
             clear_notes(rd.path)  # an earlier launch's failures
         path: list[Any] = [str(rd.path) if rd is not None else None]
@@ -201,17 +211,17 @@ class DdpTrainer(RankAgreement, Trainer):
         return rd if rd is not None else NullRunDir(Path(path[0]))
 
     # -- one step -------------------------------------------------------------------------------
-    def _train_step(self, accum: int) -> None:
-        cfg, timer, opt, world = self.config, self.timer, self.optimizer, self.info.world
+    def train_step(self, t: Trainer, accum: int) -> None:
+        cfg, timer, opt, world, scaler = t.config, t.timer, t.optimizer, self.info.world, t.scaler
         self.rank_telemetry.busy.start(0)  # counted while it runs: a long step is not 0 % busy
         for group in opt.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
-        health = self.health
-        health.begin_step(self.step + 1, self.model, accum)
+            group["lr"] = lr_at(t.step, t.total_steps, cfg.optim.lr, cfg.schedule)
+        health = t.health
+        health.begin_step(t.step + 1, t.model, accum)
         for k in range(accum):
             timer.mark(None)
             t_data = time.perf_counter()
-            inputs, target, n, size = self.loader.next_shard()
+            inputs, target, n, size = t.loader.next_shard()
             timer.add("data", time.perf_counter() - t_data)
             # Gradients are averaged across ranks once per optimizer step, at its last micro-batch
             # (this process's first steps: by hand, after each; see RankRules.reduce_probe).
@@ -220,12 +230,10 @@ class DdpTrainer(RankAgreement, Trainer):
             sync = contextlib.nullcontext() if last else self.ddp.no_sync()
             with sync:
                 timer.mark("forward")
-                fwd = functools.partial(self._forward, inputs, target, n)
-                output, shard_loss, weight = self.rules.forward(fwd, n, self._sizes(size))
+                fwd = functools.partial(self._forward, t, inputs, target, n)
+                output, shard_loss, weight = self.rules.forward(fwd, n, self.sizes(t, size))
                 timer.mark("backward")
-                share, units = (
-                    (n / size, size) if self._loss_weight is None else weight_share(weight, self._control_group)
-                )
+                share, units = (n / size, size) if t._loss_weight is None else weight_share(weight, self.control_group)
                 health.micro([share * units if share == share else 0.0], [self.info.rank], accum, units)
                 if shard_loss is not None and share > 0:
                     contrib = shard_loss * share  # this shard's part of the full-batch loss
@@ -245,126 +253,104 @@ class DdpTrainer(RankAgreement, Trainer):
                 self.rules.note(local)
                 if k == 0:
                     opt.zero_grad(set_to_none=True)
-                self.scaler.scale(local / accum if accum > 1 else local).backward()
-            self.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, self.step + 1)
+                scaler.scale(local / accum if accum > 1 else local).backward()
+            t.window.add(contrib.detach(), None if shard_loss is None else shard_loss.detach(), size, t.step + 1)
         if probing:
             probe = health.probe
             if probe is not None and probe.armed:  # no bucket reached the comm hook: this rank's gradient
-                probe.add_grads(
-                    self.info.rank, [p.grad for p in self.model.parameters() if p.grad is not None], 1 / world
-                )
+                probe.add_grads(self.info.rank, [p.grad for p in t.model.parameters() if p.grad is not None], 1 / world)
             if self.rules.reduce_probe():
-                self._build_ddp(find_unused=True)
-        health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
+                self._build_ddp(t, find_unused=True)
+        health.after_reduce(t.model, scaler._scale if scaler.is_enabled() else None)
         timer.mark("optimizer")
         clip = cfg.train.grad_clip
         if clip > 0:
-            self.scaler.unscale_(opt)
-            self.window.add_grad_norm(clip_grad_norm(self.model.parameters(), clip))
-        elif self._logs_at(self.step + 1):  # not clipping: the norm of the step that logs (trainer.py)
-            self.scaler.unscale_(opt)
-            self.window.add_grad_norm(grad_norm(self.model.parameters()))
+            scaler.unscale_(opt)
+            t.window.add_grad_norm(clip_grad_norm(t.model.parameters(), clip))
+        elif t._logs_at(t.step + 1):  # not clipping: the norm of the step that logs (trainer.py)
+            scaler.unscale_(opt)
+            t.window.add_grad_norm(grad_norm(t.model.parameters()))
         health.before_update()
-        self.scaler.step(opt)
-        self.scaler.update()
+        scaler.step(opt)
+        scaler.update()
         health.after_update()
         timer.end_step()
-        self.window.end_step()
+        t.window.end_step()
         self.rank_telemetry.busy.stop(0)
 
-    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    def _forward(
+        self, t: Trainer, inputs: Any, target: Any, n: int
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """The output, this shard's loss and (with the task's ``loss_weight``) its weight."""
         return shard_forward(
-            self.ddp, self.task, self._loss_weight, self.info.device.kind, self.autocast_dtype, inputs, target, n
+            self.ddp, t.task, t._loss_weight, self.info.device.kind, self.autocast_dtype, inputs, target, n
         )
 
-    def _memory(self) -> dict[str, Any]:
+    def memory(self, t: Trainer) -> dict[str, Any]:
         """Every rank's split of its device's memory (a collective, at each log)."""
         info = self.info
         dev = info.device.torch_device()
-        return gathered_rank_memory(self.model, self.optimizer, info.key, dev, info.world, self._control_group)
+        return gathered_rank_memory(t.model, t.optimizer, info.key, dev, info.world, self.control_group)
 
     # -- logging, evaluation, stopping ----------------------------------------------------------
-    def _log(self, **extra: Any) -> None:
+    def log(self, t: Trainer, **extra: Any) -> None:
         """One collective per log window: every rank's window (and its buffered telemetry) to every
         rank; all ranks build the same record, rank 0 writes it."""
-        mine = self.window.take()
+        mine = t.window.take()
         if mine is None:  # the same on every rank: they count the same micro-batches
             return
         telemetry = self.rank_telemetry.take()
         everyone: list[Any] = [None] * self.info.world
-        dist.all_gather_object(everyone, (mine, telemetry, self.timer.read()))
+        dist.all_gather_object(everyone, (mine, telemetry, t.timer.read()))
         windows = [e[0] for e in everyone]
-        first = windows[0]["first_step"] or self.step
-        rec = combine(
-            windows,
-            self._keys,
-            step=self.step,
-            epoch=self.loader.epoch_fraction(self.step * self.config.train.grad_accum),
-            wall_time=time.time(),
-            lr=self.optimizer.param_groups[0]["lr"],
-            **extra,
-        )
+        first = windows[0]["first_step"] or t.step
+        rec = combine(windows, self._keys, **t.record_head(), **extra)
         rec["phase_ms"] = everyone[0][2]
-        self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
-        if self.info.is_main:
-            for _, records, _ in everyone[1:]:
-                for r in records:
-                    self._dispatch(r)
-        self._last_train = rec
-        for cb in self.callbacks:
-            cb.on_log(rec)
-        check_finite(rec, first, self.step)
+        others = [r for _, records, _ in everyone[1:] for r in records] if self.info.is_main else []
+        t.publish(rec, first, others)
 
-    def _stop(self) -> None:
+    def stop(self, t: Trainer) -> None:
         """All ranks stop at the same step: the open window is logged whole, then rank 0 saves."""
-        self._log()
-        checkpointer.save_finite(self)
+        t._log()
+        checkpointer.save_finite(t)
 
-    def _state_finite(self) -> bool:
+    def state_finite(self, t: Trainer) -> bool:
         """Every rank's window and parameters (fsdp: its shards) finite: one device read per rank, then
         a tiny all-reduce, so that either every rank saves or none does."""
-        ok = checkpointer.finite_flag(self, torch.device("cpu")).to(torch.int32).reshape(1)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._control_group)
+        ok = checkpointer.finite_flag(t, torch.device("cpu")).to(torch.int32).reshape(1)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.control_group)
         return bool(ok.item())
 
-    def _evaluate(self) -> None:
+    def evaluate(self, t: Trainer) -> None:
         """Each rank evaluates its slice of every validation batch; rank 0 writes the task's text sample."""
-        if not self.loader.has_val:
+        if not t.loader.has_val:
             return
         info = self.info
         before = param_versions(self.rules.params)
         rec = evaluate_shards(
-            self.model,
-            self.task,
-            self.loader.eval_shards(),
+            t.model,
+            t.task,
+            t.loader.eval_shards(),
             info.device.kind,
             self.autocast_dtype,
-            self._loss_weight,
+            t._loss_weight,
             info.world,
-            self.step,
+            t.step,
         )
-        check_param_writes(self.model, self.rules.params, before)
+        check_param_writes(t.model, self.rules.params, before)
         if info.is_main:
-            assert self.run_dir is not None
-            write_sample(self.task, self.model, info.device.torch_device(), rec, self.run_dir)
-        self._last_eval = rec
-        for cb in self.callbacks:
-            cb.on_eval(rec)
+            assert t.run_dir is not None
+            write_sample(t.task, t.model, info.device.torch_device(), rec, t.run_dir)
+        t.publish_eval(rec)
 
     # -- telemetry: each rank samples its own device; rank 0 writes every rank's records ---------
-    def _make_sampler(self) -> TelemetrySampler | None:
-        return self.rank_telemetry.make_sampler(self.config)
+    def make_sampler(self, t: Trainer) -> TelemetrySampler | None:
+        return self.rank_telemetry.make_sampler(t.config)
 
-    def _dispatch(self, record: dict[str, Any]) -> None:
-        for cb in self.callbacks:
-            if record["kind"] == "telemetry":
-                cb.on_telemetry(record)
-            else:
-                cb.on_event(record)
+    def checkpoint_state(self, t: Trainer) -> dict[str, Any]:
+        return checkpointer.checkpoint_state(t)
 
-    def _finish(self, status: str, message: str | None, tb: str | None):
+    def finish(self, t: Trainer, status: str) -> None:
         if status != "failed":
             with contextlib.suppress(Exception):
                 self._drain_pending()
-        return super()._finish(status, message, tb)
