@@ -53,8 +53,7 @@ from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import gathered_rank_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors.features import check_model
-from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
-from multilane.engine.tensors.optim import build_optimizer, lr_at
+from multilane.engine.tensors.optim import build_optimizer
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
@@ -212,10 +211,9 @@ class Ddp(RankAgreement):
 
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, t: Trainer, accum: int) -> None:
-        cfg, timer, opt, world, scaler = t.config, t.timer, t.optimizer, self.info.world, t.scaler
+        timer, opt, world, scaler = t.timer, t.optimizer, self.info.world, t.scaler
         self.rank_telemetry.busy.start(0)  # counted while it runs: a long step is not 0 % busy
-        for group in opt.param_groups:
-            group["lr"] = lr_at(t.step, t.total_steps, cfg.optim.lr, cfg.schedule)
+        t.set_lr()
         health = t.health
         health.begin_step(t.step + 1, t.model, accum)
         for k in range(accum):
@@ -261,19 +259,7 @@ class Ddp(RankAgreement):
                 probe.add_grads(self.info.rank, [p.grad for p in t.model.parameters() if p.grad is not None], 1 / world)
             if self.rules.reduce_probe():
                 self._build_ddp(t, find_unused=True)
-        health.after_reduce(t.model, scaler._scale if scaler.is_enabled() else None)
-        timer.mark("optimizer")
-        clip = cfg.train.grad_clip
-        if clip > 0:
-            scaler.unscale_(opt)
-            t.window.add_grad_norm(clip_grad_norm(t.model.parameters(), clip))
-        elif t._logs_at(t.step + 1):  # not clipping: the norm of the step that logs (trainer.py)
-            scaler.unscale_(opt)
-            t.window.add_grad_norm(grad_norm(t.model.parameters()))
-        health.before_update()
-        scaler.step(opt)
-        scaler.update()
-        health.after_update()
+        t.optimizer_step()
         timer.end_step()
         t.window.end_step()
         self.rank_telemetry.busy.stop(0)

@@ -139,7 +139,7 @@ def _need(points: dict[str, list[tuple[int, int]]], b: int) -> int:
 
 
 class _RankStepper:
-    """The fsdp trainer's step on one rank (engine/fsdp/trainer.py, engine/distributed/trainer.py): its
+    """The fsdp trainer's step on one rank (engine/distributed/fsdp_rank.py, ddp.py): its
     forward by the trainer's own ``RankRules.forward`` and ``shard_forward``."""
 
     def __init__(self, config: RunConfig, task: Any, dev: torch.device, n: int, count: measure.StorageCount) -> None:

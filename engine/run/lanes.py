@@ -26,72 +26,40 @@ from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.memory_split import lanes_memory
 from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
 from multilane.engine.tensors import features
-from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
-from multilane.engine.tensors.optim import build_optimizer, lr_at
+from multilane.engine.tensors.optim import build_optimizer
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
 
 
 class Strategy(Protocol):
-    """How a run is spread over its devices: what differs between strategies, called by the loop ``t``."""
+    """How a run is spread over its devices: what differs between strategies, each method called by the
+    loop ``t`` at its named point (the ddp and fsdp strategies: engine/distributed/ddp.py, fsdp_rank.py)."""
 
-    sharded: bool
-    """Whether the model's state is sharded (checkpoints load through the sharded state-dict helpers)."""
-    place: Any
-    """A rank's (device, rank, world), which its memory meter measures; None: one process, its lanes."""
+    sharded: bool  # the model's state sharded: checkpoints load through the sharded state-dict helpers
+    place: Any  # a rank's (device, rank, world), which its memory meter measures; None: one process's lanes
 
-    def open_resume_dir(self, path: str | Path) -> RunDir:
-        """The run folder being resumed (locked by the process that writes it)."""
-
-    def open_run_dir(self, t: Trainer) -> RunDir:
-        """The run's folder: the resumed one, the one given, or a new one."""
+    def open_resume_dir(self, path: str | Path) -> RunDir: ...  # locked by the process that writes it
+    def open_run_dir(self, t: Trainer) -> RunDir: ...  # the resumed one, the one given, or a new one
 
     def setup(self, t: Trainer) -> None:
         """The loader, the model and optimizer on the strategy's devices, the log window, health, the
-        checkpoint restored; the loader started at the run's next micro-batch."""
+        checkpoint restored (the loop then starts the loader at the run's next micro-batch)."""
 
-    def lane_names(self, t: Trainer) -> list[str]:
-        """The names the run's per-device series go by."""
-
-    def sizes(self, t: Trainer, batch: int) -> list[int]:
-        """Each device's share of a batch of ``batch`` samples."""
-
-    def train_step(self, t: Trainer, accum: int) -> None:
-        """One optimizer step of ``accum`` micro-batches: forward, backward, reduction, update."""
-
-    def sync_control(self, t: Trainer) -> None:
-        """Between steps: take up pause and stop (every process of the run agreeing on them)."""
-
-    def wait_paused(self, t: Trainer) -> None:
-        """Block while paused."""
-
-    def checkpoint_due(self, t: Trainer) -> bool:
-        """Whether the checkpoint cadence's wall time has come."""
-
-    def log(self, t: Trainer, **extra: Any) -> None:
-        """Report the open log window as a train record (``t.publish``)."""
-
-    def stop(self, t: Trainer) -> None:
-        """A stop between log points: the checkpoint and the open window's record."""
-
-    def state_finite(self, t: Trainer) -> bool:
-        """Whether the state a checkpoint would hold is finite (on every process)."""
-
-    def evaluate(self, t: Trainer) -> None:
-        """The eval record at ``t.step`` to the callbacks (``t.publish_eval``)."""
-
-    def memory(self, t: Trainer) -> dict[str, Any]:
-        """Each device's split of its memory, for the log record."""
-
-    def make_sampler(self, t: Trainer) -> TelemetrySampler | None:
-        """The telemetry sampler of the run's devices."""
-
-    def checkpoint_state(self, t: Trainer) -> dict[str, Any]:
-        """What a checkpoint holds."""
-
-    def finish(self, t: Trainer, status: str) -> None:
-        """Before the run's end is recorded."""
+    def lane_names(self, t: Trainer) -> list[str]: ...  # the names the per-device series go by
+    def sizes(self, t: Trainer, batch: int) -> list[int]: ...  # each device's share of a batch
+    def train_step(self, t: Trainer, accum: int) -> None: ...  # forward, backward, reduction (t.optimizer_step)
+    def sync_control(self, t: Trainer) -> None: ...  # between steps: pause and stop, every process agreeing
+    def wait_paused(self, t: Trainer) -> None: ...
+    def checkpoint_due(self, t: Trainer) -> bool: ...  # the checkpoint cadence's wall time has come
+    def log(self, t: Trainer, **extra: Any) -> None: ...  # the open log window's record (t.publish)
+    def stop(self, t: Trainer) -> None: ...  # a stop between log points: the checkpoint and the window's record
+    def state_finite(self, t: Trainer) -> bool: ...  # what a checkpoint would hold is finite, on every process
+    def evaluate(self, t: Trainer) -> None: ...  # the eval record at t.step (t.publish_eval)
+    def memory(self, t: Trainer) -> dict[str, Any]: ...  # each device's split of its memory, for the record
+    def make_sampler(self, t: Trainer) -> TelemetrySampler | None: ...
+    def checkpoint_state(self, t: Trainer) -> dict[str, Any]: ...
+    def finish(self, t: Trainer, status: str) -> None: ...  # before the run's end is recorded
 
 
 class Lanes:
@@ -150,10 +118,8 @@ class Lanes:
         return strategy_replicas(t.strategy, len(t.devices))
 
     def train_step(self, t: Trainer, accum: int) -> None:
-        cfg = t.config
         timer, opt, window, strategy, health, scaler = t.timer, t.optimizer, t.window, t.strategy, t.health, t.scaler
-        for group in opt.param_groups:
-            group["lr"] = lr_at(t.step, t.total_steps, cfg.optim.lr, cfg.schedule)
+        t.set_lr()
         health.begin_step(t.step + 1, t.model, accum, self.replicas(t))
         for k in range(accum):
             timer.mark(None)
@@ -173,19 +139,7 @@ class Lanes:
             strategy.backward(out, scaler.scale(loss))
             window.add(out, size, t.step + 1)
         strategy.reduce_gradients(timer)
-        health.after_reduce(t.model, scaler._scale if scaler.is_enabled() else None)
-        timer.mark("optimizer")
-        clip = cfg.train.grad_clip
-        if clip > 0:
-            scaler.unscale_(opt)
-            window.add_grad_norm(clip_grad_norm(t.model.parameters(), clip))
-        elif t._logs_at(t.step + 1):  # not clipping: the norm of the step that logs (each step's cost 6 %)
-            scaler.unscale_(opt)
-            window.add_grad_norm(grad_norm(t.model.parameters()))
-        health.before_update()
-        scaler.step(opt)
-        scaler.update()
-        health.after_update()
+        t.optimizer_step()
         strategy.sync_replicas(t.model, timer)
         timer.end_step()
         window.end_step()
