@@ -1,4 +1,4 @@
-"""The ``multilane`` command: its entry point, parser, ``train``, ``watch``/``control``/``devices``, and the progress display."""
+"""The ``multilane`` command: its entry point, parser, ``train``, ``watch``/``control``/``devices``, the remote and sweep commands."""
 
 import sys
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
-from multilane.engine.cli.terminal_text import printable
 from multilane.engine.cli.train import cmd_train
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import NothingToTrain, UserError
 
 

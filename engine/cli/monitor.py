@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -97,7 +97,7 @@ def _resumed(conn: Any, path: str) -> tuple[str, dict[str, Any]]:
     config it was started with (its ``config.json``), which the other nodes start from."""
     import json
 
-    from multilane.engine.cli.terminal_text import printable
+    from multilane.engine.display.terminal_text import printable
     from multilane.engine.remote.launch import absolute_there
     from multilane.engine.remote.remote_runs import refuse_live
     from multilane.engine.rundir.runlog import CONFIG
@@ -149,7 +149,7 @@ def _resume_across(
     """The run in ``folder`` on host 0 continued across ``nodes`` and followed to its end, as
     ``train --host H --resume`` follows one host's (the curves so far, then the new steps)."""
     from multilane.engine.cli import remote
-    from multilane.engine.cli.terminal_text import printable
+    from multilane.engine.display.terminal_text import printable
     from multilane.engine.remote.mirror import mirror_folder
     from multilane.engine.remote.multi_host import launch_multi_host, wait_nodes_ended
     from multilane.engine.remote.remote_runs import FINAL, remote_status, resume_followed

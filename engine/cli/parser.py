@@ -274,7 +274,7 @@ def _run_options(t: argparse.ArgumentParser, d0: Any) -> None:
     t.add_argument(
         "--task",
         metavar="NAME|FILE",
-        help=f"digits, linear, mlp, charlm, imagefolder, or a .py file defining a Task (default: {d0.task.name})",
+        help=f"digits, linear, mlp, charlm, imagefolder, causal-lm, or a .py file defining a Task (default: {d0.task.name})",
     )
     t.add_argument(
         "--devices",

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 
 
@@ -131,6 +131,11 @@ def _watch_remote(conn: Any, remote_dir: str, follower: Any, interval: float) ->
         return printable(f"stop requested on {conn.name} (Ctrl+C again leaves it training)")
 
     code = watch(follower.run_dir, interval, follower=follower, on_interrupt=stop)
+    if follower.done:  # the records the mirror sends for a host that cannot reach the MLflow server
+        try:
+            follower.close()
+        except KeyboardInterrupt:
+            print(printable(f"mlflow: left unsent; multilane export {follower.run_dir} --mlflow URI sends the rest"))
     if not follower.done:
         where = printable(f"{conn.name}:{remote_dir}")
         print(f"left {where} training; follow it with: multilane watch {where}")

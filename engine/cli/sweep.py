@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 
 DEFAULT_TRIALS = 10

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.cli.parser import short_text
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.run.callbacks import TrainerCallback
 from multilane.engine.rundir.follow import DIVERGED
@@ -242,7 +242,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if waiting is not None:
         waiting.start()
     try:
-        from multilane.engine.cli.progress import ProgressDisplay, summary
+        from multilane.engine.display.progress import ProgressDisplay, summary
         from multilane.engine.distributed import RUN_DIR_ENV
         from multilane.engine.run.control import RunControl
         from multilane.engine.run.trainer import Trainer

@@ -12,49 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.device_line import DeviceTelemetry
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
 from multilane.engine.health.noise_scale import format_noise_scale
-from multilane.engine.numbers import format_number, format_percent
+from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import DIVERGED, RunFollower
 from multilane.engine.rundir.readfile import user_path
 from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
-
-
-def format_telemetry(record: dict[str, Any]) -> str:
-    """A short line of what each device is doing: "· cuda:0 97% 41.2 GiB · cuda:1 95% 38.0 GiB"."""
-    parts = []
-    for name, d in record.get("devices", {}).items():
-        rate = d.get("util_pct") or d.get("busy_pct")
-        text = name + (f" {format_percent(rate['mean'])}" if rate else "")
-        if d.get("mem_used_mb") is not None:
-            text += f" {d['mem_used_mb'] / 1024:.1f} GiB"
-        parts.append(text)
-    rss = record.get("process", {}).get("rss_mb")
-    if rss is not None:
-        parts.append(f"rss {rss / 1024:.1f} GiB")
-    return "· " + " · ".join(parts) if parts else ""
-
-
-class DeviceTelemetry:
-    """Every device's latest telemetry, merged over the records: a ddp or fsdp run writes one record per rank,
-    each naming its own device, so the line shows each rank's device, not the one sampled last."""
-
-    def __init__(self) -> None:
-        self.devices: dict[str, Any] = {}
-        self.process: dict[str, Any] = {}
-
-    def add(self, record: dict[str, Any]) -> str:
-        """Fold one telemetry record in; the line of every device seen since the run (re)started."""
-        self.devices.update(record.get("devices") or {})
-        if record.get("process"):
-            self.process = record["process"]  # the run's process: rank 0's where there are ranks
-        return format_telemetry({"devices": self.devices, "process": self.process})
-
-    def restart(self, lanes: Any) -> None:
-        """A (re)start of the run: keep only the devices it trains on (a resume may use others)."""
-        keep = set(lanes) if isinstance(lanes, list) else set()
-        self.devices = {k: v for k, v in self.devices.items() if k in keep}
 
 
 def format_health(record: dict[str, Any]) -> str:
@@ -185,11 +150,15 @@ def watch(
     while True:
         try:
             update = follower.poll()
+            said = []  # the run's own warnings (an MLflow server out of reach), one line each
             for rec in update.records:
                 state.add(rec)
+                if rec.get("kind") == "event" and rec.get("event") == "warning":
+                    said.append(str(rec.get("message")))
             if update.status is not None:
                 state.set_status(update.status)
-            for warning in getattr(follower, "new_warnings", list)():  # a link or FIFO in a file's place there
+            # and the follower's: a link or FIFO in a file's place there
+            for warning in said + getattr(follower, "new_warnings", list)():
                 if tty:
                     out.write("\r\x1b[2K")
                     out.flush()

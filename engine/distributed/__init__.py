@@ -9,10 +9,11 @@ This module itself imports nothing heavy: the CLI asks ``in_worker()`` before it
 
 import os
 
+from multilane.engine.start import NODE_FILE_ENV  # the rank server records deaths beside that file
+
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 COMMAND_START_ENV = "MULTILANE_COMMAND_START"  # when `multilane train` started: its ranks' "X s in all"
 RUN_DIR_ENV = "MULTILANE_RUN_DIR"  # the run folder the launcher created for this run
-NODE_FILE_ENV = "MULTILANE_NODE_FILE"  # where a node's ranks tell their launcher the run folder
 
 
 def in_worker() -> bool:
@@ -20,4 +21,12 @@ def in_worker() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
-__all__ = ["COMMAND_START_ENV", "NODE_FILE_ENV", "RUN_DIR_ENV", "in_worker"]
+def command_start() -> float | None:
+    """The launching command's start (``COMMAND_START_ENV``), where a launcher set it."""
+    try:
+        return float(os.environ[COMMAND_START_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+__all__ = ["COMMAND_START_ENV", "NODE_FILE_ENV", "RUN_DIR_ENV", "command_start", "in_worker"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from multilane.engine.parallel.strategy import _LaneLoss, model_args
-from multilane.engine.tasks import Task
+from multilane.engine.tasks import Task, add_token_fields
 from torch import nn
 
 
@@ -61,10 +61,12 @@ def evaluate_shards(
     keys = parts[0][3] if parts else []
     n_all = sum(e[4] for e in parts)
     w_all = sum(e[1] for e in everyone)
-    return {
+    rec = {
         "kind": "eval",
         "step": step,
         "wall_time": time.time(),
         "val_loss": sum(e[0] for e in everyone) / w_all if w_all > 0 else math.nan,
         "metrics": {k: sum(e[2][i] for e in parts) / n_all for i, k in enumerate(keys)},
     }
+    add_token_fields(task, rec)  # a language model's perplexity
+    return rec

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
-from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
+from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV, command_start
 from multilane.engine.distributed.failures import consolidate, write_note, write_refusal
 from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
@@ -38,7 +38,7 @@ class RankLostPeers(RankFailed):
 
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
-    from multilane.engine.cli.progress import ProgressDisplay, command_start, summary
+    from multilane.engine.display.progress import ProgressDisplay, summary
     from multilane.engine.distributed.ddp import Ddp
     from multilane.engine.distributed.fsdp_rank import Fsdp
     from multilane.engine.run.trainer import Trainer

@@ -47,8 +47,10 @@ def diagnose(records: list[dict[str, Any]], nan_origin: dict[str, Any] | None = 
     """The findings of a run's ``health`` records (oldest first) and its ``nonfinite_origin`` event."""
     found: list[Finding] = []
     if nan_origin is not None and isinstance(nan_origin.get("message"), str):
-        where = nan_origin.get("where")
-        found.append(Finding(str(where) if where else None, "grad_norm", nan_origin["message"]))
+        layer = nan_origin.get("layer")  # the layer whose updates blew up first, where one did
+        where = layer or nan_origin.get("where")
+        quantity = "update_ratio" if layer else "grad_norm"
+        found.append(Finding(str(where) if where else None, quantity, nan_origin["message"]))
     for name, zeros in _series(records, "act_zero", "act_rows").items():
         if zeros[-1] >= DEAD_ZEROS:
             found.append(

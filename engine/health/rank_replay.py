@@ -24,16 +24,20 @@ import torch
 import torch.distributed as dist
 from multilane.engine.health.layers import local
 from multilane.engine.health.nan_origin import (
+    Counted,
     Finding,
     Kept,
     Origin,
     StepKeeper,
+    TracedLoss,
     Tracer,
     origin_of,
     restore,
     snapshot,
     weights_origin,
 )
+from multilane.engine.health.origin import UpdateTrail
+from multilane.engine.health.tracer import Cursor
 from multilane.engine.parallel.replicas.lane_rng import _generators
 from torch import nn
 
@@ -94,7 +98,7 @@ class RankKeeper(StepKeeper):
 class _Gathered:
     """Every rank's findings of one replayed step, as one tracer of lanes (a rank is a lane)."""
 
-    def __init__(self, per_rank: list[dict[str, Finding | None]]) -> None:
+    def __init__(self, per_rank: list[dict[str, Any]]) -> None:
         def of(kind: str) -> dict[int, Finding]:
             out = {}
             for rank, found in enumerate(per_rank):
@@ -105,6 +109,44 @@ class _Gathered:
             return out
 
         self.inputs, self.outputs, self.grads = of("input"), of("output"), of("grad")
+        self.losses = of("loss")
+        self.peaks: dict[tuple[int, str], dict[int, Any]] = {}
+        for rank, found in enumerate(per_rank):
+            for key, values in found["peaks"]:
+                self.peaks.setdefault(key, {})[rank] = values
+
+
+def _mine(t: Any, tracer: Tracer, trail: UpdateTrail) -> dict[str, Any]:
+    """This rank's findings of a replayed step, as plain data for the ranks' gather: its window, its
+    first non-finite input, output, loss and gradient, its rows' peaks and its layers' update sums."""
+    keys = list(tracer.peaks)
+    flat = [tracer.peaks[k][0] for k in keys if 0 in tracer.peaks[k]]
+    values = torch.cat(flat).tolist() if flat else []
+    peaks, at = [], 0
+    for k, v in zip([k for k in keys if 0 in tracer.peaks[k]], flat, strict=True):
+        peaks.append((k, values[at : at + v.numel()]))
+        at += v.numel()
+    return {
+        "window": t.window.take(),
+        "input": tracer.inputs.get(0),
+        "output": tracer.outputs.get(0),
+        "loss": tracer.losses.get(0),
+        "grad": tracer.grads.get(0),
+        "peaks": peaks,
+        "updates": trail.take(),
+    }
+
+
+def _updates(everyone: list[dict[str, Any]], sharded: bool) -> list[tuple[int, list[list[float]]]]:
+    """The step's per-layer update sums: under fsdp summed over the ranks' shards, under ddp rank 0's
+    (every rank holds the same weights)."""
+    if not sharded:
+        return everyone[0]["updates"]
+    out = []
+    for parts in zip(*[e["updates"] for e in everyone], strict=True):
+        rows = [v for _, v in parts]
+        out.append((parts[0][0], [[sum(x) for x in zip(*r, strict=True)] for r in zip(*rows, strict=True)]))
+    return out
 
 
 def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None:
@@ -121,34 +163,39 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
     ranks = t.spread  # the rank strategy hands the replay its loader and its log window's reduction
     combine = type(t.window).combine
     loader = ranks.rank_loader(t)
+    cursor = Cursor(kept.step * accum)
+    trail = UpdateTrail(t.model, t.optimizer)
+    sharded = bool(unsharded_params(t.model))
     try:
         rank_restore(t, kept)
         loader.start(kept.step * accum, last_step * accum)
-        t.loader, t.health.every = loader, 0
+        t.loader, t.health.every = Counted(loader, cursor, kept.step * accum), 0
+        steps: list[Any] = []
+        history: dict[int, Any] = {}  # each replayed step's rows' peaks (origin.py, rule 4)
         for step in range(kept.step + 1, last_step + 1):
             t.window = window()
-            tracer = Tracer(t.model, [], single=True)
+            tracer = Tracer(t.model, [], single=True, cursor=cursor)
             tracer.watch_named(unsharded_params(t.model), 0)  # fsdp: this rank's gradient (ddp: none)
+            loss, trail.step = TracedLoss(t.task, tracer), step
             try:
                 t._train_step(accum)
             finally:
                 tracer.remove()
+                loss.remove()
             t.step = step
-            mine = {
-                "window": t.window.take(),
-                "input": tracer.inputs.get(0),
-                "output": tracer.outputs.get(0),
-                "grad": tracer.grads.get(0),
-            }
             everyone: list[Any] = [None] * ranks.info.world
-            dist.all_gather_object(everyone, mine, group=ranks.control_group)
+            dist.all_gather_object(everyone, _mine(t, tracer, trail), group=ranks.control_group)
             windows = [e["window"] for e in everyone]
             rec = combine(windows, names, step=step) if all(w is not None for w in windows) else None
-            origin = origin_of(t, step, _Gathered(everyone), rec, accum, kept.step, names)
+            steps += _updates(everyone, sharded)
+            gathered = _Gathered(everyone)
+            origin = origin_of(t, step, gathered, rec, kept.step, names, steps, trail.names, history)
             if origin is not None:
                 return origin
+            history[step] = gathered.peaks
         return None
     finally:
+        trail.remove()
         loader.close()
         t.loader, t.window, t.health.every, t.timer = saved
         rank_restore(t, now)

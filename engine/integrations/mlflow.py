@@ -1,14 +1,13 @@
-"""MLflow: a run logged live to a tracking server (``tracking.mlflow``), and a run folder sent there later
-(``multilane export RUN --mlflow URI``).
+"""MLflow's side of sending a run: ``Sender``, one run folder's records on their way to one MLflow run, in
+batches (``MlflowClient.log_batch``), from a thread of its own (live) or in the caller's (export). The
+senders of a run (the trainer's callback, the mirror's, the export) are in ``mlflow_logger``.
 
-Live: ``MlflowLogger`` is a trainer callback that only turns records into points (``mlflow_records``) and
-queues them; a thread of its own sends them in batches (``MlflowClient.log_batch``), retrying with a
-growing pause while the server is down, slow or refuses. Training never waits for the server: the first
-failure is one warning line (an event: the CLI prints it, the app shows it), and what is still queued
-is sent when the server answers again. At the run's end the thread gets ``END_WAIT_S`` to send the rest,
-config.json, metrics.jsonl and the loss figure (PNG and PDF, drawn by ``multilane export`` in a process of
-its own), then marks the run FINISHED, FAILED or KILLED (a stop, an abort, a NaN stop). Whatever it could
-not send, ``multilane export RUN --mlflow URI`` sends.
+Training never waits for the server: the thread retries with a growing pause while the server is down,
+slow or refuses; the first failure is one warning line, and what is still queued is sent when the
+server answers again. At the run's end the thread gets ``END_WAIT_S`` to send the rest, config.json,
+metrics.jsonl and the loss figure (PNG and PDF, drawn by ``multilane export`` in a process of its own),
+then marks the run FINISHED, FAILED or KILLED (a stop, an abort, a NaN stop). A batch that may have been
+stored though its answer was lost is read back before it is sent again (``missing_points``).
 
 One MLflow run per run folder and server: its id is kept in the folder's ``mlflow.json`` and the run
 carries the tag ``multilane.run_key`` (the folder's name and its first start), so a resumed run, a second
@@ -22,22 +21,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.engine.run.callbacks import RunResult, TrainerCallback
-from multilane.engine.rundir.follow import TERMINAL_STATES
-from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, STATUS, load_metrics, read_json
 from multilane.integrations import mlflow_records as mr
 from multilane.integrations.extras import require
-
-if TYPE_CHECKING:
-    from multilane.engine.run.trainer import Trainer
 
 WHAT = "tracking.mlflow (logging to an MLflow server)"
 FLUSH_S = 1.0  # the server sees the run at most about this late
@@ -72,6 +64,8 @@ class Sender:
         tags: dict[str, str],
         on_problem: Callable[[str], None] | None = None,
         live: bool = True,
+        hand_over_s: float | None = None,
+        on_hand_over: Callable[[str], None] | None = None,
     ) -> None:
         for k, v in HTTP_DEFAULTS.items():
             os.environ.setdefault(k, v)
@@ -81,6 +75,7 @@ class Sender:
         self._tags = dict(tags)
         self._params: dict[str, str] = {}
         self._points: collections.deque[mr.Point] = collections.deque(maxlen=QUEUE_MAX)
+        self._check: list[mr.Point] = []  # sent only where the server lacks them (read back first)
         self._artifacts: list[tuple[Path, str]] = []
         self._figures = False
         self._end: tuple[str, int] | None = None
@@ -91,18 +86,34 @@ class Sender:
         self.problem: str | None = None  # the first failure, in words
         self.failing = False
         self.dropped = 0  # points, params and tags the server refused for good
+        self.reached = False  # one send went through
+        # On a host (mlflow_logger.py): never reached within ``hand_over_s`` (or by the end), the sending is
+        # handed to the mirror: ``on_hand_over(why)``, and this sender sends nothing more.
+        self.hand_over_s, self._on_hand_over, self.handed_over = hand_over_s, on_hand_over, False
         self._client: Any = None
         self._thread: threading.Thread | None = None
 
     # -- what to send (any thread) -------------------------------------------------------------
-    def add(self, points: list[mr.Point] = (), params: dict[str, str] | None = None, tags: dict | None = None) -> None:
+    def add(
+        self,
+        points: list[mr.Point] = (),
+        params: dict[str, str] | None = None,
+        tags: dict | None = None,
+        check: list[mr.Point] = (),
+    ) -> None:
+        """Queue ``points``; ``check``: points that may be on the server already, sent where it lacks them."""
         with self._cv:
+            if self.handed_over:
+                return
+            self._check.extend(check)
             self._points.extend(points)
             self._params.update(params or {})
             self._tags.update(tags or {})
 
     def finish(self, status: str, end_ms: int, artifacts: list[tuple[Path, str]], figures: bool) -> None:
         with self._cv:
+            if self.handed_over:  # the mirror sends the end
+                return
             self._artifacts += artifacts
             self._figures = figures
             self._end = (status, end_ms)
@@ -110,7 +121,12 @@ class Sender:
     def pending(self) -> int:
         with self._cv:
             return (
-                len(self._points) + len(self._params) + len(self._tags) + len(self._artifacts) + (self._end is not None)
+                len(self._points)
+                + len(self._check)
+                + len(self._params)
+                + len(self._tags)
+                + len(self._artifacts)
+                + (self._end is not None)
             )
 
     # -- the thread ----------------------------------------------------------------------------
@@ -130,6 +146,7 @@ class Sender:
 
     def _loop(self) -> None:
         delay, first = 0.0, True  # the first send at once: the run is on the server from its start
+        t0 = time.monotonic()
         while True:
             with self._cv:
                 if not first:
@@ -140,9 +157,14 @@ class Sender:
                 self.send_now()
                 delay = 0.0
                 self.failing = False
+                self.reached = True
             except Exception as e:
                 self.failing = True
-                if self.problem is None:
+                if self.hand_over_s is not None and not self.reached:
+                    if closing or time.monotonic() - t0 >= self.hand_over_s:
+                        self._hand_over(mr.reason(e))
+                        return
+                elif self.problem is None:
                     self.problem = mr.reason(e)
                     if self._on_problem is not None:
                         with contextlib.suppress(Exception):
@@ -152,6 +174,19 @@ class Sender:
                     return
             if closing and self.pending() == 0:
                 return
+
+    def _hand_over(self, why: str) -> None:
+        with self._cv:  # the records stay in the run folder: the mirror sends them from there
+            self.handed_over = True
+            self._points.clear()
+            self._check.clear()
+            self._params.clear()
+            self._tags.clear()
+            self._artifacts.clear()
+            self._end = None
+        if self._on_hand_over is not None:
+            with contextlib.suppress(Exception):
+                self._on_hand_over(why)
 
     # -- sending -------------------------------------------------------------------------------
     def client(self) -> Any:
@@ -210,6 +245,13 @@ class Sender:
         """Send everything queued; on a failure what was not sent stays queued and the error is raised."""
         run_id = self.ensure_run()
         c = self.client()
+        with self._cv:
+            check = list(self._check)
+        if check:  # points the server may hold already: only those it lacks join the queue's front
+            lacking = mr.missing_points(c, run_id, check)
+            with self._cv:
+                del self._check[: len(check)]
+                self._points.extendleft(reversed(lacking))
         while True:
             with self._cv:
                 params = {k: v for k, v in self._params.items() if k not in self._server_params}
@@ -227,8 +269,11 @@ class Sender:
                 )
             except BaseException as e:
                 if not _refused_for_good(e):
-                    with self._cv:
-                        self._points.extendleft(reversed(points))
+                    with self._cv:  # the server may have stored the batch before failing to answer: the
+                        if mr.maybe_stored(e):  # next try reads back what it holds before sending again
+                            self._check[:0] = points
+                        else:
+                            self._points.extendleft(reversed(points))
                     raise
                 # the server refuses this batch itself (a 400): the rest must not wait behind it for ever
                 self.dropped += len(points) + len(params) + len(tags)
@@ -268,129 +313,11 @@ class Sender:
             self._end = None
 
 
-def _refused_for_good(e: BaseException) -> bool:
-    """A 4xx answer to the request itself (bad value, bad name): sending it again cannot help. Credentials
-    (401, 403), a missing endpoint (404) and throttling (408, 429) may change: those are retried."""
-    try:
-        code = int(e.get_http_status_code())  # type: ignore[attr-defined]
-    except Exception:
-        return False
-    return 400 <= code < 500 and code not in (401, 403, 404, 408, 429)
+_refused_for_good = mr.refused_for_good
 
 
-# -- live -----------------------------------------------------------------------------------------
-class MlflowLogger(TrainerCallback):
-    """Logs a run live to ``uri`` (rank 0 only under ddp/fsdp: the trainer attaches it where the run
-    folder is written). Hooks only queue: the sending is the ``Sender``'s thread's."""
-
-    def __init__(self, uri: str, experiment: str, run_dir: Path, config: dict[str, Any]) -> None:
-        self.uri, self.experiment, self.run_dir, self.config = uri, experiment, Path(run_dir), config
-        self.points = mr.PointMaker()
-        self.sender: Sender | None = None
-        self._trainer: Trainer | None = None
-        self._warning: str | None = None
-        self._warned = False
-        self._lock = threading.Lock()
-
-    def _problem(self, words: str, lasting: bool = False) -> None:
-        """The one warning of the run: a server that fails now (the records wait for it) or a URI that
-        can never work (nothing is sent); both name the export that sends the run later."""
-        then = "nothing is sent" if lasting else "training goes on, the records wait for the server"
-        with self._lock:
-            if not self._warned:
-                self._warning = (
-                    f"mlflow: {mr.public_uri(self.uri)}: {words}; {then} (or later: multilane export RUN --mlflow URI)"
-                )
-
-    def _say_warning(self) -> None:
-        with self._lock:
-            message, self._warning = self._warning, None
-            if message:
-                self._warned = True
-        if message and self._trainer is not None:
-            self._trainer._event("warning", message=message)
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-
-    def on_event(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "started" and self.sender is None:
-            first = mr.first_started(self.run_dir)
-            key = mr.run_key(self.run_dir, first if first is not None else float(record["wall_time"]))
-            tags = mr.run_tags(self.run_dir, self.config, record.get("lanes"), None)
-            self.sender = Sender(self.uri, self.experiment, self.run_dir, key, tags, self._problem)
-            self.sender.add(params=mr.flat_params(self.config))
-            problem = mr.uri_problem(self.uri)
-            if problem:  # said at once; nothing will be sent
-                self._problem(problem, lasting=True)
-            else:
-                self.sender.start()
-        elif record.get("event") in TERMINAL_STATES:  # the run's end, while its folder still takes records
-            self._end(record["event"], record.get("wall_time"))
-        self._say_warning()
-
-    def _queue(self, record: dict[str, Any]) -> None:
-        if self.sender is not None:
-            self.sender.add(self.points.points(record))
-
-    def on_log(self, record: dict[str, Any]) -> None:
-        self._queue(record)
-        self._say_warning()
-
-    def on_eval(self, record: dict[str, Any]) -> None:
-        self._queue(record)
-        self._say_warning()
-
-    on_telemetry = _queue
-
-    def _end(self, state: str, wall_time: Any) -> None:
-        """Send the rest, the artifacts and the end state (at most ``END_WAIT_S``; a server still down gets
-        one more try, then the export is the way)."""
-        s, self.sender = self.sender, None
-        if s is None or mr.uri_problem(self.uri) is not None:
-            return
-        end_ms = round(wall_time * 1000) if isinstance(wall_time, float) else round(time.time() * 1000)
-        s.finish(mr.end_status(state), end_ms, mr.artifacts(self.run_dir), True)
-        s.close(END_WAIT_S)
-
-    def on_train_end(self, result: RunResult) -> None:
-        self._end(result.status, None)  # where the end event could not be given
-        with self._lock:
-            message = self._warning if not self._warned else None
-        if message:  # met after the end event: the run folder is closed, the terminal is not
-            print(f"multilane: warning: {message}", file=sys.stderr, flush=True)
-
-
-# -- a run folder, sent -----------------------------------------------------------------------------
+# -- a run folder, sent (mlflow_logger.py) --------------------------------------------------------
 def export_run(run_dir: Path, uri: str) -> str:
-    """Send ``run_dir``'s records so far to ``uri`` (the same MLflow run on every send; only the points
-    the server lacks); a line saying where they went. ``UserError`` (one line) where the server fails."""
-    problem = mr.uri_problem(uri)
-    if problem:
-        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {problem}")
-    config = read_json(run_dir / CONFIG) or {}
-    records = load_metrics(run_dir).records
-    started = next((r for r in records if r.get("kind") == "event" and r.get("event") == "started"), None)
-    if started is None or not isinstance(started.get("wall_time"), float):
-        raise UserError(f"export: {run_dir} has no started event in its metrics.jsonl: nothing to send")
-    env = read_json(run_dir / ENVIRONMENT) or {}
-    host, version = (v if isinstance(v, str) else None for v in (env.get("hostname"), env.get("multilane")))
-    tags = mr.run_tags(run_dir, config, started.get("lanes"), host, version)
-    experiment = str((config.get("tracking") or {}).get("experiment") or "multilane")
-    s = Sender(uri, experiment, run_dir, mr.run_key(run_dir, started["wall_time"]), tags, live=False)
-    maker = mr.PointMaker()
-    points = [p for r in records for p in maker.points(r)]
-    status = (read_json(run_dir / STATUS) or {}).get("state")
-    try:
-        run_id = s.ensure_run()
-        points = mr.missing_points(s.client(), run_id, points)
-        s.add(points, params=mr.flat_params(config))
-        if status in ("finished", "failed", "stopped", "aborted"):
-            end_ms = int(max((r.get("wall_time") or 0) for r in records) * 1000)
-            s.finish(mr.end_status(status), end_ms, mr.artifacts(run_dir), True)
-        s.send_now()
-    except UserError as e:
-        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {e}") from None
-    except Exception as e:
-        raise UserError(f"export: --mlflow {mr.public_uri(uri)}: {mr.reason(e)}") from None
-    return f"mlflow: {len(points)} new points sent to run {run_id} at {mr.public_uri(uri)}"
+    from multilane.integrations.mlflow_logger import export_run as send
+
+    return send(run_dir, uri)

@@ -47,6 +47,12 @@ SWEEP_KEY_TAG = "multilane.sweep_key"  # on a sweep's parent run; its trials' ru
 FIGURE_TIMEOUT_S = 120.0
 PARAM_MAX = 6000  # MLflow's limit on a param's value
 NAME_MAX = 250  # and on a metric's or param's name
+MIRROR_ENV = "MULTILANE_MLFLOW_MIRROR"
+"""Set to 1 by ``train --host`` for the run on the host: a server the host does not reach is handed to the mirror."""
+HAND_OVER_S = 3.0
+"""On a host: the server not reached once within this long from the run's start (or by its end) is handed over."""
+HAND_OVER_FIELD = "mlflow_mirror"
+"""In the warning event that hands the sending to the mirror: the server's URI (without credentials)."""
 SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
 
 Point = tuple[str, float, int, int]
@@ -61,7 +67,8 @@ def mlflow_callback(config: Any) -> Callable[[Path], Any] | None:
     from multilane.integrations.extras import MissingExtra
 
     try:
-        from multilane.integrations.mlflow import MlflowLogger
+        import multilane.integrations.mlflow  # noqa: F401 (the extra is there)
+        from multilane.integrations.mlflow_logger import MlflowLogger
     except MissingExtra as e:
         raise UserError(str(e)) from None
     return lambda run_dir: MlflowLogger(uri, config.tracking.experiment, run_dir, config.to_dict())
@@ -152,14 +159,15 @@ def run_tags(
     from multilane.engine import __version__
 
     devices = config.get("devices") or {}
+    name, path = folder_identity(run_dir)
     tags = {
-        "mlflow.runName": run_dir.name,
+        "mlflow.runName": name,
         "multilane.task": str((config.get("task") or {}).get("name", "")),
         "multilane.strategy": str(devices.get("strategy", "")),
         "multilane.devices": ",".join(lanes) if lanes else str(devices.get("use", "")),
         "multilane.host": host or socket.gethostname(),
         "multilane.version": version or __version__,
-        "multilane.run_dir": str(run_dir.resolve()),
+        "multilane.run_dir": path,
     }
     return {k: v[:PARAM_MAX] for k, v in tags.items()}
 
@@ -204,10 +212,23 @@ def first_started(run_dir: Path) -> float | None:
     return None
 
 
+def folder_identity(run_dir: Path) -> tuple[str, str]:
+    """The run folder's name and path where it trains: a mirror's are its host's folder's (``remote.json``),
+    so that the host, the mirror and an export of either name one MLflow run."""
+    from multilane.engine.remote.mirror import read_remote_json
+
+    remote = read_remote_json(run_dir) or {}
+    there = remote.get("path")
+    if isinstance(there, str) and there.strip("/"):
+        return there.rstrip("/").rsplit("/", 1)[-1], there
+    return run_dir.name, str(run_dir.resolve())
+
+
 def run_key(run_dir: Path, started_wall_time: float) -> str:
-    """The run folder's identity on a server: its name and the wall time its first ``started`` event
-    records (the same for the live run, its resumptions, a copy of the folder and an export)."""
-    return f"{run_dir.name}@{started_wall_time!r}"
+    """The run folder's identity on a server: its name (where it trains) and the wall time its first
+    ``started`` event records (the same for the live run, its resumptions, a copy of the folder, its
+    mirror and an export)."""
+    return f"{folder_identity(run_dir)[0]}@{started_wall_time!r}"
 
 
 def public_uri(uri: str) -> str:
@@ -305,10 +326,32 @@ def artifacts(run_dir: Path) -> list[tuple[Path, str]]:
 
 
 def missing_points(client: Any, run_id: str, points: list[Point]) -> list[Point]:
-    """The points the run lacks: MLflow appends every value logged, so a point already there (same key,
-    step and timestamp) is not sent again."""
-    have_keys = set(client.get_run(run_id).data.metrics)
+    """The points the run lacks (same key, step and timestamp: one record's point). A SQL-backed server
+    keeps one copy of an identical point (its primary key is the key, step, timestamp and value), but a
+    file-backed one appends every value logged: what may be there is read back, never sent blind.
+    Only the histories of the keys ``points`` hold are read."""
+    have_keys = set(client.get_run(run_id).data.metrics) & {p[0] for p in points}
     held: dict[str, set[tuple[int, int]]] = {}
     for k in have_keys:
         held[k] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, k)}
     return [p for p in points if (p[3], p[2]) not in held.get(p[0], ())]
+
+
+def maybe_stored(e: BaseException) -> bool:
+    """Whether a failed request may have been stored all the same (sent, then no answer: the server
+    committed and died, the connection dropped, the answer timed out); a refused connection or an
+    unknown host sent nothing."""
+    text = str(e)
+    if "NewConnectionError" in text or "NameResolutionError" in text:  # no connection was ever made
+        return False
+    return reason(e) not in ("connection refused", "unknown host")
+
+
+def refused_for_good(e: BaseException) -> bool:
+    """A 4xx answer to the request itself (bad value, bad name): sending it again cannot help. Credentials
+    (401, 403), a missing endpoint (404) and throttling (408, 429) may change: those are retried."""
+    try:
+        code = int(e.get_http_status_code())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return 400 <= code < 500 and code not in (401, 403, 404, 408, 429)

@@ -40,6 +40,11 @@ class UnknownHostKey(RemoteError):
         self.fingerprint = fingerprint
 
 
+class NotGiven(RemoteError):
+    """The ``ask`` handed in gave no password or passphrase (the user cancelled the box, or closed the
+    window): not connected, and the line is all there is to say."""
+
+
 class Disconnected(RemoteError):
     """The connection dropped (or never came up): a follower retries; a one-shot command reports it."""
 
@@ -250,7 +255,7 @@ class Connection:
             self._kill_group(e.pgid)
             if chan is not None:
                 chan.close()
-            from multilane.engine.cli.terminal_text import printable
+            from multilane.engine.display.terminal_text import printable
 
             name = what or printable(_short(command))
             stopped = "stopped there" if e.pgid is not None else "it named no process group, so it may still run there"
@@ -283,7 +288,7 @@ class Connection:
 
     def multilane(self, args: str, timeout_s: float | None = None) -> tuple[int, str, str]:
         """Run ``multilane ARGS`` there (``args`` already quoted)."""
-        from multilane.engine.cli.terminal_text import printable
+        from multilane.engine.display.terminal_text import printable
 
         what = printable(repr(f"{self.remote_command} {args}"))
         return self.run(f"{shlex.quote(self.remote_command)} {args}", timeout_s, what=what)

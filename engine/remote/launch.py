@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.distributed import RUN_DIR_ENV
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.runlog import CONFIG
@@ -98,8 +98,11 @@ def make_run_folder(conn: Connection, runs: str, name: str) -> str:
 
 def _start(conn: Connection, folder: str, train_args: str, made: bool) -> int | None:
     """``multilane train ARGS`` in its own session there; its pid."""
+    from multilane.integrations.mlflow_records import MIRROR_ENV
+
     q = shlex.quote(folder)
-    env = f"env {RUN_DIR_ENV}={q} " if made else ""
+    # MIRROR_ENV: an MLflow server this host does not reach is handed to the mirror (mlflow_logger.py)
+    env = f"env {MIRROR_ENV}=1 {RUN_DIR_ENV}={q} " if made else f"env {MIRROR_ENV}=1 "
     # ``exec`` in the subshell: its pid ($!) becomes setsid, then the launcher, whose session and process
     # group it leads. Without it bash (a host whose sh is bash) forks setsid as the subshell's child, and
     # the group that stop and wait address (-$!) would not be the launcher's.

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.remote.connection import Connection, Disconnected, RemoteError
 from multilane.engine.remote.launch import CONSOLE, RemoteRun, write_remote_control
 from multilane.engine.remote.mirror_copy import NotAFile, lstat_regular, open_checked, read_range, still_regular
@@ -224,6 +224,8 @@ class RemoteFollower:
         self.reconnecting: str | None = None
         self.lost: str | None = None
         self._told = 0  # how many of the mirror's warnings were passed on
+        self.mlflow = _mlflow_mirror(mirror.local)  # sends the records where the host hands MLflow over
+        self._mlflow_told = 0
         self._retry_at = 0.0
         self._pid_at = time.monotonic() + PID_CHECK_S
 
@@ -256,6 +258,9 @@ class RemoteFollower:
         """The mirror's warnings not yet passed on (a link or FIFO in a file's place, a file over the cap)."""
         new = self.mirror.warnings[self._told :]
         self._told = len(self.mirror.warnings)
+        if self.mlflow is not None:
+            new += self.mlflow.warnings[self._mlflow_told :]
+            self._mlflow_told = len(self.mlflow.warnings)
         return new
 
     def poll(self) -> FollowUpdate:
@@ -276,6 +281,8 @@ class RemoteFollower:
             except RemoteError as e:  # a refused key, say: nothing more will come
                 self.lost = str(e)
         update = self.local.poll()
+        if self.mlflow is not None:
+            self.mlflow.poll()
         if gone and not self.local.done:
             self.lost = (
                 f"its process on {self.mirror.conn.name} (pid {self.mirror.pid}) is gone and wrote no final status"
@@ -286,9 +293,22 @@ class RemoteFollower:
     def done(self) -> bool:
         return self.lost is not None or self.local.done
 
+    def close(self, timeout: float = 60.0) -> bool:
+        """At the follow's end: what the mirror still sends to MLflow for the host, at most ``timeout``."""
+        return self.mlflow.close(timeout) if self.mlflow is not None else True
+
     def control(self, command: str) -> None:
         """Pause, resume or stop the run there (through its control file)."""
         write_remote_control(self.mirror.conn, self.mirror.remote_dir, command)
+
+
+def _mlflow_mirror(local: Path) -> Any:
+    """The mirror's MLflow sender (``multilane.integrations.mlflow_logger``), None where that cannot load."""
+    try:
+        from multilane.integrations.mlflow_logger import MirrorLogger
+    except Exception:
+        return None
+    return MirrorLogger(local)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

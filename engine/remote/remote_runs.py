@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.remote.connection import Connection, RemoteError
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import STATUS

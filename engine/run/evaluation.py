@@ -11,7 +11,7 @@ from multilane.engine.parallel import ReplicateEachStep
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.rundir.runlog import SAMPLES, RunDir
-from multilane.engine.tasks import Task, loss_weight_fn
+from multilane.engine.tasks import Task, add_token_fields, loss_weight_fn
 from torch import nn
 
 if TYPE_CHECKING:
@@ -66,13 +66,15 @@ def evaluate(
     assert loss_sum is not None and weight_sum is not None
     val_loss = (loss_sum / weight_sum).item()
     values = (metric_sums / count).tolist() if metric_sums is not None else []
-    return {
+    rec = {
         "kind": "eval",
         "step": step,
         "wall_time": time.time(),
         "val_loss": val_loss,
         "metrics": dict(zip(keys, values, strict=True)),
     }
+    add_token_fields(task, rec)  # a language model's perplexity
+    return rec
 
 
 def write_sample(task: Task, model: nn.Module, device: torch.device, record: dict[str, Any], run_dir: RunDir) -> None:

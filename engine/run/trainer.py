@@ -35,7 +35,7 @@ from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
-from multilane.engine.tasks import Task
+from multilane.engine.tasks import Task, add_token_fields
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors import features
@@ -216,8 +216,7 @@ class Trainer:
                 why = self.control.stop_reason
                 return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
-            if self.window.steps == 0:
-                self.run_health.window_start(self)  # the state a replay of this window starts from
+            self.run_health.before_step(self)  # the state a replay of this window starts from
             with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
                 self._train_step(accum)
             self.step += 1
@@ -288,6 +287,7 @@ class Trainer:
     def publish(self, rec: dict[str, Any], first: int, others: Sequence[dict[str, Any]] = ()) -> None:
         """A log window's record: health's part of it, then (``others``: other ranks' telemetry) to the
         callbacks; a non-finite loss in it ends the run (``NonFiniteLoss``, from step ``first``)."""
+        add_token_fields(self.task, rec)  # a language model's tokens_per_s
         self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
         for r in others:
             self.dispatch(r)

@@ -14,12 +14,15 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from multilane.engine.errors import UserError
-from multilane.engine.run.control import RunControl
 from multilane.engine.rundir.readfile import describe_os_error, read_regular_file, user_path
 from multilane.engine.rundir.runs_folder import NOT_A_RUN, run_folder_problem, says_it_is_a_run
 from multilane.engine.rundir.writefile import atomic_write_bytes
+
+if TYPE_CHECKING:  # the loop hands its RunControl in; the run folder sits below the loop
+    from multilane.engine.run.control import RunControl
 
 CONTROL = "control.json"
 COMMANDS = ("pause", "resume", "stop")

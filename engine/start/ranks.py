@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import setproctitle
-from multilane.engine.distributed import NODE_FILE_ENV
+from multilane.engine.start import NODE_FILE_ENV
 from multilane.engine.start.parent_death import die_with_parent
 from multilane.engine.start.server import end_server as server_end
 from multilane.engine.start.server import fork_server_here, start_way
@@ -54,7 +54,7 @@ PRELOAD = [
     "rich.console",
     "setproctitle",
     "multilane.engine.cli.main",
-    "multilane.engine.cli.progress",
+    "multilane.engine.display.progress",
     "multilane.engine.distributed.ddp",
     "multilane.engine.distributed.worker",
     "multilane.engine.distributed.fsdp_rank",

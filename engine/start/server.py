@@ -39,7 +39,7 @@ PRELOAD = [
     "rich.console",
     "setproctitle",
     "multilane.engine.cli.main",
-    "multilane.engine.cli.progress",
+    "multilane.engine.display.progress",
     "multilane.engine.run.trainer",
     "multilane.engine.tasks",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ class Task(ABC):
     """The task's own hyperparameters: a pydantic model (fields with defaults, bounds, descriptions)."""
     metric: ClassVar[str | None] = None
     """The name of the headline metric in ``metrics()`` (shown in summaries), if any."""
+    loss_unit: ClassVar[str | None] = None
+    """What ``loss_weight`` counts, when the task names it: ``"tokens"`` for a token-mean cross-entropy
+    (the noise scale then counts its batch in tokens, eval records gain ``perplexity``)."""
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -103,6 +107,11 @@ class Task(ABC):
         """Means over the samples given, e.g. ``{"accuracy": ...}`` (0-dim tensors); computed at eval."""
         return {}
 
+    def tokens_per_sample(self) -> int | None:
+        """Optional: the token positions the model computes per sample (a language model's context); train
+        records then gain ``tokens_per_s``."""
+        return None
+
     def sample_text(self, model: nn.Module, device: torch.device, step: int) -> str | None:
         """Optional: text the model writes after each evaluation (e.g. a language model's sample). It is
         appended to the run folder's ``samples.txt`` and sent with the eval record as ``sample``."""
@@ -112,3 +121,17 @@ class Task(ABC):
 def loss_weight_fn(task: Task) -> Callable[[Any, Any], torch.Tensor | float] | None:
     """The task's ``loss_weight``, or None where the task does not define one (its loss is a per-sample mean)."""
     return task.loss_weight if type(task).loss_weight is not Task.loss_weight else None
+
+
+def add_token_fields(task: Task, record: dict[str, Any]) -> None:
+    """A train record gains ``tokens_per_s`` (the task's ``tokens_per_sample``), an eval record of a task
+    whose loss is a token mean gains ``perplexity``: the exponential of that mean (inf past 1e300)."""
+    if record.get("kind") == "train":
+        per = task.tokens_per_sample()
+        sps = record.get("samples_per_s")
+        if per and sps is not None:
+            record["tokens_per_s"] = float(sps) * per
+    elif record.get("kind") == "eval" and task.loss_unit == "tokens":
+        v = record.get("val_loss")
+        if isinstance(v, float) and v == v:
+            record["perplexity"] = math.exp(v) if v < 690.0 else math.inf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from multilane.engine.tasks.base import ArrayData, Task
+from multilane.engine.tasks.causal_lm import CausalLMTask
 from multilane.engine.tasks.charlm import CharLMTask
 from multilane.engine.tasks.digits_file import load_digits
 from multilane.engine.tasks.imagefolder import ImageFolderTask
@@ -148,5 +149,5 @@ class MlpTask(Task):
 
 
 BUILTIN_TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (DigitsTask, LinearTask, MlpTask, CharLMTask, ImageFolderTask)
+    t.name: t for t in (DigitsTask, LinearTask, MlpTask, CharLMTask, ImageFolderTask, CausalLMTask)
 }

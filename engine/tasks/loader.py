@@ -44,6 +44,8 @@ def make_task(name: str, params: dict[str, Any] | None = None, expect_sha256: st
         raise UserError(f"task {cls.name}: {type(e).__name__} while checking its params: {_first_line(e)}") from None
     try:
         return cls(p)
+    except UserError:  # the task's own refusal is already its one line
+        raise
     except (Exception, SystemExit) as e:
         where = _user_line(e, Path(inspect.getfile(cls))) if _is_user_class(cls) else ""
         raise UserError(f"task {cls.name}: {type(e).__name__} while creating it{where}: {_first_line(e)}") from None

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.gui.hosts.secrets import HostSecrets, attempt_done
 from multilane.gui.runs.remote_follow import RemoteFollowWorker, unfinished_mirrors

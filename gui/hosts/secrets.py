@@ -19,15 +19,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from multilane.engine.remote.connection import RemoteError
+from multilane.engine.remote.connection import NotGiven
 from PySide6.QtCore import QObject, Qt, QThread, Signal
 from PySide6.QtWidgets import QInputDialog, QLineEdit, QWidget
 
 WAIT_SLICE_S = 0.5  # how often a waiting worker thread checks that the window is still there
-
-
-class NotGiven(RemoteError):
-    """The user cancelled the password box (or closed the window): not connected."""
 
 
 @dataclass

@@ -15,14 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
-from multilane.engine.remote.connection import Connection
+from multilane.engine.remote.connection import Connection, NotGiven
 from multilane.engine.remote.launch import launch_run
 from multilane.engine.remote.mirror import RemoteFollower, RemoteMirror, mirror_folder, read_remote_json
 from multilane.engine.remote.remote_runs import resume_followed
 from multilane.engine.rundir.follow import DIVERGED
-from multilane.gui.hosts.secrets import NotGiven
 from multilane.gui.runs.follow import FollowWorker
 from PySide6.QtCore import Signal
 

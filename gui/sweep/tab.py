@@ -1,11 +1,12 @@
 """The Sweep tab: the parameters to vary and their ranges (beside the Setup form, which gives everything
-else), the trial count, objective, sampler, pruner, devices per trial and trial timeout; the sweep's own
-Start/Resume, Stop and Open under them, always in view. While the tab is open the window's right side is
-the sweep (view.py): a live sortable trials table (the best marked), parallel coordinates and
-importances; selecting trials shows their per-device loss curves under it (several: compared); stop or
-prune one trial; export the table (CSV) and the figures (PNG/SVG/PDF). The sweep runs as a child
-``multilane sweep`` process (process.py); the tab follows its study, so closing or killing the app
-loses nothing: reopen the folder, and its lost trials are recovered as the CLI's ``--resume`` does."""
+else) and the sweep's own settings (settings_form.py: trial count, objective, sampler, pruner, devices per
+trial, trial timeout); the sweep's Start/Resume, Stop and Open under them, always in view. While the tab is
+open the window's right side is the sweep (view.py): a live sortable trials table (the best marked),
+parallel coordinates and importances; selecting trials shows their per-device loss curves under it
+(several: compared); stop or prune one trial; export the table (CSV) and the figures (PNG/SVG/PDF). The
+sweep runs as a child ``multilane sweep`` process (process.py); the tab follows its study, so closing or
+killing the app loses nothing: reopen the folder, and its lost trials are recovered as the CLI's
+``--resume`` does."""
 
 from __future__ import annotations
 
@@ -14,22 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from multilane.engine.errors import UserError
-from multilane.gui.sweep.process import SweepProcess, check_params, recover_lost_trials, sweep_cli_has
+from multilane.gui.sweep.process import SweepProcess, check_params, recover_lost_trials
+from multilane.gui.sweep.settings_form import SweepSettings
 from multilane.gui.sweep.space_editor import SpaceEditor
 from multilane.gui.sweep.view import HINT, SweepView
 from multilane.gui.sweep.workers import HostWorkers
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
-    QComboBox,
     QFileDialog,
     QFrame,
-    QGridLayout,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
     QPushButton,
     QScrollArea,
-    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
@@ -48,45 +46,11 @@ class SweepTab(QWidget):
         self._finished_count = -1
 
         self.space = SpaceEditor()
-        self.trials = QSpinBox()
-        self.trials.setRange(1, 100_000)
-        self.trials.setValue(10)
-        self.per_trial = QSpinBox()
-        self.per_trial.setRange(1, 64)
-        self.per_trial.setToolTip("Devices per trial: the chosen devices are split into slots of this many")
-        self.objective = QLineEdit("val_loss:min")
-        self.objective.setToolTip("A logged metric and its direction: val_loss:min, accuracy:max, loss:min")
-        self.sampler = QComboBox()
-        self.sampler.addItems(["tpe", "random", "grid"])
-        self.pruner = QComboBox()
-        self.pruner.addItems(["median", "halving", "none"])
-        self.seed = QLineEdit()
-        self.seed.setPlaceholderText("none")
-        self.name = QLineEdit("sweep")
-        self.folder = QLineEdit("sweeps")
-        self.folder.setToolTip("Where sweep folders go: each holds study.journal and one run folder per trial")
-        self.timeout = QSpinBox()
-        self.timeout.setObjectName("sweep_trial_timeout")
-        self.timeout.setRange(0, 7 * 24 * 3600)
-        self.timeout.setSingleStep(60)
-        self.timeout.setSuffix(" s")
-        self.timeout.setSpecialValueText("none")
-        if sweep_cli_has("--trial-timeout"):
-            self.timeout.setToolTip(
-                "A trial still running after this long is stopped and recorded failed (none: no limit)"
-            )
-        else:
-            self.timeout.setEnabled(False)
-            self.timeout.setToolTip("This multilane's sweep has no --trial-timeout yet")
-        form = QGridLayout()  # two columns
-        fields = [("trials", self.trials), ("devices per trial", self.per_trial), ("objective", self.objective),
-                  ("sampler", self.sampler), ("pruner", self.pruner), ("seed", self.seed),
-                  ("trial timeout", self.timeout), ("name", self.name), ("sweeps folder", self.folder)]  # fmt: skip
-        for i, (label, w) in enumerate(fields):
-            form.addWidget(QLabel(label), i // 2, (i % 2) * 2)
-            form.addWidget(w, i // 2, (i % 2) * 2 + 1)
-        form.setColumnStretch(1, 1)
-        form.setColumnStretch(3, 1)
+        self.form = SweepSettings()
+        f = self.form
+        self.trials, self.per_trial, self.objective, self.sampler, self.pruner = (
+            f.trials, f.per_trial, f.objective, f.sampler, f.pruner)  # fmt: skip
+        self.seed, self.name, self.folder, self.timeout = f.seed, f.name, f.folder, f.timeout
 
         self.start_btn = QPushButton("Start sweep")
         self.start_btn.setObjectName("sweep_start")
@@ -117,7 +81,7 @@ class SweepTab(QWidget):
         tv.setContentsMargins(0, 0, 0, 0)
         tv.addWidget(QLabel("<b>Parameters to vary</b> (everything else comes from the Setup tab)"))
         tv.addWidget(self.space)
-        tv.addLayout(form)
+        tv.addWidget(self.form)
         tv.addWidget(self.workers)
         tv.addStretch(1)
         self.scroll = scroll = QScrollArea()  # the settings scroll; the sweep's buttons stay in view under it
@@ -164,19 +128,8 @@ class SweepTab(QWidget):
         return problem
 
     def settings(self) -> dict[str, Any]:
-        seed = self.seed.text().strip()
-        return {
-            "devices": self.window.config_dict()["devices"]["use"],
-            "trials": self.trials.value(),
-            "per_trial": self.per_trial.value(),
-            "objective": self.objective.text().strip() or "val_loss:min",
-            "sampler": self.sampler.currentText(),
-            "pruner": self.pruner.currentText(),
-            "seed": int(seed) if seed.isdigit() else None,
-            "name": self.name.text().strip() or "sweep",
-            "storage": self.workers.storage.text().strip() or None,
-            "trial_timeout": self.timeout.value() or None if self.timeout.isEnabled() else None,
-        }
+        storage = self.workers.storage.text().strip() or None
+        return self.form.values(self.window.config_dict()["devices"]["use"], storage)
 
     def start(self) -> bool:
         """Start a new sweep of the Setup form's config (or resume the opened, unfinished one)."""
@@ -230,15 +183,7 @@ class SweepTab(QWidget):
     def _show_spec(self, spec: Any) -> None:
         """An opened sweep's own settings in the tab (a resume keeps them)."""
         self.space.set_params(spec.params)
-        self.trials.setValue(spec.trials)
-        self.per_trial.setValue(spec.per_trial)
-        self.objective.setText(f"{spec.objective}:{'max' if spec.direction == 'maximize' else 'min'}")
-        self.sampler.setCurrentText(spec.sampler)
-        self.pruner.setCurrentText(spec.pruner)
-        self.seed.setText("" if spec.seed is None else str(spec.seed))
-        self.name.setText(spec.name)
-        self.timeout.setValue(int(getattr(spec, "trial_timeout", None) or 0))
-        self.folder.setText(str(self.sweep.folder.parent))
+        self.form.show_spec(spec, self.sweep.folder.parent)
         self.workers.storage.setText(self.sweep.storage_url or "")
 
     def _resumable(self) -> bool:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from multilane.gui.sweep.live_plots import SweepPlots
-from multilane.gui.window.runs_table import _Item
+from multilane.gui.table.cells import SortItem
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
@@ -86,15 +86,15 @@ class SweepView(QWidget):
         bold.setBold(True)
         for i, r in enumerate(rows):
             cells = [
-                _Item(f"{r['number']}{' ★' if r['is_best'] else ''}", float(r["number"])),
-                _Item(r["state"], r["state"]),
+                SortItem(f"{r['number']}{' ★' if r['is_best'] else ''}", float(r["number"])),
+                SortItem(r["state"], r["state"]),
             ]
             cells += [_value_item(r["params"].get(k)) for k in keys]
             cells += [_value_item(r["value"]), _value_item(r["best"]), _value_item(r["step"])]
             cells += [
                 _value_item(None if r["duration_s"] is None else round(r["duration_s"], 1)),
-                _Item(r["devices"], r["devices"]),
-                _Item(r["host"], r["host"]),
+                SortItem(r["devices"], r["devices"]),
+                SortItem(r["host"], r["host"]),
             ]
             for j, cell in enumerate(cells):
                 if r["is_best"]:
@@ -118,9 +118,9 @@ class SweepView(QWidget):
         return [n for n in (self.number_at(r) for r in rows) if n is not None]
 
 
-def _value_item(v: Any) -> _Item:
+def _value_item(v: Any) -> SortItem:
     if v is None or (isinstance(v, float) and math.isnan(v)):
-        return _Item("", float("nan"))
+        return SortItem("", float("nan"))
     if isinstance(v, (bool, str)):
-        return _Item(str(v), str(v))
-    return _Item(f"{v:.4g}" if isinstance(v, float) else str(v), float(v))
+        return SortItem(str(v), str(v))
+    return SortItem(f"{v:.4g}" if isinstance(v, float) else str(v), float(v))

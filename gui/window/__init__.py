@@ -1,4 +1,4 @@
-"""The main window and its panels: files, run control, the runs table and its index, the config form, the device picker, the fit forecast, and the check that Qt can open a window here."""
+"""The main window and its panels: files, run control, the config form, the device picker, the fit forecast, the end-of-run summary, and the check that Qt can open a window here (the runs table it shows: ``gui/table/``)."""
 
 from multilane.engine.exports import lazy_exports
 

@@ -16,12 +16,12 @@ from multilane.gui.runs.redraw_pace import REDRAW_MS, RedrawPace
 from multilane.gui.runs.run_mode import SeparateProcessOption
 from multilane.gui.runs.worker import RunHandle
 from multilane.gui.sweep.tab import SweepTab
+from multilane.gui.table.runs_table import RunsTable
 from multilane.gui.window.config_form import ConfigForm
 from multilane.gui.window.device_picker import DevicePicker
 from multilane.gui.window.files import RunFilesMixin
 from multilane.gui.window.fit_forecast import FitForecast
 from multilane.gui.window.run_control import RunControlMixin
-from multilane.gui.window.runs_table import RunsTable
 from multilane.gui.window.summary_view import SummaryView
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence

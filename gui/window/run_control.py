@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.progress import data_wait
-from multilane.engine.cli.terminal_text import printable
 from multilane.engine.config import PROCESS_STRATEGIES, RunConfig, build_config
+from multilane.engine.display.progress import data_wait
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import CONFIG, RunDir, iter_metrics

@@ -1,9 +1,9 @@
 """Text from a run folder or a host is data in the window too: its control characters are shown escaped
-(engine/cli/terminal_text.py), in the status line, the message box and the host bar."""
+(engine/display/terminal_text.py), in the status line, the message box and the host bar."""
 
 from __future__ import annotations
 
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 
 HOSTILE = "boom \x1b]0;pwned\x07\x1b[2J\u202eevil"
 

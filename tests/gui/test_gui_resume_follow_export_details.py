@@ -138,7 +138,7 @@ def test_opening_a_tensorboard_logdir_shows_its_summary_not_the_previous_runs(
 
 
 def test_a_long_task_file_path_does_not_widen_the_runs_table(qtbot, make_window, tmp_path):
-    from multilane.gui.window.runs_table import TASK_COLUMN_PX
+    from multilane.gui.table.runs_table import TASK_COLUMN_PX
 
     runs = tmp_path / "runs"
     long_task = "/home/someone/" + "very_long_folder_name/" * 12 + "my_task.py"

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from multilane.gui.window.runs_index import COLUMNS, MAIN_COLUMNS
+from multilane.gui.table.runs_index import COLUMNS, MAIN_COLUMNS
 
 
 def fake_finished_run(runs, name: str, strategy: str) -> None:

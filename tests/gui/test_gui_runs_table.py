@@ -14,7 +14,7 @@ from helpers import start_long_cli_run
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.control_file import write_control
 from multilane.engine.rundir.runs_folder import META, TRASH
-from multilane.gui.window.runs_index import COLUMNS
+from multilane.gui.table.runs_index import COLUMNS
 from PySide6.QtCore import Qt
 
 
@@ -142,7 +142,7 @@ def test_a_run_that_diverged_shows_as_diverged_not_stopped(qtbot, tmp_path):
     from helpers import DIVERGE_TASK, diverge_settings
     from multilane.engine.config import build_config
     from multilane.engine.tasks import make_task
-    from multilane.gui.window.runs_table import RunsTable
+    from multilane.gui.table.runs_table import RunsTable
 
     runs = tmp_path / "runs"
     cfg = diverge_settings(runs, "cpu:0", "replicate", 3, steps=6)

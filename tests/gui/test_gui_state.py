@@ -93,9 +93,7 @@ def test_training_time_leaves_out_the_time_a_run_sat_stopped_in_the_window_and_t
     window.tabs.setCurrentWidget(window.runs_table)
     (row,) = [r for r in window.runs_table.rows if r.path == run_dir]
     assert row.duration_s == pytest.approx(total)
-    col = [k for k, _ in __import__("multilane.gui.window.runs_index", fromlist=["COLUMNS"]).COLUMNS].index(
-        "duration_s"
-    )
+    col = [k for k, _ in __import__("multilane.gui.table.runs_index", fromlist=["COLUMNS"]).COLUMNS].index("duration_s")
     (cell,) = [
         window.runs_table.table.item(r, col).text()
         for r in range(window.runs_table.table.rowCount())

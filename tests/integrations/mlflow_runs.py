@@ -1,4 +1,4 @@
-"""The MLflow tests' shared parts: a real ``mlflow server`` for a test module (started once), a short run of
+"""The MLflow tests' shared parts: a real ``mlflow server`` (started once per test process), a short run of
 the linear task on two CPU lanes, and the check that an MLflow run holds exactly a run folder's records."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from helpers import CLI, run_folders
 from mlflow.tracking import MlflowClient
 from mlflow_server import MlflowServer
 from multilane.engine.rundir.runread import iter_metrics
+from multilane.integrations.mlflow_records import metric_name
 
 SETS = ("train.log_every=2", "train.eval_every=10", "telemetry.record_s=0.2")
 
 
 def started_server(tmp_path_factory) -> Iterator[MlflowServer]:
-    """For a module-scoped ``server`` fixture: one real server per test module, stopped after it."""
+    """For the ``server`` fixture (tests/integrations/conftest.py): one real server, stopped after its tests."""
     s = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     s.start()
     yield s
@@ -47,9 +48,11 @@ def assert_run_equals_its_records(client: MlflowClient, run_id: str, run: Path) 
     train, evals = records(run, "train"), records(run, "eval")
     assert train and evals
     assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
-    for dev in ("cpu:0", "cpu:1"):
+    devices = sorted(train[-1]["device_loss"])  # cpu:0, cpu:1; under ddp host/rank0/cpu:0, ...
+    assert len(devices) == 2
+    for dev in devices:
         want = sorted((r["step"], r["device_loss"][dev]) for r in train)
-        assert history(client, run_id, f"loss/{dev.replace(':', '_')}") == want
+        assert history(client, run_id, metric_name("loss", dev)) == want
     assert history(client, run_id, "lr") == sorted((r["step"], r["lr"]) for r in train)
     assert history(client, run_id, "val_loss") == sorted((r["step"], r["val_loss"]) for r in evals)
     assert history(client, run_id, "val/r2") == sorted((r["step"], r["metrics"]["r2"]) for r in evals)

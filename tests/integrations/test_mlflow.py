@@ -16,14 +16,9 @@ from pathlib import Path
 import pytest
 from helpers import CLI, run_folders, start_long_cli_run
 from mlflow.tracking import MlflowClient
-from mlflow_runs import assert_run_equals_its_records, history, records, started_server, train
+from mlflow_runs import assert_run_equals_its_records, history, records, train
 from mlflow_server import free_port
 from multilane.integrations import mlflow_records as mr
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from started_server(tmp_path_factory)
 
 
 def test_records_become_mlflow_points_names_and_states():
@@ -248,3 +243,84 @@ def test_a_server_killed_mid_run_and_started_again_gets_the_whole_run(server, tm
     assert got.info.status == "KILLED", "a stopped run"
     train = records(run, "train")
     assert history(client, run_id, "loss") == sorted((r["step"], r["loss"]) for r in train)
+
+
+class AnswerDropper:
+    """A TCP proxy in front of the server that forwards every request but, for the next ``drops`` log-batch
+    requests, takes the server's answer and closes the client's connection instead of relaying it: the
+    server stored the batch and the client never hears so (a connection lost at the worst moment)."""
+
+    def __init__(self, port: int, drops: int) -> None:
+        self.port, self.drops, self.batches = port, drops, []  # batches: every log-batch request forwarded
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.port))
+                dropping = threading.Event()
+                threading.Thread(target=self._up, args=(client, upstream, dropping), daemon=True).start()
+                threading.Thread(target=self._down, args=(upstream, client, dropping), daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, dropping: threading.Event) -> None:
+        batch = None  # the log-batch request being forwarded (its head and body may come apart)
+        with contextlib.suppress(OSError):
+            while data := client.recv(1 << 20):
+                if data.split(b" ", 1)[0] in (b"GET", b"POST", b"PUT", b"PATCH", b"DELETE"):  # a new request
+                    batch = None
+                    if b"/runs/log-batch" in data.split(b"\r\n", 1)[0]:
+                        self.batches.append(batch := bytearray())
+                        if self.drops > 0:
+                            self.drops -= 1
+                            dropping.set()
+                if batch is not None:
+                    batch += data
+                upstream.sendall(data)
+
+    def points(self, k: int) -> list[tuple[str, int]]:
+        """The (key, step) of each point the k-th log-batch request carried."""
+        body = json.loads(bytes(self.batches[k]).split(b"\r\n\r\n", 1)[1])
+        return [(m["key"], int(m["step"])) for m in body.get("metrics", [])]
+
+    def _down(self, upstream: socket.socket, client: socket.socket, dropping: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(1 << 20):
+                if dropping.is_set():  # the server answered: it has stored the batch
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                client.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.slow
+def test_a_batch_stored_whose_answer_is_lost_is_not_sent_again(server, tmp_path):
+    from multilane.integrations.mlflow import Sender
+
+    proxy = AnswerDropper(server.port, drops=0)
+    try:
+        s = Sender(proxy.uri, "dropped", tmp_path, "dropped@1.0", {}, live=False)
+        s.ensure_run()
+        proxy.drops = 1
+        first = [("loss", 1.5, 1000, 1), ("lr", 0.1, 1000, 1)]
+        s.add(first)
+        with pytest.raises(Exception, match=r"Connection aborted|Remote end closed"):
+            s.send_now()
+        assert len(proxy.batches) == 1 and s.pending() == 2, "the batch waits, to be checked"
+        s.add([("loss", 1.25, 2000, 2)])
+        s.send_now()
+        assert s.pending() == 0
+    finally:
+        proxy.close()
+    client = MlflowClient(server.uri)
+    assert history(client, s.run_id, "loss") == [(1, 1.5), (2, 1.25)]
+    assert history(client, s.run_id, "lr") == [(1, 0.1)]
+    # read back, not resent: the second log-batch request holds only the new point
+    assert len(proxy.batches) == 2 and proxy.points(0) == [("loss", 1), ("lr", 1)]
+    assert proxy.points(1) == [("loss", 2)]

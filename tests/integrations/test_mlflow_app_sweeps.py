@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import CLI
 from mlflow.tracking import MlflowClient
-from mlflow_runs import SETS, assert_run_equals_its_records, history, records, started_server, train
+from mlflow_runs import SETS, assert_run_equals_its_records, history, records, train
 from mlflow_server import MlflowServer, free_port
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from started_server(tmp_path_factory)
 
 
 def test_the_apps_form_offers_the_tracking_server_and_refuses_a_password_in_it(qtbot):
@@ -39,7 +34,7 @@ def test_the_apps_form_offers_the_tracking_server_and_refuses_a_password_in_it(q
 
 @pytest.mark.slow
 def test_the_runs_table_sends_the_selected_runs_and_says_how_each_went(server, tmp_path, qtbot):
-    from multilane.gui.window.runs_table import RunsTable
+    from multilane.gui.table.runs_table import RunsTable
 
     runs = tmp_path / "runs"
     _, run = train(runs)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from multilane.engine.cli.main import main
-from multilane.engine.cli.terminal_text import printable
+from multilane.engine.display.terminal_text import printable
 
 HOSTILE = "\x1b]0;pwned\x07\x1b]52;c;ZXZpbA==\x07\x1b[2J\r\x9b31m\u202e"
 
@@ -91,7 +91,7 @@ def test_export_prints_the_paths_it_wrote_escaped(tmp_path, capsys):
 
 
 def test_control_and_the_progress_line_print_run_folder_text_escaped(tmp_path, capsys):
-    from multilane.engine.cli.progress import ProgressDisplay, summary
+    from multilane.engine.display.progress import ProgressDisplay, summary
     from multilane.engine.run.callbacks import RunResult
     from rich.console import Console
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import Float64Task
-from multilane.engine.cli.progress import data_wait
 from multilane.engine.config import build_config
 from multilane.engine.data.loader import ArrayLoader, DatasetLoader, build_loader
 from multilane.engine.data.order import epoch_order, split_indices
+from multilane.engine.display.progress import data_wait
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.trainer import Trainer, TrainerCallback

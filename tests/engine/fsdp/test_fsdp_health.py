@@ -146,7 +146,7 @@ def nan_settings(tmp_path: Path, devices: dict, params: dict, name: str) -> dict
         "task": {"name": NAN_TASK, "params": params},
         "data": {"batch_size": 24, "val_fraction": 0.0},
         "optim": {"name": "sgd", "lr": 0.01},
-        "train": {"steps": 10, "log_every": 10, "eval_every": 0},
+        "train": {"steps": 10, "log_every": 10, "eval_every": 0, "grad_accum": 2},
         "devices": devices,
         "telemetry": {"enabled": False},
         "run": {"runs_dir": str(tmp_path / name), "name": name},
@@ -160,7 +160,8 @@ def test_fsdp_names_where_a_nan_began_as_the_single_process_engine(tmp_path):
 
     from helpers import CLI
 
-    params = {"how": "zero_input", "bad": 61}
+    # sample 32: step 1's 2nd micro-batch (of 2 accumulated), row 20, the second rank's shard
+    params = {"how": "zero_input", "bad": 32}
     cfg = nan_settings(tmp_path, {"use": "cpu:0,cpu:1", "strategy": "fsdp"}, params, "fsdp")
     path = tmp_path / "fsdp.json"
     path.write_text(json.dumps(cfg))
@@ -179,7 +180,8 @@ def test_fsdp_names_where_a_nan_began_as_the_single_process_engine(tmp_path):
 
     assert as_lanes(line) == result.message
     assert detail["step"] == want["step"] and detail["samples"] == want["samples"] == [params["bad"]]
-    assert detail["kind"] == want["kind"] == "output"
+    assert detail["kind"] == want["kind"] == "output" and detail["micro_batch"] == want["micro_batch"] == 1
+    assert " on cpu:1, from samples 32;" in result.message
     for part in ("inputs", "outputs", "gradients"):
         assert {as_lanes(k): v for k, v in detail[part].items()} == want[part], part
     assert len(detail["device_loss"]) == 2

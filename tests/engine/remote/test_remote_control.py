@@ -102,7 +102,7 @@ def test_control_of_what_is_not_a_live_run_there_is_one_line(sshd, tmp_path):
 
 @pytest.mark.slow
 def test_text_from_a_host_is_escaped_on_the_terminal(sshd, tmp_path):
-    from multilane.engine.cli.terminal_text import printable
+    from multilane.engine.display.terminal_text import printable
 
     hostile = "\x1b]0;pwned\x07\x1b[2J\x9b31m\u202eevil\r"
     folder = sshd.runs / f"escapes{hostile}"

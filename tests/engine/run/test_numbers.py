@@ -63,8 +63,8 @@ class TinyLossTask(Float64Task):
 
 
 def test_small_losses_print_by_their_size_in_the_summary_watch_and_runs_table(make_config):
-    from multilane.engine.cli.progress import summary
     from multilane.engine.cli.watch import WatchState
+    from multilane.engine.display.progress import summary
     from multilane.engine.numbers import format_number
     from multilane.engine.rundir.runlog import read_metrics
 
@@ -82,12 +82,12 @@ def test_small_losses_print_by_their_size_in_the_summary_watch_and_runs_table(ma
     assert "0.0000" not in line and f"loss {format_number(loss)}" in line and "val " in line
     # the app's runs table: the same numbers, the same way
     pytest.importorskip("PySide6")
-    from multilane.gui.window.runs_index import list_runs
-    from multilane.gui.window.runs_table import _cell
+    from multilane.gui.table.cells import run_cell
+    from multilane.gui.table.runs_index import list_runs
 
     (row,) = list_runs(result.run_dir.parent)
-    assert _cell(row, "final_loss").text() == format_number(loss)
-    assert "e-" in _cell(row, "best_val_loss").text()
+    assert run_cell(row, "final_loss").text() == format_number(loss)
+    assert "e-" in run_cell(row, "best_val_loss").text()
 
 
 def test_format_number_reads_every_size():

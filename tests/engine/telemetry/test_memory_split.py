@@ -5,7 +5,7 @@ fsdp: tests/engine/fsdp/test_fsdp_exact.py)."""
 from __future__ import annotations
 
 import pytest
-from multilane.engine.cli.progress import summary
+from multilane.engine.display.progress import summary
 from multilane.engine.run.trainer import Trainer
 from multilane.engine.rundir.runlog import read_metrics
 from multilane.engine.telemetry.memory_split import fmt_bytes, split, summary_lines, tensor_bytes

@@ -333,7 +333,7 @@ def test_energy_integrates_power_where_known(power, monkeypatch):
 def test_busy_is_measured_on_one_lane_as_on_several(devices, make_config):
     """One lane's work runs in the calling thread, not parallel_apply: it read 0 % busy for the whole run
     before 2026-12-02, in the records, the CLI's line, the plot and the hover. Every path counts it now."""
-    from multilane.engine.cli.watch import format_telemetry
+    from multilane.engine.display.device_line import format_telemetry
     from multilane.gui.plots.run_view import values_at
     from multilane.gui.runs.run_data import RunData
 

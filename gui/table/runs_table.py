@@ -4,16 +4,14 @@ while shown, as runs start and end (a cheap stamp of the folder every 2 s; only 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from multilane.engine.errors import UserError
-from multilane.engine.numbers import format_number
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
-from multilane.gui.runs.run_summary import fmt_duration
-from multilane.gui.window.mlflow_send import MlflowSend
-from multilane.gui.window.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
+from multilane.gui.table.cells import run_cell
+from multilane.gui.table.mlflow_send import MlflowSend
+from multilane.gui.table.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
@@ -41,41 +39,6 @@ TASK_COLUMN_PX = 220  # the task column at most this wide; a longer task file pa
 NAME_COLUMN_PX = 140  # the run's name at least this wide where the table is narrow (elided in the middle, its
 # tooltip whole); wider, up to its longest name, where the other shown columns leave room
 HEADER_TIPS = {"final_loss": "The last logged training loss", "best_val_loss": "The best validation loss"}
-
-
-class _Item(QTableWidgetItem):
-    """A cell that sorts by its value (numbers as numbers, blanks last), not by its text."""
-
-    def __init__(self, text: str, key: float | str) -> None:
-        super().__init__(text)
-        self.key = key
-
-    def __lt__(self, other: QTableWidgetItem) -> bool:
-        a, b = self.key, getattr(other, "key", other.text())
-        if isinstance(a, float) and isinstance(b, float):
-            return (math.isnan(a), a) < (math.isnan(b), b)
-        return str(a) < str(b)
-
-
-def _cell(row: RunSummary, key: str) -> _Item:
-    v = row.value(key)
-    if key == "steps":
-        return _Item(str(v), row.step)
-    if isinstance(v, float):
-        if math.isnan(v):
-            text = ""
-        elif key == "lr":
-            text = f"{v:g}"
-        elif key in ("batch",):
-            text = f"{v:.0f}"
-        elif key == "duration_s":
-            text = fmt_duration(v)
-        else:
-            text = format_number(v)
-        if key == "final_metric" and text:
-            text = f"{row.metric_name} {text}"
-        return _Item(text, v)
-    return _Item(str(v), str(v))
 
 
 class RunsTable(QWidget):
@@ -226,7 +189,7 @@ class RunsTable(QWidget):
         self.table.setRowCount(len(self.rows))
         for r, row in enumerate(self.rows):
             for c, (key, _) in enumerate(COLUMNS):
-                item = _cell(row, key)
+                item = run_cell(row, key)
                 item.setData(Qt.UserRole, str(row.path))
                 flags = item.flags() | Qt.ItemIsEditable if key in EDITABLE else item.flags() & ~Qt.ItemIsEditable
                 item.setFlags(flags)

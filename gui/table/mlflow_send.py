@@ -12,7 +12,7 @@ from PySide6.QtCore import QObject, QProcess, Signal
 from PySide6.QtWidgets import QInputDialog, QPushButton
 
 if TYPE_CHECKING:
-    from multilane.gui.window.runs_table import RunsTable
+    from multilane.gui.table.runs_table import RunsTable
 
 
 class MlflowSend(QObject):

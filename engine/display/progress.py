@@ -1,15 +1,14 @@
-"""The CLI's live progress display and its final summary (rich)."""
+"""The live progress display of a run training in this process and its final summary (rich), shown by
+``multilane train`` and by rank 0 of a ddp or fsdp run; ``data_wait`` is the window's note too."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import psutil
-from multilane.engine.cli.terminal_text import printable
-from multilane.engine.cli.watch import DeviceTelemetry
-from multilane.engine.distributed import COMMAND_START_ENV
+from multilane.engine.display.device_line import DeviceTelemetry
+from multilane.engine.display.terminal_text import printable
 from multilane.engine.numbers import format_number
 from multilane.engine.plan.meter import memory_lines
 from multilane.engine.run.trainer import RunResult, Trainer, TrainerCallback
@@ -142,14 +141,6 @@ def _safe(text: str) -> str:
     """Text of the task's (its name, metric names, a warning) for a rich line: escaped for the terminal
     (``printable``) and for rich's markup, so ``[/]`` in a metric's name neither styles nor breaks it."""
     return escape(printable(text))
-
-
-def command_start() -> float | None:
-    """The launching command's start (``COMMAND_START_ENV``), where a launcher set it."""
-    try:
-        return float(os.environ[COMMAND_START_ENV])
-    except (KeyError, ValueError):
-        return None
 
 
 DATA_WAIT_SHOWN = 0.05

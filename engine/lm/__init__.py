@@ -1,0 +1,1 @@
+"""Pretrained causal language models (Hugging Face): loading, tokenized and packed data, LoRA; the causal-lm task's parts."""
