@@ -4,7 +4,8 @@
     DISPLAY=:99 python bench/gui_screenshots.py --size 1400x900 --out docs/
 
 Trains digits on two CPU lanes (screenshot mid-run and at the end), compares it with a second run,
-and shows the runs table; each screenshot is the whole screen's framebuffer, window decorations
+and shows the runs table (``--task-form causal-lm``: only the form of that task, filled in as a user
+would, in ``<prefix>-causal-lm-form.png``); each screenshot is the whole screen's framebuffer, window decorations
 and all, as the X server has it.
 """
 
@@ -58,10 +59,14 @@ def main() -> None:
     ap.add_argument("--out", default="docs")
     ap.add_argument("--prefix", default="screenshot")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--task-form", metavar="TASK", help="only the form of this task, filled in (causal-lm)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     app, window, _ = open_window(args.size)
+    if args.task_form:
+        task_form_shot(app, window, args.task_form, out / f"{args.prefix}-{args.task_form}-form.png")
+        return
     window.devices.set_checked(["cpu:0", "cpu:1"])
     window.form.set_task("digits")
     window.form.editors["train.steps"].widget.setValue(args.steps)
@@ -88,6 +93,29 @@ def main() -> None:
     window.tabs.setCurrentWidget(window.runs_table)
     shot(app, window, out / f"{args.prefix}-runs.png")
     window.export(str(out / f"{args.prefix}-export"), ["png", "svg", "pdf", "csv"], 1400)
+    window.close()
+    QApplication.processEvents()
+
+
+CAUSAL_LM = {
+    "model": "/data/models/SmolLM2-135M",
+    "data": "/data/text/notes.txt, /data/text/chats",
+    "context": 512,
+    "lora_rank": 16,
+    "lora_alpha": "32",
+    "lora_targets": "q_proj, v_proj",
+    "dtype": "bfloat16",
+}
+
+
+def task_form_shot(app, window, task: str, path: Path) -> None:
+    """The task's form filled in as a user would (causal-lm: a model folder, data, LoRA), then its shot."""
+    window.form.set_task(task)
+    for name, value in (CAUSAL_LM if task == "causal-lm" else {}).items():
+        ed = window.form.param_editors[name]
+        ed.set(value) if not isinstance(value, str) or ed.kind != "list" else ed.widget.setText(value)
+    window.form.param_editors["model"].widget.setFocus()
+    shot(app, window, path)
     window.close()
     QApplication.processEvents()
 

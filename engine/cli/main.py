@@ -30,10 +30,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not 0 <= args.smoothing < 1:
         raise UserError(f"export: --smoothing {args.smoothing:g} is outside 0 to 0.99")
-    if args.out is None and args.mlflow is None:
-        raise UserError("export: say where to: --out DIR (figures, CSV), --mlflow URI (a tracking server), or both")
+    if args.out is None and args.mlflow is None and args.adapter is None and args.merged is None:
+        raise UserError(
+            "export: say where to: --out DIR (figures, CSV), --mlflow URI (a tracking server), "
+            "--adapter DIR or --merged DIR (the model), or several"
+        )
     run = user_path(args.run_dir, "export")
     out = user_path(args.out, "export: --out") if args.out is not None else None
+    models = {f: user_path(getattr(args, f), f"export: --{f}") for f in ("adapter", "merged") if getattr(args, f)}
     compare = [user_path(c, "export: --compare") for c in args.compare or []]
     try:
         problem = run_folder_problem(run) or (
@@ -49,6 +53,13 @@ def cmd_export(args: argparse.Namespace) -> int:
                 raise UserError(f"export: --compare {problem}")
     except ValueError as e:  # an embedded NUL
         raise UserError(f"export: not a usable path ({e})") from None
+    if models:
+        from multilane.engine.integrations.peft_export import export_models
+
+        for path in export_models(run, models.get("adapter"), models.get("merged")):
+            print(printable(str(path)))
+        if out is None and args.mlflow is None:
+            return 0
     if args.mlflow is not None:
         from multilane.integrations.extras import MissingExtra
 

@@ -237,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also (or only) send the run's records so far to this MLflow tracking server: the same MLflow run "
         "on every send, only the points it lacks (needs the mlflow extra; credentials: MLFLOW_TRACKING_* variables)",
     )
+    e.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="write the run's LoRA adapter as a PEFT adapter folder (PeftModel.from_pretrained(base, DIR) loads it)",
+    )
+    e.add_argument(
+        "--merged",
+        metavar="DIR",
+        help="write the run's model with its adapters merged (merge_and_unload) in save_pretrained layout",
+    )
     e.add_argument("--format", default="png,svg,pdf,csv", metavar="LIST", help="any of png,svg,pdf,csv")
     e.add_argument("--width", type=_width, default=1600, metavar="PX", help="PNG width in pixels")
     e.add_argument("--compare", action="append", default=[], metavar="RUN_DIR", help="another run to compare with")

@@ -82,8 +82,12 @@ class WatchState:
             parts.append(f"loss {_value(self.train['loss'])}")  # null: the run's loss was NaN or inf
             if self.train.get("samples_per_s"):
                 parts.append(f"{self.train['samples_per_s']:,.0f} samples/s")
+            if isinstance(self.train.get("tokens_per_s"), (int, float)):  # a language model's run
+                parts.append(f"{self.train['tokens_per_s']:,.0f} tokens/s")
         if "val_loss" in self.eval:
             parts.append(f"val {_value(self.eval['val_loss'])}")
+            if "perplexity" in self.eval:
+                parts.append(f"perplexity {_value(self.eval['perplexity'])}")
         noise = self.train.get("noise")
         if isinstance(noise, dict) and noise.get("b_simple") is not None:
             parts.append(f"noise scale ≈ {format_noise_scale(noise['b_simple'])}")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.safe_reader import SafePlanner, SafeReader, UnsafeCheckpoint
+from multilane.engine.tensors.frozen import frozen_names, sharded_options
 from torch import nn
 
 NAME = re.compile(r"^sharded-\d+-[0-9a-f]{8}$")
@@ -55,7 +56,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     name = f"sharded-{step}-{tag[0]}"
     tmp = folder / f".{name}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=sharded_options(model))  # frozen weights left out
     dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(tmp, sync_files=True))
     if is_main:  # DCP's index is written last, once every rank's data is: the folder is whole
         os.rename(tmp, folder / name)
@@ -138,9 +139,13 @@ def restore_model(model: nn.Module, optimizer: torch.optim.Optimizer, ck: dict[s
         return
     path = sharded_folder(run_path, ck["sharded"])
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
+    # Over a frozen base (checked by the caller), the folder holds the trainable entries only; the
+    # frozen ones stay the model's own.
+    kept = set(frozen_names(model)) if ck.get("frozen_base") else set()
+    state = {"model": {k: v for k, v in msd.items() if k not in kept}, "optim": osd}
     _load_dcp(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd.update(state["model"])
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=state["optim"])
 
 
 def read_model_state(run_path: str | Path) -> dict[str, torch.Tensor]:

@@ -16,15 +16,17 @@ from multilane.engine import __version__
 from multilane.engine.errors import UserError
 from multilane.engine.run.metrics_window import NonFiniteLoss
 from multilane.engine.rundir.runread import CHECKPOINT
+from multilane.engine.tensors import frozen
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
 
 
 def checkpoint_state(t: Trainer) -> dict[str, Any]:
-    """What a checkpoint of trainer ``t`` holds."""
+    """What a checkpoint of trainer ``t`` holds. The model's part: ``frozen.checkpoint_model_state``
+    (its trainable state and the frozen base's name and hash where some parameters are frozen)."""
     return {
-        "model": t.model.state_dict(),
+        **frozen.checkpoint_model_state(t.model, frozen.base_source(t.task, t.model)),
         "optimizer": t.optimizer.state_dict(),
         "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else None,
         "step": t.step,
@@ -41,7 +43,10 @@ def checkpoint_state(t: Trainer) -> dict[str, Any]:
 def restore(t: Trainer, ck: dict[str, Any]) -> None:
     """Put trainer ``t`` (set up, not yet running) back where checkpoint ``ck`` left it. A checkpoint
     that does not fit the run (damaged, or another model's) is refused in one line naming the
-    checkpoint and the part that does not fit, not the task."""
+    checkpoint and the part that does not fit, not the task; so is one trained over another frozen
+    base (``frozen.check_base``)."""
+    base = ck.get("frozen_base") if isinstance(ck.get("frozen_base"), dict) else None
+    frozen.check_base(t.model, base, str(_where(t)))
     if ck.get("sharded") is not None or t.spread.sharded:
         # A sharded checkpoint (engine/fsdp/sharded.py), or any checkpoint into a sharded model.
         from multilane.engine.fsdp.sharded import restore_model
@@ -49,7 +54,8 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
         assert t._resume_dir is not None
         restore_model(t.model, t.optimizer, ck, t._resume_dir.path)
     else:
-        _load(t, "model weights", f"task {t.task.name}'s model", t.model.load_state_dict, ck.get("model"))
+        load = lambda state: frozen.load_trainable(t.model, state, base)  # noqa: E731
+        _load(t, "model weights", f"task {t.task.name}'s model", load, ck.get("model"))
         _load(
             t,
             "optimizer state",
@@ -78,10 +84,14 @@ def _load(t: Trainer, part: str, target: str, load: Any, state: Any) -> None:
     try:
         load(state)
     except Exception as e:
-        rd = getattr(t, "_resume_dir", None)
-        where = rd.path / CHECKPOINT if rd is not None else "the checkpoint"
+        where = _where(t)
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"checkpoint {where}: the {part} it holds cannot be loaded into {target} ({reason})") from None
+
+
+def _where(t: Trainer) -> Any:
+    rd = getattr(t, "_resume_dir", None)
+    return rd.path / CHECKPOINT if rd is not None else "the checkpoint"
 
 
 def _lane_random(t: Trainer) -> Any:

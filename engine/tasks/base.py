@@ -112,6 +112,12 @@ class Task(ABC):
         records then gain ``tokens_per_s``."""
         return None
 
+    def base_source(self) -> str | None:
+        """Optional: where the model's frozen weights (``requires_grad=False``, e.g. a pretrained base under
+        LoRA adapters) come from, a folder or a Hub name. A checkpoint holds only the trainable state and
+        names the frozen base by this and a hash of its bytes (docs/run-folder.md); None: the hash alone."""
+        return None
+
     def sample_text(self, model: nn.Module, device: torch.device, step: int) -> str | None:
         """Optional: text the model writes after each evaluation (e.g. a language model's sample). It is
         appended to the run folder's ``samples.txt`` and sent with the eval record as ``sample``."""

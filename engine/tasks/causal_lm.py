@@ -47,7 +47,7 @@ class CausalLMParams(BaseModel):
         default_factory=list,
         description='.txt or .jsonl files or folders of them; a .jsonl line holds "text", or "prompt" and '
         '"completion" (the loss on the completion only)',
-        json_schema_extra={"picker": "file"},
+        json_schema_extra={"picker": "path"},
     )
     context: int = Field(512, ge=2, le=1_048_576, description="Tokens per sample (at most the model's positions)")
     lora_rank: int = Field(8, ge=0, le=4096, description="LoRA adapters' rank (0: fine-tune every weight)")
@@ -64,6 +64,7 @@ class CausalLMParams(BaseModel):
     prompts: list[str] = Field(
         default_factory=lambda: ["The", "Once upon a time"],
         description="Prompts the model continues greedily at each evaluation (written to samples.txt)",
+        json_schema_extra={"separator": "|"},  # the form's list: a prompt may hold commas
     )
     sample_tokens: int = Field(
         24, ge=0, le=4096, description="Tokens generated per prompt at each evaluation (0: none)"
@@ -110,6 +111,10 @@ class CausalLMTask(Task):
 
     def build_model(self) -> nn.Module:
         return lm_model.load_model(self.params, self.source)
+
+    def base_source(self) -> str:
+        """Where the pretrained weights come from: a checkpoint of a LoRA run names its frozen base so."""
+        return self.source
 
     def data(self) -> lm_data.PackedTokens:
         if self._data is None:  # the fit check and the run both ask: tokenized (or read) once

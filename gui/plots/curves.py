@@ -7,9 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from multilane.gui.plots.decimate import EmaCache, PeakPyramid
-from multilane.gui.plots.items import make_curve
+from multilane.gui.plots.items import make_curve, set_plot_title
 from multilane.gui.plots.palette import GAP, NEUTRAL, compared_width, device_width, run_dash, series_color
-from multilane.gui.plots.run_view import broken, compare_devices, compared_lines, gap_breaks, step_total
+from multilane.gui.plots.run_view import (
+    THROUGHPUT_TITLES,
+    broken,
+    compare_devices,
+    compared_lines,
+    gap_breaks,
+    step_total,
+)
 from multilane.gui.plots.style import PHASE_COLORS, PHASES
 from multilane.gui.runs.run_data import RunData, Series, recorded
 from PySide6.QtCore import Qt
@@ -148,6 +155,10 @@ class CurveDrawing:
         over it narrower (``palette.device_width``), so every run's colour shows along an equal line."""
         runs = [self.data, *(r for r, _ in self.overlays)]
         n = len(runs)
+        # tokens/s when every compared run logs them (language models), else samples/s for all
+        speed = "tokens_per_s" if all(r.throughput_key == "tokens_per_s" for r in runs) else "samples_per_s"
+        if self.throughput.titleLabel.text != THROUGHPUT_TITLES[speed]:
+            set_plot_title(self.throughput, THROUGHPUT_TITLES[speed])
         for k, run in enumerate(runs):
             color = series_color(k)
             wide, thin = device_width(k, n, 2.0, 1.5), device_width(k, n, 1.5, 1.5)
@@ -163,7 +174,7 @@ class CurveDrawing:
                 if "loss" in tr.columns:
                     self._smoothed(f"cmp{k}:loss", self.loss, color, run.name, x, tr.get("loss"), wide, br)
                     self._curves[f"cmp{k}:loss"].setZValue(k)
-                for col, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
+                for col, plot in ((speed, self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
                     if col in tr.columns:
                         self._show(f"cmp{k}:{col}", curve(col, plot, run.name), x, tr.get(col), br)
                 total = step_total(tr)

@@ -8,7 +8,9 @@ fonts read at the size they print, and legends outside the axes so they cover no
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from matplotlib.transforms import offset_copy
 from multilane.engine.errors import UserError
 from multilane.engine.rundir.follow import TERMINAL_STATES, clean_status
 from multilane.engine.rundir.readfile import read_regular_file
+from multilane.engine.rundir.runlog import iter_metrics
 from multilane.engine.rundir.runread import JSON_LIMIT, STATUS
 from multilane.gui.plots.decimate import ema
 from multilane.gui.plots.palette import COMBINED, VALIDATION, device_width, series_color
@@ -86,8 +89,21 @@ def run_caption(run_dir: str | Path) -> str | None:
         parts.append(f"{optim['name']} lr {optim['lr']:g}")
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    parts += _language_numbers(run_dir)
     end = _run_end(run_dir)
-    return " · ".join(parts)[:200] + (f" · {end}" if end else "")
+    return " · ".join(parts)[:240] + (f" · {end}" if end else "")
+
+
+def _language_numbers(run_dir: str | Path) -> list[str]:
+    """A language model's run: its mean tokens/s and best validation perplexity; nothing for other runs."""
+    tokens, ppl = [], []
+    with contextlib.suppress(OSError, ValueError):
+        for rec in iter_metrics(Path(run_dir) / "metrics.jsonl"):
+            v = rec.get("tokens_per_s" if rec.get("kind") == "train" else "perplexity")
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                (tokens if rec.get("kind") == "train" else ppl).append(float(v))
+    parts = [f"{sum(tokens) / len(tokens):,.0f} tokens/s"] if tokens else []
+    return parts + ([f"best perplexity {min(ppl):.4g}"] if ppl else [])
 
 
 def _run_end(run_dir: str | Path) -> str | None:

@@ -98,7 +98,7 @@ def _run_panels(run: RunData, opts: FigureOptions) -> list[Panel]:
             style = {"color": NEUTRAL if i == 0 else series_color(i), "label": metric_label(m), "marker": "o"}
             metric.curves.append((xe, ev.get(f"metric/{m}"), br, style | {"markersize": 3}))
         panels.append(metric)
-    for key, title in (("samples_per_s", "Throughput"), ("lr", "Learning rate"), ("grad_norm", "Gradient norm")):
+    for key, title in ((run.throughput_key, "Throughput"), ("lr", "Learning rate"), ("grad_norm", "Gradient norm")):
         if tr.rows and key in tr.columns and np.isfinite(tr.get(key)).any():
             x, br = x_values(run, tr, opts.x_mode), series_breaks(run, tr)
             panels.append(Panel(title, LABELS[key], [(x, tr.get(key), br, {"color": NEUTRAL})], from_zero=key == "lr"))

@@ -20,7 +20,7 @@ from multilane.gui.plots.items import KeyLabel, SparseLogAxis, WrappingLabel, se
 from multilane.gui.plots.marks import PlotMarks
 from multilane.gui.plots.palette import COMBINED, NEUTRAL, VALIDATION, device_width, series_color
 from multilane.gui.plots.ranges import SharedXRange
-from multilane.gui.plots.run_view import metric_title
+from multilane.gui.plots.run_view import THROUGHPUT_TITLES, metric_title
 from multilane.gui.plots.style import GRID_COLOR, PHASE_COLORS, PHASES, PROCESS_MEMORY, TICK_FONT
 from multilane.gui.runs.run_data import RunData, Series
 from PySide6.QtCore import Qt, Signal
@@ -292,7 +292,9 @@ class PlotPanel(SharedXRange, CurveDrawing, PlotMarks, pg.GraphicsLayoutWidget):
                 # thin and on top: every device's colour shows around it (docs/app.md)
                 self._smoothed("loss", self.loss, COMBINED, "combined", x, tr.get("loss"), 1.0, br)
                 self._curves["loss"].setZValue(20)
-            for key, plot in (("samples_per_s", self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
+            if self.throughput.titleLabel.text != (title := THROUGHPUT_TITLES[d.throughput_key]):
+                set_plot_title(self.throughput, title)  # tokens/s for a language model's run
+            for key, plot in ((d.throughput_key, self.throughput), ("lr", self.lr), ("grad_norm", self.grad_norm)):
                 if key in tr.columns:
                     self._show(key, self._item(key, plot, NEUTRAL, key), x, tr.get(key), br)
             if "lr" in tr.columns:

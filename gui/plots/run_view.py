@@ -15,6 +15,7 @@ LABELS = {
     "loss": "train loss",
     "val_loss": "validation loss",
     "samples_per_s": "throughput (samples/s)",
+    "tokens_per_s": "throughput (tokens/s)",
     "step_ms": "step time (ms)",
     "lr": "learning rate",
     "grad_norm": "gradient norm",
@@ -25,7 +26,15 @@ LABELS = {
     "temp": "temperature (°C)",
     "rss_mb": "process RSS (MiB)",
 }
-UNITS = {"samples_per_s": "samples/s", "step_ms": "ms", "util": "%", "mem": "MiB", "alloc": "MiB"}
+THROUGHPUT_TITLES = {"samples_per_s": "Throughput (samples/s)", "tokens_per_s": "Throughput (tokens/s)"}
+UNITS = {
+    "samples_per_s": "samples/s",
+    "tokens_per_s": "tokens/s",
+    "step_ms": "ms",
+    "util": "%",
+    "mem": "MiB",
+    "alloc": "MiB",
+}
 UNITS |= {"power": "W", "temp": "°C", "rss_mb": "MiB"}
 
 
@@ -289,7 +298,10 @@ def values_at(run: RunData, x: float, x_mode: str) -> str:
     parts = [f"step {x:,.0f}" if x_mode == "step" else f"elapsed {x:,.1f} s"]
     te = run.telemetry
     for series, keys in (
-        (run.train, ["loss", *(f"loss/{dev}" for dev in run.devices), "samples_per_s", "lr", "grad_norm"]),
+        (
+            run.train,
+            ["loss", *(f"loss/{dev}" for dev in run.devices), "samples_per_s", "tokens_per_s", "lr", "grad_norm"],
+        ),
         (run.eval, ["val_loss", *(f"metric/{m}" for m in run.metric_names)]),
         (te, [*(n for k in ("util/", "mem/", "power/", "temp/") for n in te.names(k)), "rss_mb"]),
     ):
@@ -335,6 +347,7 @@ def compare_values_at(runs: list[RunData], x: float, x_mode: str) -> list[str]:
             row = [(*describe(k), tr.get(k)[i]) for k in ("loss", *(f"loss/{dev}" for dev in run.devices))]
             row = [(name, v, unit) for name, unit, v in row]  # the train loss and each device's, named
             row += [(LABELS[k].split(" (")[0], tr.get(k)[i], UNITS.get(k, "")) for k in ("samples_per_s", "lr")]
+            row += [("throughput", tr.get("tokens_per_s")[i], "tokens/s")] if "tokens_per_s" in tr.columns else []
             row += [("gradient norm", tr.get("grad_norm")[i], ""), ("step time", step_total(tr)[i], "ms")]
             values += row
         if ev.rows:

@@ -109,7 +109,7 @@ class RunData:
 
     def __init__(self, name: str = "run") -> None:
         self.name = name
-        self.train = Series()  # step, wall_time, loss, loss/<device>, lr, samples_per_s, phase/<name>
+        self.train = Series()  # step, wall_time, loss, loss/<device>, lr, samples_per_s, tokens_per_s, phase/<name>
         self.eval = Series()  # step, wall_time, val_loss, metric/<name>
         self.telemetry = Series()  # wall_time, step, util/<device>, mem/<device>, alloc/<device>, ...
         self.events: list[dict[str, Any]] = []
@@ -134,7 +134,7 @@ class RunData:
             self._meet(device_loss)
             for dev, v in device_loss.items():
                 row[f"loss/{dev}"] = _num(v)
-            for key in ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j"):
+            for key in ("lr", "samples_per_s", "tokens_per_s", "step_ms", "grad_norm", "samples_per_j"):
                 if key in rec:
                     row[key] = _num(rec[key])
             for phase, ms in (rec.get("phase_ms") or {}).items():
@@ -150,6 +150,8 @@ class RunData:
             row = {"step": rec["step"], "wall_time": wall, "val_loss": _num(rec.get("val_loss"))}
             for k, v in (rec.get("metrics") or {}).items():
                 row[f"metric/{k}"] = _num(v)
+            if "perplexity" in rec:  # a language model's: drawn, hovered and exported as a metric
+                row["metric/perplexity"] = _num(rec["perplexity"])
             self.eval.add(row)
         elif kind == "telemetry":
             step = _num(rec.get("step"))  # a ddp rank's record can arrive after a later train record
@@ -233,6 +235,11 @@ class RunData:
             data.add(rec)
         data.skipped = metrics.skipped
         return data
+
+    @property
+    def throughput_key(self) -> str:
+        """What the throughput plot draws: tokens/s for a run that logs them (a language model's), else samples/s."""
+        return "tokens_per_s" if "tokens_per_s" in self.train.columns else "samples_per_s"
 
     @property
     def metric_names(self) -> list[str]:

@@ -161,6 +161,8 @@ def summarize_records(records: Iterable[dict[str, Any]], status: dict[str, Any] 
             s.value("val_loss").add(step, rec.get("val_loss"))
             for name, v in (rec.get("metrics") or {}).items():
                 s.value(str(name)).add(step, v)
+            if "perplexity" in rec:  # a language model's
+                s.value("perplexity").add(step, rec["perplexity"])
     status = status or {}
     s.state = str(status.get("state") or "")
     s.message = str(status.get("message") or "")

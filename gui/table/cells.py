@@ -37,6 +37,8 @@ def run_cell(row: RunSummary, key: str) -> SortItem:
             text = f"{v:g}"
         elif key in ("batch",):
             text = f"{v:.0f}"
+        elif key == "tokens_per_s":
+            text = f"{v:,.0f}"
         elif key == "duration_s":
             text = fmt_duration(v)
         else:

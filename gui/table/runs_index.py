@@ -31,12 +31,16 @@ COLUMNS = [
     ("final_loss", "loss"),  # the last logged training loss (its header's tooltip says so)
     ("best_val_loss", "best val"),
     ("final_metric", "final metric"),
+    ("tokens_per_s", "tokens/s"),  # a language model's run; blank for others
+    ("best_perplexity", "best ppl"),
     ("duration_s", "training time"),
     ("note", "note"),
 ]
 # What decides a comparison, shown by default (they fit beside the plots at 1280 px); the others are a
 # right-click on the header away, and the search reads them all.
 MAIN_COLUMNS = ("name", "status", "strategy", "devices", "batch", "lr", "final_loss", "best_val_loss")
+LM_COLUMNS = ("tokens_per_s", "best_perplexity")
+"""Shown by themselves once a run in the table logs them (a language model's), hidden while none does."""
 
 
 @dataclass
@@ -56,6 +60,8 @@ class RunSummary:
     best_val_loss: float = math.nan
     final_metric: float = math.nan
     metric_name: str = ""
+    tokens_per_s: float = math.nan  # the mean of the train records' tokens/s
+    best_perplexity: float = math.nan
     duration_s: float = math.nan
     started: float = 0.0
     tags: str = ""  # meta.json's tags, comma-separated (engine/rundir/runs_folder.py)
@@ -64,6 +70,16 @@ class RunSummary:
 
     def value(self, key: str) -> Any:
         return getattr(self, key)
+
+
+def lm_columns(rows: list[RunSummary], hidden: list[str], shown_before: bool) -> tuple[bool, list[str]]:
+    """Whether a run among ``rows`` logs a language model's numbers (tokens/s, perplexity), and the table's
+    hidden columns after that: the language model's shown once one does, hidden while none does, changed
+    only when that changes (so what the columns menu chose otherwise stays)."""
+    shown = any(math.isfinite(r.tokens_per_s) or math.isfinite(r.best_perplexity) for r in rows)
+    if shown == shown_before:
+        return shown, hidden
+    return shown, [*(k for k in hidden if k not in LM_COLUMNS), *(() if shown else LM_COLUMNS)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -97,6 +113,7 @@ def summarize(run_dir: str | Path) -> RunSummary:
     meta = read_meta(p)
     s.tags, s.note = ", ".join(meta["tags"]), meta["note"]
     first = None
+    tokens: list[float] = []
     clock = TrainingClock()  # training time: what the window's status line says too
     try:
         for rec in iter_metrics(p / "metrics.jsonl"):
@@ -107,7 +124,12 @@ def summarize(run_dir: str | Path) -> RunSummary:
             kind = rec.get("kind")
             if kind == "train" and isinstance(rec.get("loss"), (int, float)):
                 s.final_loss = float(rec["loss"])
+            if kind == "train" and isinstance(rec.get("tokens_per_s"), (int, float)):
+                tokens.append(float(rec["tokens_per_s"]))
             elif kind == "eval":
+                ppl = rec.get("perplexity")
+                if isinstance(ppl, (int, float)) and math.isfinite(ppl):
+                    s.best_perplexity = ppl if math.isnan(s.best_perplexity) else min(s.best_perplexity, ppl)
                 v = rec.get("val_loss")
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     s.best_val_loss = v if math.isnan(s.best_val_loss) else min(s.best_val_loss, v)
@@ -119,6 +141,8 @@ def summarize(run_dir: str | Path) -> RunSummary:
         s.notes.append("metrics.jsonl unreadable")
     if first is not None:
         s.started, s.duration_s = first, clock.seconds()
+    if tokens:
+        s.tokens_per_s = sum(tokens) / len(tokens)
     return s
 
 

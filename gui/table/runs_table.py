@@ -11,7 +11,7 @@ from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runs_folder import parse_tags, rename_run, restore_run, trash_run, write_meta
 from multilane.gui.table.cells import run_cell
 from multilane.gui.table.mlflow_send import MlflowSend
-from multilane.gui.table.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, runs_signature
+from multilane.gui.table.runs_index import COLUMNS, MAIN_COLUMNS, RunSummary, list_runs, lm_columns, runs_signature
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
@@ -203,6 +203,8 @@ class RunsTable(QWidget):
         for c, cap in self._capped.items():
             self.table.resizeColumnToContents(c)
             self.table.setColumnWidth(c, min(self.table.columnWidth(c), cap))
+        self._lm, hidden = lm_columns(self.rows, self.hidden_columns(), getattr(self, "_lm", False))
+        self.set_hidden_columns(hidden)
         self._fit_name_column()
         self.table.setSortingEnabled(True)
         self._loading = False

@@ -1,6 +1,7 @@
 """One form field: the widget that a config schema field's type calls for (bool → checkbox, Literal →
-combo box, int → spin box with the schema's bounds, float/str → line edit, a path → a line edit with
-a file or folder picker), its value read back, and its mark when the value breaks a rule."""
+combo box, int → spin box with the schema's bounds, float/str → line edit, a list of strings → a line edit
+of comma-separated items (or the field's own ``separator``: prompts hold commas), a path → a line edit with a file or folder picker, ``"path"``: either, from a
+menu; on a list the picked path is added), its value read back, and its mark when the value breaks a rule."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import typing
 from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
-from PySide6.QtWidgets import QCheckBox, QComboBox, QFileDialog, QHBoxLayout, QLineEdit, QSpinBox, QToolButton, QWidget
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLineEdit,
+    QMenu,
+    QSpinBox,
+    QToolButton,
+    QWidget,
+)
 
 INVALID_STYLE = "border: 1px solid #d62728; background: #fff0f0;"
 
@@ -30,8 +41,9 @@ def _extra(field: FieldInfo) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
-def _with_picker(line: QLineEdit, kind: str) -> QWidget:
-    """A path field: the line edit and a "…" button opening a file (or folder) dialog."""
+def _with_picker(line: QLineEdit, kind: str, many: bool = False) -> QWidget:
+    """A path field: the line edit and a "…" button opening a file (or folder) dialog; ``kind`` "path":
+    a menu of both. ``many`` (a list field): the chosen path is added to the list, not put in its place."""
     row = QWidget()
     lay = QHBoxLayout(row)
     lay.setContentsMargins(0, 0, 0, 0)
@@ -39,17 +51,25 @@ def _with_picker(line: QLineEdit, kind: str) -> QWidget:
     button = QToolButton()
     button.setText("…")
     button.setObjectName(f"{line.objectName()}.browse")
-    button.setToolTip(f"Choose a {kind}")
+    button.setToolTip("Choose a file or a folder" if kind == "path" else f"Choose a {kind}")
+    start = "" if many else line.text()
 
-    def browse() -> None:
-        if kind == "folder":
-            path = QFileDialog.getExistingDirectory(row, "Choose a folder", line.text())
+    def browse(what: str) -> None:
+        if what == "folder":
+            path = QFileDialog.getExistingDirectory(row, "Choose a folder", start)
         else:
-            path, _ = QFileDialog.getOpenFileName(row, "Choose a file", line.text())
+            path, _ = QFileDialog.getOpenFileName(row, "Choose a file", start)
         if path:
-            line.setText(path)
+            line.setText(f"{line.text().rstrip(', ')}, {path}" if many and line.text().strip() else path)
 
-    button.clicked.connect(browse)
+    if kind == "path":
+        menu = QMenu(button)
+        menu.addAction("File…", lambda: browse("file"))
+        menu.addAction("Folder…", lambda: browse("folder"))
+        button.setMenu(menu)
+        button.setPopupMode(QToolButton.InstantPopup)
+    else:
+        button.clicked.connect(lambda: browse(kind))
     lay.addWidget(button)
     return row
 
@@ -64,6 +84,7 @@ class FieldEditor:
         self.optional = type(None) in args
         base = next((a for a in args if a is not type(None)), ann) if self.optional else ann
         self.kind = "str"
+        self.separator = str(_extra(field).get("separator", ","))
         if base is bool:
             self.kind, w = "bool", QCheckBox()
             w.toggled.connect(on_change)
@@ -81,7 +102,8 @@ class FieldEditor:
             w.setAccelerated(True)
             w.valueChanged.connect(on_change)
         else:
-            self.kind = "float" if base is float else "str"
+            many = typing.get_origin(base) is list and typing.get_args(base) in ((str,), ())
+            self.kind = "float" if base is float else "list" if many else "str"
             w = QLineEdit()
             w.textChanged.connect(on_change)
         w.setToolTip(field.description or "")
@@ -90,8 +112,8 @@ class FieldEditor:
         self.description = field.description or ""
         self.row: QWidget = w
         picker = _extra(field).get("picker")
-        if picker in ("file", "folder") and isinstance(w, QLineEdit):
-            self.row = _with_picker(w, picker)
+        if picker in ("file", "folder", "path") and isinstance(w, QLineEdit):
+            self.row = _with_picker(w, picker, self.kind == "list")
 
     def set(self, value: Any) -> None:
         w = self.widget
@@ -101,6 +123,8 @@ class FieldEditor:
             w.setCurrentText(str(value))
         elif self.kind == "int":
             w.setValue(w.minimum() if value is None else int(value))
+        elif self.kind == "list" and isinstance(value, (list, tuple)):
+            w.setText((", " if self.separator == "," else f" {self.separator} ").join(str(v) for v in value))
         else:
             w.setText("" if value is None else (f"{value:g}" if isinstance(value, float) else str(value)))
 
@@ -113,6 +137,8 @@ class FieldEditor:
         if self.kind == "int":
             return None if self.optional and w.value() == w.minimum() else w.value()
         text = w.text().strip()
+        if self.kind == "list":  # comma-separated items
+            return [item.strip() for item in text.split(self.separator) if item.strip()]
         if self.kind == "float":
             try:
                 return float(text)

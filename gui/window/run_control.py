@@ -306,10 +306,11 @@ class RunControlMixin:
         where = f"step {r['step']:,}/{total:,} · epoch {r.get('epoch') or 0:.2f}"
         if self.paused:
             return f"Paused · {where} · training time {trained}"
-        sps = r.get("samples_per_s") or 0
+        sps, tps = r.get("samples_per_s") or 0, r.get("tokens_per_s")
         step_ms = r.get("step_ms") or 0
         eta = (total - r["step"]) * step_ms / 1000 if step_ms else 0
-        return f"{where} · {sps:,.0f} samples/s{data_wait(r)} · training time {trained} · ETA {fmt_duration(eta)}"
+        speed = f"{sps:,.0f} samples/s" + (f" · {tps:,.0f} tokens/s" if isinstance(tps, (int, float)) else "")
+        return f"{where} · {speed}{data_wait(r)} · training time {trained} · ETA {fmt_duration(eta)}"
 
     def _paced_refresh(self) -> None:
         """Refresh the plots; while a run trains, the next refresh comes when the redraw pace allows
