@@ -3,7 +3,7 @@
     python bench/ddp_unused.py [--steps 60] [--ranks 2]
 
 DDP with ``find_unused_parameters=True`` walks the autograd graph after every forward and all-reduces
-a map of the parameters used. The ddp trainer (engine/distributed/trainer.py) keeps it only when the
+a map of the parameters used. The ddp strategy (engine/distributed/ddp.py) keeps it only when the
 first step shows a parameter some rank's backward did not reach; otherwise it rebuilds DDP without it
 after step 1 (a one-time graph walk, an all-reduce and DDP's construction). This bench times, on
 Gloo ranks on 127.0.0.1 (CPU), the same model under both DDPs, step by step in turns (each rank holds

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from multilane.engine.distributed.batchnorm import empty_shard
+from multilane.engine.fsdp.reach import reached
 from multilane.engine.parallel.replicas.buffers import merge_values, set_buffer
 from multilane.engine.parallel.replicas.lane_rng import _generators, lane_seed
 from multilane.engine.parallel.strategy import LossWeightError, _LaneLoss, check_batch, model_args
@@ -201,23 +202,6 @@ def sparse_weights(model: nn.Module) -> frozenset[int]:
     """The ids of the weights of ``model``'s ``Embedding``/``EmbeddingBag`` modules with ``sparse=True``."""
     kinds = (nn.Embedding, nn.EmbeddingBag)
     return frozenset(id(m.weight) for m in model.modules() if isinstance(m, kinds) and getattr(m, "sparse", False))
-
-
-def reached(loss: torch.Tensor) -> set[int]:
-    """The ids of the leaf tensors (parameters) that ``loss``'s backward reaches."""
-    seen: set[Any] = set()
-    out: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            out.add(id(var))
-        stack.extend(f for f, _ in fn.next_functions)
-    return out
 
 
 PROBE_STEPS = 4

@@ -39,8 +39,9 @@ class RankLostPeers(RankFailed):
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
     from multilane.engine.display.progress import ProgressDisplay, summary
-    from multilane.engine.distributed.trainer import DdpTrainer
-    from multilane.engine.fsdp.trainer import FsdpTrainer
+    from multilane.engine.distributed.ddp import Ddp
+    from multilane.engine.distributed.fsdp_rank import Fsdp
+    from multilane.engine.run.trainer import Trainer
 
     if config is None:  # resuming: the devices come from the checkpoint's config
         from multilane.engine.config import build_config, merge
@@ -60,12 +61,13 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
     signal.signal(signal.SIGTERM, on_signal)
     progress = ProgressDisplay(started=command_start()) if info.is_main else None
     callbacks = [progress] if progress is not None else []
-    rank_trainer = FsdpTrainer if config.devices.strategy == "fsdp" else DdpTrainer
+    spread = Fsdp if config.devices.strategy == "fsdp" else Ddp
     if resume_from:
-        trainer = rank_trainer(info, requests, callbacks=callbacks, resume_from=resume_from, overrides=overrides)
+        strategy = spread(info, requests)
+        trainer = Trainer(callbacks=callbacks, resume_from=resume_from, overrides=overrides, strategy=strategy)
     else:
-        run_dir = os.environ.get(RUN_DIR_ENV)
-        trainer = rank_trainer(info, requests, run_dir=run_dir, callbacks=callbacks, config=config)
+        strategy = spread(info, requests, run_dir=os.environ.get(RUN_DIR_ENV))
+        trainer = Trainer(callbacks=callbacks, config=config, strategy=strategy)
     result = trainer.run()
     if info.is_main:
         # A failure's message is the launcher's to say (the failure that caused the others, any rank's)

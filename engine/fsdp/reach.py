@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine.distributed.rank_state import reached
 from multilane.engine.errors import UserError
 from multilane.engine.parallel import chunk_sizes
 from torch import nn
@@ -48,6 +47,23 @@ DOUBLE_BACKWARD = (
     "gradient penalty), whose second backward reads parameters FSDP has already freed; train it with "
     'devices.strategy = "ddp", "replicate" or "persistent"'
 )
+
+
+def reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) that ``loss``'s backward reaches."""
+    seen: set[Any] = set()
+    out: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            out.add(id(var))
+        stack.extend(f for f, _ in fn.next_functions)
+    return out
 
 
 @contextlib.contextmanager

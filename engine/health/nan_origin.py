@@ -172,9 +172,9 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         return bad
     now = snapshot(t)
     saved = (t.loader, t.window, t.health.every, t.strategy.lane_grads, t.timer)
+    window = type(t.window)  # the loop's log window (this module is below the loop: it is handed one)
     accum = t.config.train.grad_accum
     from multilane.engine.data.loader import build_loader
-    from multilane.engine.run.metrics_window import MetricsWindow
 
     loader = build_loader(t.task, t.config, None if t.backend.model_device.type != "cuda" else t.backend.model_device)
     cursor = Cursor(kept.step * accum)
@@ -186,7 +186,7 @@ def find_origin(t: Trainer, kept: Kept, last_step: int) -> Origin | None:
         steps: list[Any] = []
         history: dict[int, Any] = {}  # each replayed step's rows' peaks (origin.py, rule 4)
         for step in range(kept.step + 1, last_step + 1):
-            t.window = MetricsWindow(t.backend.lane_names)
+            t.window = window(t.backend.lane_names)
             t.window.resume()
             replicas = t._replicas() or []
             tracer = Tracer(t.model, replicas, single=len(t.devices) == 1, cursor=cursor)

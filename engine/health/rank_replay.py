@@ -42,11 +42,11 @@ from multilane.engine.parallel.replicas.lane_rng import _generators
 from torch import nn
 
 if TYPE_CHECKING:
-    from multilane.engine.distributed.trainer import DdpTrainer
+    from multilane.engine.run.trainer import Trainer as DdpTrainer
 
 
 def _streams(t: DdpTrainer) -> list[torch.Generator]:
-    return _generators(t.info.device.torch_device())
+    return _generators(t.spread.info.device.torch_device())
 
 
 def rank_snapshot(t: DdpTrainer, into: Kept | None = None) -> Kept:
@@ -85,8 +85,8 @@ def _bad_weights(t: DdpTrainer, kept: Kept) -> list[str]:
     """The kept weights that are not finite on any rank (fsdp: each rank holds its own shards; one small
     collective), in the model's order."""
     mine = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(local(v)).all())]
-    everyone: list[Any] = [None] * t.info.world
-    dist.all_gather_object(everyone, mine, group=t._control_group)
+    everyone: list[Any] = [None] * t.spread.info.world
+    dist.all_gather_object(everyone, mine, group=t.spread.control_group)
     return [n for n in kept.model if any(n in e for e in everyone)]
 
 
@@ -152,10 +152,6 @@ def _updates(everyone: list[dict[str, Any]], sharded: bool) -> list[tuple[int, l
 def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None:
     """Every rank: replay steps ``kept.step + 1`` to ``last_step`` with hooks, together; the first step
     where a non-finite value shows on any rank (the same answer on every rank), or None."""
-    from multilane.engine.data.loader import build_loader
-    from multilane.engine.distributed.shards import RankLoader
-    from multilane.engine.distributed.window import combine
-
     names = t.lane_names
     bad = weights_origin(kept, names[0], _bad_weights(t, kept))  # the same answer on every rank
     if bad is not None:
@@ -164,8 +160,9 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
     saved = (t.loader, t.window, t.health.every, t.timer)
     window = type(t.window)  # fsdp's reads the DTensor norm of its clipping
     accum = t.config.train.grad_accum
-    dev = t.info.device
-    loader = RankLoader(build_loader(t.task, t.config, dev.torch_device() if dev.is_cuda else None), t._my_slice)
+    ranks = t.spread  # the rank strategy hands the replay its loader and its log window's reduction
+    combine = type(t.window).combine
+    loader = ranks.rank_loader(t)
     cursor = Cursor(kept.step * accum)
     trail = UpdateTrail(t.model, t.optimizer)
     sharded = bool(unsharded_params(t.model))
@@ -186,8 +183,8 @@ def find_rank_origin(t: DdpTrainer, kept: Kept, last_step: int) -> Origin | None
                 tracer.remove()
                 loss.remove()
             t.step = step
-            everyone: list[Any] = [None] * t.info.world
-            dist.all_gather_object(everyone, _mine(t, tracer, trail), group=t._control_group)
+            everyone: list[Any] = [None] * ranks.info.world
+            dist.all_gather_object(everyone, _mine(t, tracer, trail), group=ranks.control_group)
             windows = [e["window"] for e in everyone]
             rec = combine(windows, names, step=step) if all(w is not None for w in windows) else None
             steps += _updates(everyone, sharded)

@@ -173,8 +173,7 @@ class RunRecorder:
         if dist is None:
             self._sampler = TelemetrySampler([dev], [self.key], self._telemetry, busy_seconds=busy)
         else:  # each rank samples its own device; the others' records travel to rank 0 in step_end
-            from multilane.engine.distributed.rank import RankInfo
-            from multilane.engine.distributed.telemetry import RankTelemetry
+            from multilane.engine.distributed.rank import RankInfo, RankTelemetry
 
             info = RankInfo(self.rank, self.world, local_rank, self.world, host, dev)
             self._rank_telemetry = rt = RankTelemetry(info, lambda: self.step, self.write)

@@ -8,11 +8,10 @@ import os
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank_state import InplaceWriteError
-from multilane.engine.errors import UserError
+from multilane.engine.errors import UserError, one_line, where
 from multilane.engine.plan.forecast import USABLE, Forecast, Need, largest_batch, needs_at, per_rank_at
 from multilane.engine.plan.measure import free_bytes
 from multilane.engine.plan.probe import MemoryLine, _kept_random_state, probe
-from multilane.engine.run.failures import one_line, where
 from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
 

@@ -45,10 +45,10 @@ from multilane.engine.plan.probe import (
     probe_batches,
 )
 from multilane.engine.plan.shards import shard_bytes
-from multilane.engine.run.optim import build_optimizer
 from multilane.engine.tasks import loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.optim import build_optimizer
 from torch.utils._pytree import tree_map
 
 FSDP_PHASES = ("setup", "forward", "backward", "optimizer")
@@ -139,7 +139,7 @@ def _need(points: dict[str, list[tuple[int, int]]], b: int) -> int:
 
 
 class _RankStepper:
-    """The fsdp trainer's step on one rank (engine/fsdp/trainer.py, engine/distributed/trainer.py): its
+    """The fsdp trainer's step on one rank (engine/distributed/fsdp_rank.py, ddp.py): its
     forward by the trainer's own ``RankRules.forward`` and ``shard_forward``."""
 
     def __init__(self, config: RunConfig, task: Any, dev: torch.device, n: int, count: measure.StorageCount) -> None:

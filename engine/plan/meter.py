@@ -185,3 +185,13 @@ class _NoMeter:
 
 
 NO_METER = _NoMeter()
+
+
+def run_meter(
+    devices: list[Device], forecast: Forecast | None, place: tuple[Device, int, int] | None, weights: list[float] | None
+) -> PeakMeter | None:
+    """The run's peak meter: a single process's where the fit check made a forecast; a rank's (``place``: its
+    device, rank and world) where its launcher made one (``rank_meter``). None: nothing measured."""
+    if place is not None:
+        return rank_meter(*place, weights)
+    return PeakMeter(devices, forecast) if forecast is not None else None

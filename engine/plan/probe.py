@@ -22,10 +22,10 @@ from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.plan import measure
-from multilane.engine.run.optim import build_optimizer
 from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
 from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.optim import build_optimizer
 from torch.utils._pytree import tree_map
 
 PROBE_PER_DEVICE = (4,)

@@ -1,4 +1,4 @@
-"""The ddp probe's step: one rank's step as the ddp trainer takes it (engine/distributed/trainer.py), on this
+"""The ddp probe's step: one rank's step as the ddp strategy takes it (engine/distributed/ddp.py), on this
 process's group of one, each phase's peak measured as probe.py measures every strategy's.
 
 The trainer's own pieces drive it, so that what a rank trains the probe measures: the rank's forward by

@@ -47,7 +47,7 @@ def restore(t: Trainer, ck: dict[str, Any]) -> None:
     base (``frozen.check_base``)."""
     base = ck.get("frozen_base") if isinstance(ck.get("frozen_base"), dict) else None
     frozen.check_base(t.model, base, str(_where(t)))
-    if ck.get("sharded") is not None or getattr(t, "sharded", False):
+    if ck.get("sharded") is not None or t.spread.sharded:
         # A sharded checkpoint (engine/fsdp/sharded.py), or any checkpoint into a sharded model.
         from multilane.engine.fsdp.sharded import restore_model
 
@@ -97,7 +97,7 @@ def _where(t: Trainer) -> Any:
 def _lane_random(t: Trainer) -> Any:
     """The lanes' random streams of a single-process run, or a ddp run's ranks' (one lane per rank,
     the same format: engine/distributed/rank_state.py); a ddp rank restores its own."""
-    streams = getattr(t, "streams", None)
+    streams = getattr(t.spread, "streams", None)
     if streams is not None:
         return streams
     strategy = getattr(t, "strategy", None)
@@ -157,9 +157,9 @@ def save(t: Trainer) -> None:
     """Write ``t``'s checkpoint into its run folder (atomically: the previous one stays until then)."""
     assert t.run_dir is not None
     t.run_dir.save_checkpoint(t.checkpoint_state())  # a sharded model's writes its shards first
-    saved = getattr(t, "checkpoint_saved", None)
+    saved = getattr(t.spread, "checkpoint_saved", None)  # a sharded checkpoint's folders (fsdp)
     if saved is not None:
-        saved()
+        saved(t)
     elif (t._checkpoint or {}).get("sharded") and t.run_dir.writes:  # resumed from shards, saved whole
         from multilane.engine.fsdp.sharded import remove_older
 

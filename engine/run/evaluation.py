@@ -93,6 +93,4 @@ def evaluate_run(t: Trainer) -> None:
     rec = evaluate(t.strategy, t.model, t.task, t.loader.eval_batches(), t._sizes, t.backend.output_device, t.step)
     assert t.run_dir is not None
     write_sample(t.task, t.model, t.backend.model_device, rec, t.run_dir)
-    t._last_eval = rec
-    for cb in t.callbacks:
-        cb.on_eval(rec)
+    t.publish_eval(rec)

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import errno
 import re
-import traceback
 from pathlib import Path
 
 import torch
+from multilane.engine.errors import one_line, where  # noqa: F401 (where: the CLI reads both here)
 
 OOM_HINT = " (hint: a smaller batch, fewer replicas per GPU, or an uneven split)"
 CPU_OOM_HINT = " (hint: a smaller batch, fewer lanes or DataLoader workers, or more free memory on this machine)"
 # torch's CPU allocator raises a plain RuntimeError, worded for its own developers.
 CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
 REPLICA = re.compile(r"^Caught \w+ (in replica \d+ on device \S+?)\.")
-
-
-def one_line(e: BaseException) -> str:
-    """The error as one line: its type and first line."""
-    text = str(e).strip().splitlines()
-    head = text[0] if text else ""
-    # torch's replica errors read "Caught X in replica i on device d." then the original traceback:
-    # keep that line and the original error's last line.
-    if head.startswith("Caught ") and len(text) > 1:
-        return f"{head} {text[-1].strip()}"
-    return f"{type(e).__name__}: {head}" if head else type(e).__name__
-
-
-def where(e: BaseException) -> str:
-    """`` at file.py:LINE`` of the innermost frame, or nothing."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
 def cpu_out_of_memory(e: BaseException) -> str | None:

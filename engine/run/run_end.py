@@ -20,10 +20,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from multilane.engine.errors import UserError
+from multilane.engine.errors import UserError, one_line, where
 from multilane.engine.run.callbacks import RunResult
 from multilane.engine.run.control import SetupStopped
-from multilane.engine.run.failures import one_line, where
 from multilane.engine.rundir.runlog import STATUS
 from multilane.engine.rundir.writefile import atomic_write_bytes
 

@@ -1,10 +1,11 @@
-"""The training loop: a short loop over parts with one job each.
+"""The training loop, written once for every strategy: a short loop over parts with one job each.
 
-The run's config and task (``run_spec.py``), the step strategy (``parallel/``), the loader
-(``loader.py``), the log window (``metrics_window.py``), evaluation (``evaluation.py``), checkpoints
-(``checkpointer.py``), the run folder (``runlog.py``) and the run's end (``run_end.py``) each live in
-their own module; the trainer composes them and reports only through plain callbacks (``callbacks.py``,
-no Qt).
+What differs between strategies (set-up, a step's forward, backward and reduction, the ranks' agreement
+on pause and stop, the log window's and evaluation's reduction, a checkpoint's state) is the strategy's
+(``lanes.py``: ``Strategy``; one process's lanes there, ddp and fsdp in engine/distributed/). The run's
+config and task (``run_spec.py``), the log window (``metrics_window.py``), checkpoints (``checkpointer.py``),
+the run folder (``runlog.py``) and the run's end (``run_end.py``) each live in their own module; the
+trainer composes them and reports only through plain callbacks (``callbacks.py``, no Qt).
 """
 
 from __future__ import annotations
@@ -17,34 +18,29 @@ from typing import Any
 
 import torch
 from multilane.engine.config import RunConfig
-from multilane.engine.data.loader import build_loader
 from multilane.engine.errors import UserError, nothing_to_train
-from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
-from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
-from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.plan.fit import check_fit
 from multilane.engine.plan.meter import NO_METER as _NO_METER
-from multilane.engine.plan.meter import PeakMeter
+from multilane.engine.plan.meter import run_meter
 from multilane.engine.run import checkpointer
 from multilane.engine.run.callbacks import MetricsWriter, RunResult, TrainerCallback
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.energy import EnergyMeter
-from multilane.engine.run.evaluation import evaluate_run
 from multilane.engine.run.failures import outcome, release_cuda_memory
-from multilane.engine.run.metrics_window import MetricsWindow, NonFiniteLoss, check_finite
-from multilane.engine.run.optim import build_optimizer, lr_at
+from multilane.engine.run.lanes import Lanes, Strategy
+from multilane.engine.run.metrics_window import NonFiniteLoss, check_finite
 from multilane.engine.run.run_end import finish_run, fit_check_phases, setup_begins, setup_ended, training_begins
-from multilane.engine.run.run_spec import open_run_dir, planned_steps, record_run, resolve_run
+from multilane.engine.run.run_spec import record_run, resolve_run
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.follow import DIVERGED
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.rundir.writefile import check_writable
-from multilane.engine.tasks import Task, add_token_fields, loss_weight_fn
+from multilane.engine.tasks import Task, add_token_fields
 from multilane.engine.telemetry.devices import Device
-from multilane.engine.telemetry.memory_split import lanes_memory
-from multilane.engine.telemetry.sampler import TelemetrySampler, run_sampler
+from multilane.engine.telemetry.sampler import TelemetrySampler
 from multilane.engine.tensors import features
 from multilane.engine.tensors.grads import clip_grad_norm, grad_norm
+from multilane.engine.tensors.optim import lr_at
 
 __all__ = ["NonFiniteLoss", "RunResult", "Trainer", "TrainerCallback"]
 
@@ -67,7 +63,9 @@ class Trainer:
         overrides: dict[str, Any] | None = None,
         task: Task | None = None,
         run_dir: str | Path | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
+        self.spread: Strategy = strategy if strategy is not None else Lanes()  # how the run is spread
         self.control = control or RunControl()
         self._made_run_dir = Path(run_dir) if run_dir else None  # made for this run by whoever started it
         self.callbacks = list(callbacks)
@@ -77,8 +75,9 @@ class Trainer:
         self.run_dir: RunDir | None = None
         self.sampler: TelemetrySampler | None = None
         self.step = 0
+        self.memory: Any = None
         if resume_from is not None:
-            self._resume_dir = self._open_resume_dir(resume_from)
+            self._resume_dir = self.spread.open_resume_dir(resume_from)
         try:
             self._configure(config, overrides or {}, task)
             if self._resume_dir is None and self._made_run_dir is None:
@@ -89,9 +88,6 @@ class Trainer:
                 self._resume_dir.close_refused()
             raise
 
-    def _open_resume_dir(self, path: str | Path) -> RunDir:
-        return RunDir.open_existing(path)  # locked: this process is its one writer
-
     def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
         spec = resolve_run(config, overrides, task, self._resume_dir, self.callbacks)
         self._checkpoint, self.config, self.task = spec.checkpoint, spec.config, spec.task
@@ -101,52 +97,23 @@ class Trainer:
 
     # -- setup ----------------------------------------------------------------------------------
     def _setup(self) -> None:
+        """The strategy sets up the run's parts; the loader's workers start here, before the telemetry
+        thread, at the run's next micro-batch."""
         cfg = self.config
-        torch.manual_seed(cfg.train.seed)
-        self.backend = make_backend(self.devices, cfg.devices.output)
-        self.strategy = make_strategy(cfg.devices.strategy, self.backend, cfg.train.precision, cfg.train.seed)
-        self._loss_weight = loss_weight_fn(self.task)
-        dev = self.backend.model_device
-        self._phase("loading data")
-        self.loader = build_loader(self.task, cfg, dev if dev.type == "cuda" else None)
-        forecast = getattr(self, "forecast", None)
-        self.memory = PeakMeter(self.devices, forecast) if forecast is not None else None
-        if self.memory is not None:
-            self.memory.before_model()
-        self._phase("building the model")
-        self.model = self.task.build_model().to(dev)
-        features.check_model(self.model, cfg)  # before step 1 (a model the meta device could not build)
-        if cfg.devices.sync_batchnorm:
-            convert_sync_batchnorm(self.model)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.memory = run_meter(
+            self.devices, getattr(self, "forecast", None), self.spread.place, cfg.devices.weights or None
+        )
+        self.spread.setup(self)
         accum = cfg.train.grad_accum
-        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
-        self.scaler = torch.amp.GradScaler(self.backend.device_type, enabled=cfg.train.precision == "fp16")
-        weights = cfg.devices.weights or None
-        self._sizes_cache: dict[int, list[int]] = {}
-        self._weights = weights
-        self.timer = self.backend.make_timer()
-        self.window = MetricsWindow(self.backend.lane_names)
-        self.health = make_monitor(self, len(self.devices), self.backend.output_device)
-        self.strategy.lane_grads = self.health.probe
-        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
-        if self._checkpoint is not None:
-            self._phase("restoring the checkpoint")
-            checkpointer.restore(self, self._checkpoint)
         self._phase("starting the data loader")
-        # The loader's workers start here, before the telemetry thread, at the run's next micro-batch.
         self.loader.start(self.step * accum, self.total_steps * accum)
 
     def _replicas(self) -> list[torch.nn.Module] | None:
-        """The strategy's own copies of the model (persistent; None until it has made them), or []."""
-        return strategy_replicas(self.strategy, len(self.devices))
+        """The lanes' own copies of the model (persistent; None until it has made them), or []."""
+        return self.spread.replicas(self)  # type: ignore[attr-defined]
 
     def _sizes(self, batch: int) -> list[int]:
-        s = self._sizes_cache.get(batch)
-        if s is None:
-            s = chunk_sizes(batch, len(self.devices), self._weights)
-            self._sizes_cache[batch] = s
-        return s
+        return self.spread.sizes(self, batch)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -177,7 +144,7 @@ class Trainer:
         mlflow_logger = mlflow_callback(cfg)  # a missing mlflow extra: one line, before anything is written
         # The folder first, before any of the task's code runs: watch, control and the app see the run
         # "starting" and its phase, and a stop reaches it there (run_end.setup_begins, RunControl.during_setup).
-        self.run_dir = rd = self._open_run_dir()
+        self.run_dir = rd = self.spread.open_run_dir(self)
         self._control_file = ControlFile(rd.path)
         self.t_start = time.time()
         self._at_step = self.step  # the step a failure is reported at
@@ -216,22 +183,10 @@ class Trainer:
                 release_cuda_memory()
         return self._finish(status, message, tb)
 
-    def _open_run_dir(self) -> RunDir:
-        return open_run_dir(self._resume_dir, self._made_run_dir, self.config)
-
     @property
     def lane_names(self) -> list[str]:
         """The names the run's per-device series go by (``device_loss`` keys)."""
-        return list(self.backend.lane_names)
-
-    def _sync_control(self) -> None:
-        """Between steps: pick up a command from the run folder's control file (cheap: see control_file.py)."""
-        self._control_file.apply(self.control)
-
-    def _wait_paused(self) -> None:
-        """Block while paused; a pause, resume or stop can also come through the control file."""
-        while not self.control.wait_while_paused(0.2):
-            self._control_file.apply(self.control)
+        return self.spread.lane_names(self)
 
     def _loop(self) -> tuple[str, str | None]:
         """Train to the end or a stop; a non-finite loss or weights end the run "diverged", nothing saved
@@ -252,12 +207,12 @@ class Trainer:
         memory = getattr(self, "memory", None) or _NO_METER
         memory.start(self.total_steps, self.step, log_every)
         while self.step < self.total_steps:
-            self._sync_control()
+            self.spread.sync_control(self)
             self.control.wait_while_held()
             if self.control.pause_requested and not self.control.stop_requested:
                 self._pause()
             if self.control.stop_requested:
-                self._stop()
+                self.spread.stop(self)
                 why = self.control.stop_reason
                 return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
@@ -271,16 +226,16 @@ class Trainer:
                 self._epoch_end(epoch)
             last = self.step == self.total_steps
             if self._logs_at(self.step):
-                self._log(memory=self._memory())
+                self._log(memory=self.spread.memory(self))
             if (eval_every and self.step % eval_every == 0) or last:
-                self._evaluate()
-            if (ckpt_every and self.step % ckpt_every == 0) or last or self._checkpoint_due():
+                self.spread.evaluate(self)
+            if (ckpt_every and self.step % ckpt_every == 0) or last or self.spread.checkpoint_due(self):
                 checkpointer.save_finite(self)
         return "finished", None
 
     def _state_finite(self) -> bool:
-        """Whether the state a checkpoint would hold is finite (``checkpointer.finite_flag``): one read."""
-        return bool(checkpointer.finite_flag(self, self.backend.output_device).item())
+        """Whether the state a checkpoint would hold is finite (``checkpointer.finite_flag``; every rank's)."""
+        return self.spread.state_finite(self)
 
     def _phase(self, what: str) -> None:
         """The set-up's phase, in the run folder's status ("starting": loading data, building the model)."""
@@ -292,96 +247,65 @@ class Trainer:
         """Whether ``step`` ends a log window (``train.log_every``, or the run's last step)."""
         return step % self.config.train.log_every == 0 or step == self.total_steps
 
-    def _checkpoint_due(self) -> bool:
-        """Whether the checkpoint cadence's wall time has come (a ddp run: as every rank agreed)."""
-        return checkpointer.due(self)
-
     def _train_step(self, accum: int) -> None:
+        self.spread.train_step(self, accum)
+
+    def set_lr(self) -> None:
+        """The learning rate of the step about to be taken (a pure function of the step: ``lr_at``)."""
         cfg = self.config
-        timer, opt, window, strategy, health = self.timer, self.optimizer, self.window, self.strategy, self.health
-        for group in opt.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
-        health.begin_step(self.step + 1, self.model, accum, self._replicas())
-        for k in range(accum):
-            timer.mark(None)
-            t0 = time.perf_counter()
-            inputs, target, size = self.loader.next()
-            timer.add("data", time.perf_counter() - t0)
-            sizes = self._sizes(size)
-            out = strategy.forward_loss(
-                self.model, inputs, target, self.task.loss, sizes, timer, weight_fn=self._loss_weight
-            )
-            health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
-            timer.mark("backward")
-            if k == 0:
-                # Free the last step's gradients just before backward (the order of PyTorch's own
-                # examples): backward then reuses those blocks; freeing them before the forward
-                # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
-                opt.zero_grad(set_to_none=True)
-            loss = out.loss / accum if accum > 1 else out.loss
-            strategy.backward(out, self.scaler.scale(loss))
-            window.add(out, size, self.step + 1)
-        strategy.reduce_gradients(timer)
-        health.after_reduce(self.model, self.scaler._scale if self.scaler.is_enabled() else None)
-        timer.mark("optimizer")
-        clip = cfg.train.grad_clip
+        lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def optimizer_step(self) -> None:
+        """After the strategy's reduction, on every strategy: health reads the gradients, clipping (or the
+        norm of the step that logs), the update."""
+        opt, scaler, window, health, model = self.optimizer, self.scaler, self.window, self.health, self.model
+        health.after_reduce(model, scaler._scale if scaler.is_enabled() else None)
+        self.timer.mark("optimizer")
+        clip = self.config.train.grad_clip
         if clip > 0:
-            self.scaler.unscale_(opt)
-            window.add_grad_norm(clip_grad_norm(self.model.parameters(), clip))
+            scaler.unscale_(opt)
+            window.add_grad_norm(clip_grad_norm(model.parameters(), clip))
         elif self._logs_at(self.step + 1):  # not clipping: the norm of the step that logs (each step's cost 6 %)
-            self.scaler.unscale_(opt)
-            window.add_grad_norm(grad_norm(self.model.parameters()))
+            scaler.unscale_(opt)
+            window.add_grad_norm(grad_norm(model.parameters()))
         health.before_update()
-        self.scaler.step(opt)
-        self.scaler.update()
+        scaler.step(opt)
+        scaler.update()
         health.after_update()
-        strategy.sync_replicas(self.model, timer)
-        timer.end_step()
-        window.end_step()
 
     def _log(self, **extra: Any) -> None:
         """Report the open log window as a train record (nothing if it is empty)."""
-        first, samples = self.window.first_step or self.step, self.window.samples
-        rec = self.window.record(
-            step=self.step,
-            epoch=self.loader.epoch_fraction(self.step * self.config.train.grad_accum),
-            wall_time=time.time(),
-            lr=self.optimizer.param_groups[0]["lr"],
-            **extra,
-        )
-        if rec is None:
-            return
-        rec["phase_ms"] = self.timer.read()
+        self.spread.log(self, **extra)
+
+    def record_head(self) -> dict[str, Any]:
+        """The fields a train record of this step begins with."""
+        epoch = self.loader.epoch_fraction(self.step * self.config.train.grad_accum)
+        return {"step": self.step, "epoch": epoch, "wall_time": time.time(), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def publish(self, rec: dict[str, Any], first: int, others: Sequence[dict[str, Any]] = ()) -> None:
+        """A log window's record: health's part of it, then (``others``: other ranks' telemetry) to the
+        callbacks; a non-finite loss in it ends the run (``NonFiniteLoss``, from step ``first``)."""
         add_token_fields(self.task, rec)  # a language model's tokens_per_s
-        busy = self.backend.lane_busy_seconds()
-        if busy is not None:
-            rec["lane_busy_s"] = dict(zip(self.backend.lane_names, busy, strict=True))
-        rec.update(self.energy.at_log(samples))
-        self.run_health.report(self, rec)
+        self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
+        for r in others:
+            self.dispatch(r)
         self._last_train = rec
         for cb in self.callbacks:
             cb.on_log(rec)
         check_finite(rec, first, self.step)
 
-    def _memory(self) -> dict[str, Any]:
-        """Each device's parameter, gradient, optimizer-state and other bytes (telemetry/memory_split.py)."""
-        return lanes_memory(self.model, self.optimizer, self.strategy, self.backend)
+    def publish_eval(self, rec: dict[str, Any]) -> None:
+        self._last_eval = rec
+        for cb in self.callbacks:
+            cb.on_eval(rec)
 
     def _epoch_end(self, epoch: int) -> None:
         """Mark an epoch's end; where the GPUs report power, with the energy it took."""
         energy = self.energy.at_epoch((epoch - self._epoch) * (self.loader.n or 0))
         self._epoch = epoch
         self._event("epoch_end", epoch=epoch, **energy)
-
-    def _evaluate(self) -> None:
-        evaluate_run(self)
-
-    def _stop(self) -> None:
-        """A stop between log points: save the checkpoint (which carries the open log window, so a
-        resume logs exactly what an uninterrupted run would), then report that window as a partial
-        record, superseded by the resumed run's own record if the run is resumed."""
-        checkpointer.save_finite(self)
-        self._log(partial=True)
 
     def _pause(self, reason: str | None = None) -> None:
         if reason:
@@ -390,7 +314,7 @@ class Trainer:
         self.run_dir.set_status("paused", reason, step=self.step, total_steps=self.total_steps)
         self._event("paused", **({"message": reason} if reason else {}))
         self.window.pause()  # paused time is not training time
-        self._wait_paused()
+        self.spread.wait_paused(self)
         self.window.resume()
         if not self.control.stop_requested:
             self.run_dir.set_status("running", step=self.step, total_steps=self.total_steps)
@@ -403,17 +327,19 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds; loadable with ``torch.load(path, weights_only=True)``."""
-        return checkpointer.checkpoint_state(self)
+        return self.spread.checkpoint_state(self)
 
     def _make_sampler(self) -> TelemetrySampler | None:
-        return run_sampler(self.config, self.devices, self.backend, self._telemetry)
+        return self.spread.make_sampler(self)
 
-    def _telemetry(self, record: dict[str, Any]) -> None:
+    def dispatch(self, record: dict[str, Any]) -> None:
+        """A telemetry record or an event (a rank's, or the sampler's) to the callbacks."""
         for cb in self.callbacks:
             if record["kind"] == "telemetry":
-                cb.on_telemetry({**record, "step": self.step})
+                cb.on_telemetry(record)
             else:
-                cb.on_event({**record, "step": self.step})
+                cb.on_event(record)
 
     def _finish(self, status: str, message: str | None, tb: str | None) -> RunResult:
+        self.spread.finish(self, status)
         return finish_run(self, status, message, tb)

@@ -55,9 +55,9 @@ PRELOAD = [
     "setproctitle",
     "multilane.engine.cli.main",
     "multilane.engine.display.progress",
-    "multilane.engine.distributed.trainer",
+    "multilane.engine.distributed.ddp",
     "multilane.engine.distributed.worker",
-    "multilane.engine.fsdp.trainer",
+    "multilane.engine.distributed.fsdp_rank",
     "multilane.engine.tasks",
 ]
 """What the server imports before it forks a rank. No module of the engine reads a setting when it

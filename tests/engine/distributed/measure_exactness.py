@@ -5,7 +5,7 @@ engine on one device, float64, 3 steps, uneven weights ([1, 3] and [3, 1, 2]).
     python tests/engine/distributed/measure_exactness.py
 
 Each rank count is one set of processes (torch.multiprocessing) that trains every kind in turn with
-``DdpTrainer``, as ``multilane train --strategy ddp`` does. Printed: the largest relative difference
+the ddp strategy under the engine's loop (``Trainer(strategy=Ddp(...))``), as ``multilane train --strategy ddp`` does. Printed: the largest relative difference
 (max |a - b| / max |b|) of the logged losses and of the final parameters and buffers, or the
 one-line refusal.
 """
@@ -82,15 +82,17 @@ def _rank(rank: int, world: int, port: int, runs: str, out: dict) -> None:
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port)
     )
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+    from multilane.engine.distributed.ddp import Ddp
     from multilane.engine.distributed.rank import RankInfo, init_process_group
-    from multilane.engine.distributed.trainer import DdpTrainer
+    from multilane.engine.run.trainer import Trainer
 
     devices = ",".join(f"cpu:{i}" for i in range(world))
     info = RankInfo.from_env(devices)
     init_process_group(info, 60)
     for k, name in enumerate(KINDS):
         run_dir = Path(runs) / f"ddp{world}-{k}"
-        trainer = DdpTrainer(info, run_dir=run_dir, config=config(name, world, runs), task=make_task(name))
+        strategy = Ddp(info, run_dir=run_dir)
+        trainer = Trainer(config=config(name, world, runs), task=make_task(name), strategy=strategy)
         result = trainer.run()
         if rank == 0:
             out[name] = (result.status, result.message, str(run_dir))

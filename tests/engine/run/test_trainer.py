@@ -9,10 +9,10 @@ import torch
 from helpers import Float64Task, max_rel_diff
 from multilane.engine.config import ScheduleSection
 from multilane.engine.run.control import RunControl
-from multilane.engine.run.optim import lr_at
 from multilane.engine.run.trainer import Trainer, TrainerCallback
 from multilane.engine.rundir.runlog import read_metrics
 from multilane.engine.tasks import make_task
+from multilane.engine.tensors.optim import lr_at
 
 
 class Recorder(TrainerCallback):

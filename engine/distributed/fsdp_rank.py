@@ -1,10 +1,10 @@
-"""The fsdp trainer: the ddp trainer's loop with the model sharded by FSDP2 instead of replicated.
+"""The fsdp strategy: the ddp strategy with the model sharded by FSDP2 (engine/fsdp/) instead of replicated.
 
-Everything but the model is the ddp rank's (``engine/distributed/trainer.py``): the shards of each
+Everything but the model is the ddp rank's (``ddp.py``): the shards of each
 global micro-batch, the loss scaled so that the gradient average is the full-batch gradient, the
 random streams, the buffer merge, pause/stop agreement, telemetry, the log window. What differs:
 
-- the model is ``fully_shard``-ed per unit (``units.py``); each rank keeps 1/N of every parameter,
+- the model is ``fully_shard``-ed per unit (``engine/fsdp/units.py``); each rank keeps 1/N of every parameter,
   gradient and optimizer state, and the optimizer steps on its shards;
 - gradients are reduce-scattered (averaged, as DDP's all-reduce) once per optimizer step: the
   micro-batches before the last accumulate unreduced (``set_requires_gradient_sync(False)``);
@@ -12,7 +12,7 @@ random streams, the buffer merge, pause/stop agreement, telemetry, the log windo
   (``clip_grad_norm_`` on DTensor gradients reduces the norm across the ranks);
 - evaluation gathers the whole parameters once (``unshard``) and frees them after, so the ranks can
   each run their own slice and rank 0 the task's text sample without a collective per forward;
-- checkpoints are sharded (``sharded.py``);
+- checkpoints are sharded (``engine/fsdp/sharded.py``);
 - optionally each unit recomputed in backward, and the shards kept in host memory (``units.py``);
 - run health sums each rank's shards (engine/health, ``sharded``) and reads each rank's gradient at
   the reduce-scatter (``probe_reduce_scatter``).
@@ -23,31 +23,27 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine.distributed.rank_state import RankRules, RankStreams
-from multilane.engine.distributed.trainer import DdpTrainer
+from multilane.engine.distributed.ddp import Ddp
 from multilane.engine.distributed.window import ShardWindow
-from multilane.engine.errors import UserError
 from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import ViewOutputs, choose_units, parameters_read_in_forward, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
 from multilane.engine.health.run_health import RunHealth, make_monitor
-from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
-from multilane.engine.plan.meter import rank_meter
 from multilane.engine.run import checkpointer
-from multilane.engine.run.optim import build_optimizer
-from multilane.engine.run.run_spec import planned_steps
-from multilane.engine.tasks import loss_weight_fn
 from torch import nn
+
+if TYPE_CHECKING:
+    from multilane.engine.run.trainer import Trainer
 
 
 class _Sharded:
-    """What the ddp loop calls ``self.ddp``: the sharded model, and ``no_sync`` as FSDP2 spells it."""
+    """What the ddp strategy calls ``self.ddp``: the sharded model, and ``no_sync`` as FSDP2 spells it."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -86,23 +82,22 @@ def probe_reduce_scatter(health: HealthMonitor, model: nn.Module, rank: int, wor
             m.set_custom_reduce_scatter(comm)  # type: ignore[operator]
 
 
-class FsdpTrainer(DdpTrainer):
-    """``DdpTrainer`` with the model sharded by FSDP2 (see the module docstring)."""
+class Fsdp(Ddp):
+    """The ddp strategy with the model sharded (see the module docstring)."""
 
     sharded = True  # checkpointer.restore loads any checkpoint through the state-dict helpers
 
-    def _setup(self) -> None:
-        cfg, info = self.config, self.info
+    def setup(self, t: Trainer) -> None:
+        cfg, info = t.config, self.info
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.memory = rank_meter(info.device, info.rank, info.world, cfg.devices.weights or None)
-        dev = self._setup_rank()
+        dev = self._setup_rank(t)
         # the setup's peak (the whole model and the first shards), a phase of the forecast (plan/meter.py)
-        with self.memory.setup() if self.memory is not None else contextlib.nullcontext():
+        with t.memory.setup() if t.memory is not None else contextlib.nullcontext():
             mesh = init_device_mesh(dev.type, (info.world,))
             self.units = shard_model(
-                self.model,
-                choose_units(self.task, self.model),
+                t.model,
+                choose_units(t.task, t.model),
                 cfg.train.precision,
                 mesh,
                 activation_checkpointing=cfg.devices.fsdp_activation_checkpointing,
@@ -110,95 +105,78 @@ class FsdpTrainer(DdpTrainer):
                 device=dev,
             )
         # The ranks agree on each unit before its all-gather during this process's first steps (reach.py)
-        self.unit_guard = UnitGuard(self.model, self.units, self._control_group)
+        self.unit_guard = UnitGuard(t.model, self.units, self.control_group)
         self._guard_steps = REACH_STEPS
-        self.views = ViewOutputs([*self.units, self.model])
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
-        self.total_steps = planned_steps(self.task, cfg, self.loader.per_epoch)
-        self.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
-        self._weights = cfg.devices.weights or None
-        if self._weights and len(self._weights) != info.world:
-            raise UserError(f"devices.weights: {len(self._weights)} weights for {info.world} fsdp processes")
-        self._sizes_cache: dict[int, list[int]] = {}
-        self.timer = CudaPhaseTimer(dev) if info.device.is_cuda else PhaseTimer()
-        self.window = _FsdpWindow()
+        self.views = ViewOutputs([*self.units, t.model])
+        self._setup_common(t, dev, "fsdp")
+        t.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
+        t.window = _FsdpWindow()
         self.autocast_dtype = None  # FSDP2's MixedPrecisionPolicy casts (units.py)
-        self._loss_weight = loss_weight_fn(self.task)
         self._sharded_name: str | None = None
-        saved_streams = None
-        if self._checkpoint is not None:
-            checkpointer.restore(self, {**self._checkpoint, "metrics_window": None, "lane_rng": None})
-            saved_streams = self._checkpoint.get("lane_rng")
-            self._sharded_name = self._checkpoint.get("sharded")
-        self.streams = RankStreams(info.rank, info.world, dev, cfg.train.seed, self._control_group)
-        self.streams.begin(saved_streams)
-        self.rules = RankRules(self.model, dev, info.world, self._control_group)
+        if t._checkpoint is not None:
+            self._sharded_name = t._checkpoint.get("sharded")
+        self._restore(t, dev)
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
         self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
         # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
-        self.health = make_monitor(self, info.world, dev, exchange=dist.all_reduce, sharded=True)
-        probe_reduce_scatter(self.health, self.model, info.rank, info.world)
-        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
-        self._due_at: float | None = None
-        self.ddp = _Sharded(self.model)  # type: ignore[assignment]
+        t.health = make_monitor(t, info.world, dev, exchange=dist.all_reduce, sharded=True)
+        probe_reduce_scatter(t.health, t.model, info.rank, info.world)
+        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
+        self.ddp = _Sharded(t.model)
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
-        keys: list[Any] = [None] * info.world
-        dist.all_gather_object(keys, info.key)
-        self._keys = keys
-        self.loader.start(self.step * cfg.train.grad_accum, self.total_steps * cfg.train.grad_accum)
+        self._gather_keys()
 
-    def _train_step(self, accum: int) -> None:
+    def train_step(self, t: Trainer, accum: int) -> None:
         self.unit_guard.active = self._guard_steps > 0
         try:
             # a forward reading parameters outside its unit may meet the DTensor in its backward: one line
             with parameters_read_in_forward(), no_double_backward() if self.unit_guard.active else nullcontext():
-                super()._train_step(accum)
+                super().train_step(t, accum)
         finally:
             self.unit_guard.active = False
             self._guard_steps -= 1
 
-    def _forward(self, inputs: Any, target: Any, n: int) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    def _forward(
+        self, t: Trainer, inputs: Any, target: Any, n: int
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         with parameters_read_in_forward():
             if n == 0:  # an empty shard: the model runs on a stand-in sample, which is not the batch's
-                with self.health.no_activations():
-                    out = super()._forward(inputs, target, n)
+                with t.health.no_activations():
+                    out = super()._forward(t, inputs, target, n)
             else:
-                out = super()._forward(inputs, target, n)
+                out = super()._forward(t, inputs, target, n)
         self.views.check()  # no unit's view output changed in place (units.py: FSDP2's view warning)
         return out
 
-    def _build_ddp(self, find_unused: bool) -> None:  # never called: no probe
-        raise AssertionError("fsdp has no DDP to rebuild")
-
     # -- checkpoints ----------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, t: Trainer) -> dict[str, Any]:
         """Every rank writes its shards (DCP); ``last.pt`` (rank 0) holds the rest and the folder's name."""
-        assert self.run_dir is not None
-        folder = self.run_dir.path / "checkpoints"
-        self._saving = save_sharded(self.model, self.optimizer, folder, self.step, self.info.is_main)
-        state = checkpointer.checkpoint_state(self)  # the rest as every strategy writes it
+        assert t.run_dir is not None
+        folder = t.run_dir.path / "checkpoints"
+        self._saving = save_sharded(t.model, t.optimizer, folder, t.step, self.info.is_main)
+        state = checkpointer.checkpoint_state(t)  # the rest as every strategy writes it
         return {**state, "model": {}, "optimizer": {}, "sharded": self._saving}
 
-    def checkpoint_saved(self) -> None:
+    def checkpoint_saved(self, t: Trainer) -> None:
         """``last.pt`` names the new folder: rank 0 removes the older ones."""
         self._sharded_name = self._saving
-        if self.info.is_main and self.run_dir is not None:
-            remove_older(self.run_dir.path / "checkpoints", self._saving)
+        if self.info.is_main and t.run_dir is not None:
+            remove_older(t.run_dir.path / "checkpoints", self._saving)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def _evaluate(self) -> None:
+    def evaluate(self, t: Trainer) -> None:
         """The parameters gathered whole once for the whole evaluation (a collective on every rank),
         then the ddp rank's evaluation of its slices, then freed."""
-        if not self.loader.has_val:
+        if not t.loader.has_val:
             return
-        fsdp_modules = [m for m in self.model.modules() if hasattr(m, "unshard")]
+        fsdp_modules = [m for m in t.model.modules() if hasattr(m, "unshard")]
         for m in fsdp_modules:
             m.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
             m.unshard()  # type: ignore[operator]
         try:
-            super()._evaluate()
+            super().evaluate(t)
         finally:
             for m in fsdp_modules:
                 m.reshard()  # type: ignore[operator]
-                m.set_reshard_after_forward(m is not self.model, recurse=False)  # type: ignore[operator]
+                m.set_reshard_after_forward(m is not t.model, recurse=False)  # type: ignore[operator]
