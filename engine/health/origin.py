@@ -76,7 +76,9 @@ class Origin:
             text = f"{what}: first non-finite gradient in {self.where} on {self.device}"
         if self.samples and self.samples_step is None:
             text += ", from " + self._samples()
-        if self.gradient is not None and self.kind != "gradient":
+        # a non-finite loss makes every gradient non-finite: naming one adds nothing (and only the ranks'
+        # replays, which see each rank's own backward, would name it: one line for every strategy)
+        if self.gradient is not None and self.kind not in ("gradient", "loss"):
             text += f"; first non-finite gradient in {self.gradient[0]} on {self.gradient[1]}"
         text += self.updates
         if self.samples and self.samples_step is not None:
