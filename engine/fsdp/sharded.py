@@ -149,8 +149,9 @@ def restore_model(model: nn.Module, optimizer: torch.optim.Optimizer, ck: dict[s
 
 
 def read_model_state(run_path: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model's state (full tensors by name) of a run's checkpoint, sharded or not; in this
-    process, without a process group (exports, tests)."""
+    """The model's state (full tensors by name) of a run's checkpoint, sharded or not; in this process,
+    without a process group (exports, tests). A model with frozen parameters is saved without them
+    (the checkpoint's ``frozen_base`` names them by source and hash: engine/tensors/frozen.py)."""
     from multilane.engine.rundir.checkpoint_file import load_checkpoint
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

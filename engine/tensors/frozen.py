@@ -54,15 +54,22 @@ def base_fingerprint(model: nn.Module, source: str | None = None) -> dict[str, A
         digest = cached[1]
         nbytes = sum(state[n].numel() * state[n].element_size() for n in names)
     else:
-        h = hashlib.sha256()
-        for n in names:
-            t = _full(state[n].detach()).cpu().contiguous()
-            h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            nbytes += t.numel() * t.element_size()
-        digest = h.hexdigest()
+        digest, nbytes = tensors_sha256({n: _full(state[n].detach()) for n in names})
         _HASHES[model] = (versions, digest)
     return {"source": source, "sha256": digest, "tensors": len(names), "bytes": nbytes}
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """The SHA-256 of named whole tensors (each one's name, dtype, shape and bytes, in name order) and
+    their bytes: what a checkpoint's ``frozen_base`` holds, so a reader can check a base it has."""
+    h = hashlib.sha256()
+    nbytes = 0
+    for n in sorted(tensors):
+        t = tensors[n].detach().cpu().contiguous()
+        h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        nbytes += t.numel() * t.element_size()
+    return h.hexdigest(), nbytes
 
 
 def base_source(task: Any, model: nn.Module) -> str | None:

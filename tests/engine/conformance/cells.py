@@ -18,7 +18,9 @@ from multilane.engine.config import build_config
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.sharded import read_model_state
 from multilane.engine.run.trainer import Trainer
+from multilane.engine.rundir.checkpoint_file import load_checkpoint
 from multilane.engine.rundir.runlog import read_metrics
+from multilane.engine.tensors.frozen import tensors_sha256
 from reference import reference
 
 BOUND = 1e-10  # the engine tests' bound: tests/engine/parallel/test_exactness.py, fsdp_helpers.py
@@ -104,8 +106,13 @@ def check_exact(out: Outcome, kind: str, strategy: str, tmp: Path) -> dict[str, 
     loss = max(abs(r["loss"] - b) / max(abs(b), 1e-300) for r, b in zip(train, ref.losses, strict=True))
     assert loss <= BOUND, f"{what}: losses {[r['loss'] for r in train]} vs {ref.losses}"
     state = read_model_state(out.run)
-    assert state.keys() == ref.state.keys(), f"{what}: {sorted(state)} vs {sorted(ref.state)}"
-    worst = max(((rel(state[k], v), k) for k, v in ref.state.items()), default=(0.0, ""))
+    # frozen parameters are named by the checkpoint (source and hash), not copied: the hash must be the
+    # reference's unchanged frozen tensors'
+    frozen = {k: v for k, v in ref.state.items() if k not in state}
+    base = load_checkpoint(out.run / "checkpoints" / "last.pt").get("frozen_base")
+    assert (base or {}).get("sha256") == (tensors_sha256(frozen)[0] if frozen else None), f"{what}: {base}"
+    assert state.keys() == ref.state.keys() - frozen.keys(), f"{what}: {sorted(state)} vs {sorted(ref.state)}"
+    worst = max(((rel(state[k], v), k) for k, v in ref.state.items() if k in state), default=(0.0, ""))
     assert worst[0] <= BOUND, f"{what}: {worst[1]} differs by {worst[0]:.2e}"
     for name, instrument in INSTRUMENTS.items():
         assert instrument.shows(out.run, records), f"{what}: {name} left no mark in {out.run}"
