@@ -299,7 +299,7 @@ class LoopStep:
         self._devices = [torch.device(name) for name, _ in pools] if pools and pools[0][0] != "cpu" else []
         t.memory = self  # the run's meter's hook: ``before_model``
         stack.callback(lambda: getattr(t, "backend", None) and t.backend.close())
-        t.spread.setup(t)
+        t.setup_parts()
         self.model, self.opt, self.peaks = t.model, t.optimizer, []
         t.timer = _PhaseMarks(t.timer, self._read)
         if not self._devices:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank_state import RankRules, build_ddp, reached, shard_forward
-from multilane.engine.parallel import make_backend, make_strategy
+from multilane.engine.parallel import make_backend
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.plan import measure
 from multilane.engine.tasks import Task, loss_weight_fn
@@ -31,12 +31,11 @@ from multilane.engine.tensors.optim import build_optimizer
 from torch.utils._pytree import tree_map
 
 
-class Stepper:
-    """A ddp rank's model and optimizer on one device, one step's phases each measured (``RankStepper``'s
-    forward and backward are the rank's own)."""
+class RankStepper:
+    """A ddp rank's step (see the module docstring) on one device, each phase's peak measured."""
 
     def __init__(self, config: RunConfig, task: Task, backend: Any, count: measure.StorageCount, pools: list) -> None:
-        self.cfg, self.task, self.backend, self.count = config, task, backend, count
+        self.cfg, self.task, self.count = config, task, count
         torch.manual_seed(config.train.seed)
         self.device = backend.model_device
         self.model = task.build_model().to(self.device)
@@ -44,32 +43,29 @@ class Stepper:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 count.add_tensor(t)  # weights loaded from a file were not made by an op
         self.opt = build_optimizer(self.model.parameters(), config.optim)
-        precision = config.train.precision
-        strategy = config.devices.strategy
-        self.strategy = make_strategy("replicate" if strategy == "ddp" else strategy, backend, precision, 0)
-        self.scaler = torch.amp.GradScaler(backend.device_type, enabled=precision == "fp16")
-        self.timer = backend.make_timer()
+        self.scaler = torch.amp.GradScaler(backend.device_type, enabled=config.train.precision == "fp16")
         self.weight_fn = loss_weight_fn(task)
         self._devices = [torch.device(name) for name, _ in pools] if self.device.type == "cuda" else []
-
-    def _take(self, b: int) -> Any:
-        return lambda t: t[:b].clone().to(self.device) if isinstance(t, torch.Tensor) else t
+        self.rules = RankRules(self.model, self.device, 1, None)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.dtype = AUTOCAST_DTYPES.get(config.train.precision)
+        self._sync = contextlib.ExitStack()
+        self._build(False)
 
     def _reset(self) -> None:
-        if self.device.type == "cuda":
+        if self._devices:
             measure.cuda_reset(self._devices)
         else:
             self.count.reset_peak()
 
     def _peaks(self) -> list[int]:
-        if self.device.type == "cuda":
-            return measure.cuda_peaks(self._devices)
-        return [self.count.peak]
+        return measure.cuda_peaks(self._devices) if self._devices else [self.count.peak]
 
     def run(self, inputs: Any, target: Any, b: int, sizes: list[int]) -> list[list[int]]:
         """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
         self._reset()
-        x, y = (tree_map(self._take(b), z) for z in (inputs, target))
+        take = lambda t: t[:b].clone().to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        x, y = tree_map(take, inputs), tree_map(take, target)
         out = self.forward(x, y, sizes)
         forward = self._peaks()
         self._reset()
@@ -83,29 +79,7 @@ class Stepper:
             clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
-        self.strategy.sync_replicas(self.model, self.timer)
         return [forward, backward, self._peaks()]
-
-    def forward(self, x: Any, y: Any, sizes: list[int]) -> Any:
-        """The trainer's forward and loss on every lane (the strategy's ``forward_loss``)."""
-        return self.strategy.forward_loss(self.model, x, y, self.task.loss, sizes, self.timer, self.weight_fn)
-
-    def backward(self, out: Any) -> None:
-        """The trainer's backward and gradient reduce (the strategy's)."""
-        self.strategy.backward(out, self.scaler.scale(out.loss))
-        self.strategy.reduce_gradients(self.timer)
-
-
-class RankStepper(Stepper):
-    """``Stepper`` whose forward and backward are a ddp rank's (see the module docstring)."""
-
-    def __init__(self, config: RunConfig, task: Task, backend: Any, count: measure.StorageCount, pools: list) -> None:
-        super().__init__(config, task, backend, count, pools)
-        self.rules = RankRules(self.model, self.device, 1, None)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.dtype = AUTOCAST_DTYPES.get(config.train.precision)
-        self._sync = contextlib.ExitStack()
-        self._build(False)
 
     def _build(self, find_unused: bool) -> None:
         self.ddp = None  # the old DDP (and its reducer's hooks) goes first
@@ -144,22 +118,16 @@ class RankStepper(Stepper):
             self._build(True)
 
 
-def _group_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def rank_stepper(
     config: RunConfig, task: Task, device: Device, count: measure.StorageCount, pools: list, stack: contextlib.ExitStack
-) -> Stepper:
+) -> RankStepper:
     """One ddp rank's step on ``device``, on this process's group of one (closed by ``stack``)."""
     stack.enter_context(_one_rank_group())
     backend = make_backend([device], 0)
     stack.callback(backend.close)
     if not device.is_cuda:
         stack.enter_context(measure.CpuCounting(count, backend))
-    return (RankStepper if _group_ready() else Stepper)(config, task, backend, count, pools)
+    return RankStepper(config, task, backend, count, pools)
 
 
 @contextlib.contextmanager

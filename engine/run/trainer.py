@@ -112,10 +112,15 @@ class Trainer:
         self.memory = run_meter(
             self.devices, getattr(self, "forecast", None), self.spread.place, cfg.devices.weights or None
         )
-        self.spread.setup(self)
+        self.setup_parts()
         accum = cfg.train.grad_accum
         self._phase("starting the data loader")
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def setup_parts(self) -> None:
+        """What a step needs, built: the strategy's set-up. The fit probe (engine/plan/probe.py) builds the
+        same before it drives the strategy's step, so what the loop adds here the probe measures too."""
+        self.spread.setup(self)
 
     def _replicas(self) -> list[torch.nn.Module] | None:
         """The lanes' own copies of the model (persistent; None until it has made them), or []."""
