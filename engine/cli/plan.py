@@ -20,10 +20,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from multilane.engine.plan.fit import plan_run
     from multilane.engine.run.failures import one_line, where
     from multilane.engine.run.run_spec import resolve_run
+    from multilane.engine.run.trainer import Trainer
 
     spec = resolve_run(config, {}, None, None)
     try:
-        forecast = plan_run(spec.config, spec.task, spec.devices)
+        forecast = plan_run(spec.config, spec.task, spec.devices, Trainer.for_probe)
     except (UserError, KeyboardInterrupt):
         raise
     except (Exception, SystemExit) as e:

@@ -4,6 +4,7 @@ a run makes before anything starts (``train.fit_check``)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from multilane.engine.config import RunConfig
@@ -27,11 +28,11 @@ def fit_check_on(config: RunConfig) -> bool:
     return config.train.fit_check and os.environ.get(FIT_CHECK_ENV, "1") != "0" and not in_worker()
 
 
-def plan_run(config: RunConfig, task: Task, devices: list[Device]) -> Forecast:
-    """Probe the run (probe.py) and forecast every memory's peak at its batch (one line if the probe
-    itself runs out of memory)."""
+def plan_run(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> Forecast:
+    """Probe the run (probe.py; ``loop``: the loop whose strategy's step the probe drives, for a lanes run)
+    and forecast every memory's peak at its batch (one line if the probe itself runs out of memory)."""
     try:
-        lines = probe(config, task, devices)
+        lines = probe(config, task, devices, loop)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         raise UserError(
@@ -103,11 +104,11 @@ def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecas
     )
 
 
-def check_fit(config: RunConfig, task: Task, devices: list[Device]) -> Forecast | None:
+def check_fit(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> Forecast | None:
     """The forecast, or ``UserError`` with one line when the run will not fit; None when the check is off."""
     if not fit_check_on(config):
         return None
-    forecast = plan_run(config, task, devices)
+    forecast = plan_run(config, task, devices, loop)
     refusal = forecast.refusal()
     if refusal:
         raise UserError(refusal)

@@ -20,12 +20,10 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
-from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
+from multilane.engine.parallel import chunk_sizes
 from multilane.engine.plan import measure
-from multilane.engine.tasks import Task, loss_weight_fn
+from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
-from multilane.engine.tensors.grads import clip_grad_norm
-from multilane.engine.tensors.optim import build_optimizer
 from torch.utils._pytree import tree_map
 
 PROBE_PER_DEVICE = (4,)
@@ -136,19 +134,23 @@ def _kept_random_state(devices: list[Device]) -> Any:
     random.setstate(state)
 
 
-def probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool = True) -> list[MemoryLine]:
+def probe(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> list[MemoryLine]:
     """Measure the run's memory lines (one per memory the run uses); see the module docstring. Where the
     training data holds fewer samples than the batch, the lines' ``data_batch`` says so. fsdp, whose
-    ranks hold no whole replica, is probed as one of its ranks (fsdp_probe.py)."""
+    ranks hold no whole replica, is probed as one of its ranks (fsdp_probe.py); ddp as one rank's step
+    (rank_probe.py); the lanes by ``loop(config, task, devices)``: the loop (engine/run/trainer.py
+    ``Trainer.for_probe``), whose strategy's own set-up and ``train_step`` the probe drives."""
     if config.devices.strategy == "fsdp":
         from multilane.engine.plan.fsdp_probe import probe_fsdp
 
         return probe_fsdp(config, task, devices)
+    if config.devices.strategy != "ddp" and loop is None:
+        raise TypeError("probe: a lanes run is probed through its loop's own step: pass loop (Trainer.for_probe)")
     with _kept_random_state(devices):
-        return _probe(config, task, devices, ddp_group)
+        return _probe(config, task, devices, loop)
 
 
-def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool) -> list[MemoryLine]:
+def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> list[MemoryLine]:
     ddp = config.devices.strategy == "ddp"
     weights = config.devices.weights or None
     lanes_run = [devices[0]] if ddp else devices  # ddp: one rank's step, in this process
@@ -170,45 +172,44 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], ddp_group: bool
     count = measure.StorageCount()
     if not cuda:
         count.baseline()  # the data (and all else alive now) is not the run's
-    backend = make_backend(lanes_run, 0 if ddp else config.devices.output)
-    counting = measure.CpuCounting(count, backend) if not cuda else contextlib.nullcontext()
-    group = _one_rank_group() if ddp and ddp_group else contextlib.nullcontext()
     free = [measure.free_bytes(name) for name, _ in pools]
     points: list[tuple[int, list[list[int]]]] = []  # (global batch, each phase's peak on each pool)
-    try:
-        with counting, group:
-            step = _stepper(config, task, backend, ddp and ddp_group, count, pools)
-            step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
-            # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
-            # ddp each rank's, rank_replay.py), held on the model's device for the whole run when it is
-            # on: made here too, so every peak holds it.
-            replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
-            for b in batches:
-                if len(points) >= 2 and _beyond(points, b, pools, shares, free):
-                    break  # the next batch would not fit (or nearly): the line so far says so, without trying
-                try:
-                    peaks = step.run(inputs, target, b, shares(b))
-                    for _ in range(REPEAT_SHARED - 1 if not cuda and len(lanes_run) > 1 else 0):
-                        again = step.run(inputs, target, b, shares(b))
-                        peaks = [
-                            [max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(peaks, again, strict=True)
-                        ]
-                    points.append((b, peaks))
-                except torch.OutOfMemoryError:
-                    if len(points) < 2:
-                        raise
-                    break  # the points so far are the line (the run's batch is beyond this memory)
-                if all(
-                    _settled(_phase(points, 0, k, ls, shares), _phase(points, 1, k, ls, shares))
-                    and (not ddp or all(_dominant(_phase(points, i, k, ls, shares)) for i in (0, 1)))
-                    for k, (_, ls) in enumerate(pools)
-                ):
-                    break
-            del step, replay_copy
-    finally:
-        backend.close()
+    with contextlib.ExitStack() as stack:
         if cuda:
-            torch.cuda.empty_cache()
+            stack.callback(torch.cuda.empty_cache)  # the last thing done
+        if ddp:
+            from multilane.engine.plan.rank_probe import rank_stepper
+
+            step = rank_stepper(config, task, lanes_run[0], count, pools, stack)
+        else:
+            quiet = config.model_copy(deep=True)
+            quiet.data.workers = 0  # the loop's own loader is never started: the probe hands it its batches
+            step = LoopStep(loop(quiet, task, devices), count, pools, stack)
+        step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
+        # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
+        # ddp each rank's, rank_replay.py), held on the model's device for the whole run when it is
+        # on: made here too, so every peak holds it.
+        replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
+        for b in batches:
+            if len(points) >= 2 and _beyond(points, b, pools, shares, free):
+                break  # the next batch would not fit (or nearly): the line so far says so, without trying
+            try:
+                peaks = step.run(inputs, target, b, shares(b))
+                for _ in range(REPEAT_SHARED - 1 if not cuda and len(lanes_run) > 1 else 0):
+                    again = step.run(inputs, target, b, shares(b))
+                    peaks = [[max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(peaks, again, strict=True)]
+                points.append((b, peaks))
+            except torch.OutOfMemoryError:
+                if len(points) < 2:
+                    raise
+                break  # the points so far are the line (the run's batch is beyond this memory)
+            if all(
+                _settled(_phase(points, 0, k, ls, shares), _phase(points, 1, k, ls, shares))
+                and (not ddp or all(_dominant(_phase(points, i, k, ls, shares)) for i in (0, 1)))
+                for k, (_, ls) in enumerate(pools)
+            ):
+                break
+        del step, replay_copy
     lines = []
     for k, (name, lanes) in enumerate(pools):
         phases = {p: _phase(points, i, k, lanes, shares) for i, p in enumerate(PHASES)}
@@ -287,96 +288,74 @@ def _pools(devices: list[Device]) -> list[tuple[str, list[int]]]:
     return list(names.items())
 
 
-@contextlib.contextmanager
-def _one_rank_group() -> Any:
-    """A process group of this process alone (Gloo, in memory), for DDP's buckets to be real."""
-    import torch.distributed as dist
+class LoopStep:
+    """The run's own step on ``t`` (a loop with no run folder): its strategy's set-up and ``train_step``,
+    the loop's ``optimizer_step``, on the probe's batch; each phase's peak read on each pool where the
+    step marks its phases (the timer's marks: the forward ends where the backward is marked, the backward
+    and its reduce where the optimizer is, the optimizer and the replicas' sync at the step's end)."""
 
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    def __init__(self, t: Any, count: measure.StorageCount, pools: list, stack: contextlib.ExitStack) -> None:
+        self.t, self.count = t, count
+        self._devices = [torch.device(name) for name, _ in pools] if pools and pools[0][0] != "cpu" else []
+        t.memory = self  # the run's meter's hook: ``before_model``
+        stack.callback(lambda: getattr(t, "backend", None) and t.backend.close())
+        t.setup_parts()
+        self.model, self.opt, self.peaks = t.model, t.optimizer, []
+        t.timer = _PhaseMarks(t.timer, self._read)
+        if not self._devices:
+            for x in [*self.model.parameters(), *self.model.buffers()]:
+                count.add_tensor(x)  # weights loaded from a file were not made by an op
+            stack.enter_context(measure.CpuCounting(count, t.backend))
 
+    def before_model(self) -> None:
+        """The loop's data is loaded: what is alive now is not the run's."""
+        if not self._devices:
+            self.count.baseline()
 
-def _stepper(config: RunConfig, task: Task, backend: Any, rank: bool, count: measure.StorageCount, pools: list) -> Any:
-    """The run's step: the single-process trainer's (``Stepper``), or with ``rank`` a ddp rank's, driven by the
-    ddp trainer's own rules on this process's group of one (``RankStepper``, rank_probe.py)."""
-    if rank and _group_ready():
-        from multilane.engine.plan.rank_probe import RankStepper
-
-        return RankStepper(config, task, backend, count, pools)
-    return Stepper(config, task, backend, count, pools)
-
-
-class Stepper:
-    """The trainer's step (trainer.py ``_train_step``), with each phase's peak read per memory."""
-
-    def __init__(self, config: RunConfig, task: Task, backend: Any, count: measure.StorageCount, pools: list) -> None:
-        self.cfg, self.task, self.backend, self.count = config, task, backend, count
-        torch.manual_seed(config.train.seed)
-        self.device = backend.model_device
-        self.model = task.build_model().to(self.device)
-        if self.device.type != "cuda":
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                count.add_tensor(t)  # weights loaded from a file were not made by an op
-        self.opt = build_optimizer(self.model.parameters(), config.optim)
-        precision = config.train.precision
-        strategy = config.devices.strategy
-        self.strategy = make_strategy("replicate" if strategy == "ddp" else strategy, backend, precision, 0)
-        self.scaler = torch.amp.GradScaler(backend.device_type, enabled=precision == "fp16")
-        self.timer = backend.make_timer()
-        self.weight_fn = loss_weight_fn(task)
-        self._devices = [torch.device(name) for name, _ in pools] if self.device.type == "cuda" else []
-
-    def _take(self, b: int) -> Any:
-        return lambda t: t[:b].clone().to(self.device) if isinstance(t, torch.Tensor) else t
+    def _read(self) -> None:
+        self.peaks.append(measure.cuda_peaks(self._devices) if self._devices else [self.count.peak])
+        self._reset()
 
     def _reset(self) -> None:
-        if self.device.type == "cuda":
+        if self._devices:
             measure.cuda_reset(self._devices)
         else:
             self.count.reset_peak()
 
-    def _peaks(self) -> list[int]:
-        if self.device.type == "cuda":
-            return measure.cuda_peaks(self._devices)
-        return [self.count.peak]
-
     def run(self, inputs: Any, target: Any, b: int, sizes: list[int]) -> list[list[int]]:
         """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
+        self.t.loader = _Batch(inputs, target, b, self.t.backend.model_device)
+        self.peaks = []
         self._reset()
-        x, y = (tree_map(self._take(b), z) for z in (inputs, target))
-        out = self.forward(x, y, sizes)
-        forward = self._peaks()
-        self._reset()
-        self.opt.zero_grad(set_to_none=True)
-        self.backward(out)
-        del out, x, y
-        backward = self._peaks()
-        self._reset()
-        if self.cfg.train.grad_clip > 0:
-            self.scaler.unscale_(self.opt)
-            clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.strategy.sync_replicas(self.model, self.timer)
-        return [forward, backward, self._peaks()]
-
-    def forward(self, x: Any, y: Any, sizes: list[int]) -> Any:
-        """The trainer's forward and loss on every lane (the strategy's ``forward_loss``)."""
-        return self.strategy.forward_loss(self.model, x, y, self.task.loss, sizes, self.timer, self.weight_fn)
-
-    def backward(self, out: Any) -> None:
-        """The trainer's backward and gradient reduce (the strategy's)."""
-        self.strategy.backward(out, self.scaler.scale(out.loss))
-        self.strategy.reduce_gradients(self.timer)
+        self.t.spread.train_step(self.t, 1)
+        return self.peaks
 
 
-def _group_ready() -> bool:
-    import torch.distributed as dist
+class _PhaseMarks:
+    """The step's timer, whose marks also end the probe's phases (``LoopStep``)."""
 
-    return dist.is_available() and dist.is_initialized()
+    def __init__(self, timer: Any, read: Any) -> None:
+        self.timer, self._read = timer, read
+
+    def mark(self, phase: str | None) -> None:
+        if phase in ("backward", "optimizer"):
+            self._read()
+        self.timer.mark(phase)
+
+    def end_step(self) -> None:
+        self._read()
+        self.timer.end_step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.timer, name)
+
+
+class _Batch:
+    """The loop's loader in the probe: the first ``b`` samples of the run's first batch, each step."""
+
+    def __init__(self, inputs: Any, target: Any, b: int, device: torch.device) -> None:
+        self.inputs, self.target, self.b, self.device = inputs, target, b, device
+
+    def next(self) -> tuple[Any, Any, int]:
+        take = lambda t: t[: self.b].clone().to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tree_map(take, self.inputs), tree_map(take, self.target), self.b

@@ -21,23 +21,65 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.rank_state import RankRules, build_ddp, reached, shard_forward
+from multilane.engine.parallel import make_backend
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.plan import measure
-from multilane.engine.plan.probe import Stepper
-from multilane.engine.tasks import Task
+from multilane.engine.tasks import Task, loss_weight_fn
 from multilane.engine.telemetry.devices import Device
+from multilane.engine.tensors.grads import clip_grad_norm
+from multilane.engine.tensors.optim import build_optimizer
+from torch.utils._pytree import tree_map
 
 
-class RankStepper(Stepper):
-    """``Stepper`` whose forward and backward are a ddp rank's (see the module docstring)."""
+class RankStepper:
+    """A ddp rank's step (see the module docstring) on one device, each phase's peak measured."""
 
     def __init__(self, config: RunConfig, task: Task, backend: Any, count: measure.StorageCount, pools: list) -> None:
-        super().__init__(config, task, backend, count, pools)
+        self.cfg, self.task, self.count = config, task, count
+        torch.manual_seed(config.train.seed)
+        self.device = backend.model_device
+        self.model = task.build_model().to(self.device)
+        if self.device.type != "cuda":
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                count.add_tensor(t)  # weights loaded from a file were not made by an op
+        self.opt = build_optimizer(self.model.parameters(), config.optim)
+        self.scaler = torch.amp.GradScaler(backend.device_type, enabled=config.train.precision == "fp16")
+        self.weight_fn = loss_weight_fn(task)
+        self._devices = [torch.device(name) for name, _ in pools] if self.device.type == "cuda" else []
         self.rules = RankRules(self.model, self.device, 1, None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dtype = AUTOCAST_DTYPES.get(config.train.precision)
         self._sync = contextlib.ExitStack()
         self._build(False)
+
+    def _reset(self) -> None:
+        if self._devices:
+            measure.cuda_reset(self._devices)
+        else:
+            self.count.reset_peak()
+
+    def _peaks(self) -> list[int]:
+        return measure.cuda_peaks(self._devices) if self._devices else [self.count.peak]
+
+    def run(self, inputs: Any, target: Any, b: int, sizes: list[int]) -> list[list[int]]:
+        """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
+        self._reset()
+        take = lambda t: t[:b].clone().to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        x, y = tree_map(take, inputs), tree_map(take, target)
+        out = self.forward(x, y, sizes)
+        forward = self._peaks()
+        self._reset()
+        self.opt.zero_grad(set_to_none=True)
+        self.backward(out)
+        del out, x, y
+        backward = self._peaks()
+        self._reset()
+        if self.cfg.train.grad_clip > 0:
+            self.scaler.unscale_(self.opt)
+            clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return [forward, backward, self._peaks()]
 
     def _build(self, find_unused: bool) -> None:
         self.ddp = None  # the old DDP (and its reducer's hooks) goes first
@@ -74,3 +116,30 @@ class RankStepper(Stepper):
             self._sync.close()
         if self.rules.reached is not None and self.rules.reduce_probe():
             self._build(True)
+
+
+def rank_stepper(
+    config: RunConfig, task: Task, device: Device, count: measure.StorageCount, pools: list, stack: contextlib.ExitStack
+) -> RankStepper:
+    """One ddp rank's step on ``device``, on this process's group of one (closed by ``stack``)."""
+    stack.enter_context(_one_rank_group())
+    backend = make_backend([device], 0)
+    stack.callback(backend.close)
+    if not device.is_cuda:
+        stack.enter_context(measure.CpuCounting(count, backend))
+    return RankStepper(config, task, backend, count, pools)
+
+
+@contextlib.contextmanager
+def _one_rank_group() -> Any:
+    """A process group of this process alone (Gloo, in memory), for DDP's buckets to be real."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

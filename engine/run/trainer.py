@@ -88,6 +88,15 @@ class Trainer:
                 self._resume_dir.close_refused()
             raise
 
+    @classmethod
+    def for_probe(cls, config: RunConfig, task: Task, devices: list[Device]) -> Trainer:
+        """A loop of ``config`` on the lanes with no run folder, callbacks or checkpoint: the fit probe
+        (engine/plan/probe.py) drives its strategy's own set-up and step, and its ``optimizer_step``."""
+        t = cls.__new__(cls)
+        t.spread, t.config, t.task, t.devices, t.callbacks = Lanes(), config, task, devices, []
+        t.run_dir, t._checkpoint, t.step, t.memory = None, None, 0, None
+        return t
+
     def _configure(self, config: RunConfig | None, overrides: dict[str, Any], task: Task | None) -> None:
         spec = resolve_run(config, overrides, task, self._resume_dir, self.callbacks)
         self._checkpoint, self.config, self.task = spec.checkpoint, spec.config, spec.task
@@ -103,10 +112,15 @@ class Trainer:
         self.memory = run_meter(
             self.devices, getattr(self, "forecast", None), self.spread.place, cfg.devices.weights or None
         )
-        self.spread.setup(self)
+        self.setup_parts()
         accum = cfg.train.grad_accum
         self._phase("starting the data loader")
         self.loader.start(self.step * accum, self.total_steps * accum)
+
+    def setup_parts(self) -> None:
+        """What a step needs, built: the strategy's set-up. The fit probe (engine/plan/probe.py) builds the
+        same before it drives the strategy's step, so what the loop adds here the probe measures too."""
+        self.spread.setup(self)
 
     def _replicas(self) -> list[torch.nn.Module] | None:
         """The lanes' own copies of the model (persistent; None until it has made them), or []."""
@@ -156,7 +170,9 @@ class Trainer:
             with self.control.during_setup(lambda: self._control_file.apply(self.control)):
                 with fit_check_phases(self):  # both build the task's model: the phase says so
                     features.check(cfg, self.task)  # a feature the strategy cannot train: one line (engine/tensors/)
-                    self.forecast = check_fit(cfg, self.task, self.devices)  # before anything starts (engine/plan/)
+                    self.forecast = check_fit(
+                        cfg, self.task, self.devices, Trainer.for_probe
+                    )  # before anything starts (engine/plan/)
                 self._setup()
                 if self._checkpoint is not None and self.step >= self.total_steps:  # an epoch budget, known now
                     raise nothing_to_train(getattr(self._resume_dir, "path", ""), self.step, self.total_steps)

@@ -7,6 +7,7 @@ import pytest
 from multilane.engine.config import build_config
 from multilane.engine.plan.fit import plan_run
 from multilane.engine.plan.forecast import gib
+from multilane.engine.run.trainer import Trainer
 from multilane.engine.tasks import make_task
 from multilane.engine.telemetry.devices import parse_devices
 from multilane.gui.window.device_picker import NEEDS, share_of
@@ -28,7 +29,7 @@ def test_the_picker_shows_the_forecast_against_the_free_ram(qtbot, make_window, 
     # What the picker shows is the forecast the same probe makes in this process (the CPU measure counts
     # tensor bytes exactly: the same model and batch give the same bytes), against the RAM available then.
     here = plan_run(build_config({"task": {"name": "linear"}, "data": {"batch_size": 96}, "devices": {"use": "cpu:0,cpu:1"}}),
-                    make_task("linear", {}), parse_devices("cpu:0,cpu:1"))  # fmt: skip
+                    make_task("linear", {}), parse_devices("cpu:0,cpu:1"), Trainer.for_probe)  # fmt: skip
     assert here.needs[0].need == need["need"]
     assert rows["cpu:0"].text(NEEDS) == f"{gib(need['need'])} · {share_of(need['need'], need['free'])}"
     assert f"{gib(need['free'])} RAM available" in rows["cpu:0"].toolTip(NEEDS)

@@ -159,7 +159,7 @@ class _Broken(nn.Module):
 def test_a_probe_step_that_fails_is_one_line_naming_the_task_the_error_and_the_way_to_skip_the_check():
     cfg = build_config({"task": {"name": "mlp"}, "data": {"batch_size": 8}, "devices": {"strategy": "replicate"}})
     with pytest.raises(UserError) as e:
-        plan_run(cfg, Broken(), parse_devices("cpu:0,cpu:1"))
+        plan_run(cfg, Broken(), parse_devices("cpu:0,cpu:1"), Trainer.for_probe)
     line = str(e.value)
     assert "\n" not in line and line.startswith("task broken: the fit check's probe step failed at "), line
     assert "ValueError" in line and "the task's forward failed" in line and "train.fit_check = false" in line, line

@@ -195,7 +195,7 @@ def test_a_run_that_will_not_fit_gets_one_line_naming_the_largest_batch_that_wou
     task_params = {"features": 1, "width": 64, "depth": 64, "samples": 1_000_000}
     config = _config(tmp_path, "mlp", 1_000_000, params=task_params)
     config.data.val_fraction = 0.0
-    forecast = plan_run(config, make_task("mlp", task_params), parse_devices("cpu:0,cpu:1"))
+    forecast = plan_run(config, make_task("mlp", task_params), parse_devices("cpu:0,cpu:1"), Trainer.for_probe)
     assert not forecast.fits and forecast.refusal().startswith("will not fit: the CPU lanes need")
     lines = [
         MemoryLine(**{**d, "phases": {k: [tuple(p) for p in v] for k, v in d["phases"].items()}})
