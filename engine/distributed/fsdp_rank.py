@@ -26,7 +26,6 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from multilane.engine.distributed.ddp import Ddp
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
@@ -34,7 +33,6 @@ from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import ViewOutputs, choose_units, parameters_read_in_forward, shard_model
 from multilane.engine.health.lane_grads import fsdp_reduce_scatter
 from multilane.engine.health.monitor import HealthMonitor
-from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.run import checkpointer
 from torch import nn
 
@@ -115,14 +113,18 @@ class Fsdp(Ddp):
         self._sharded_name: str | None = None
         if t._checkpoint is not None:
             self._sharded_name = t._checkpoint.get("sharded")
-        self._restore(t, dev)
-        self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
-        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
+
+    def health_spread(self, t: Trainer) -> dict[str, Any]:
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
         # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
-        t.health = make_monitor(t, info.world, dev, exchange=dist.all_reduce, sharded=True)
+        return {**super().health_spread(t), "sharded": True}
+
+    def attach(self, t: Trainer) -> None:
+        info = self.info
+        self._restore(t, info.device.torch_device())
+        self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
         probe_reduce_scatter(t.health, t.model, info.rank, info.world)
-        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
         self.ddp = _Sharded(t.model)
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
         self._gather_keys()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.errors import UserError, nothing_to_train
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.plan.fit import check_fit
 from multilane.engine.plan.meter import NO_METER as _NO_METER
 from multilane.engine.plan.meter import run_meter
@@ -104,6 +105,11 @@ class Trainer:
             self.devices, getattr(self, "forecast", None), self.spread.place, cfg.devices.weights or None
         )
         self.spread.setup(self)
+        # Health, once for every strategy, before the checkpoint (which holds its noise-scale average)
+        # is restored; the strategy then hands it its gradients (``Strategy.attach``).
+        self.health = make_monitor(self, **self.spread.health_spread(self))
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=self.spread.ranks)
+        self.spread.attach(self)
         accum = cfg.train.grad_accum
         self._phase("starting the data loader")
         self.loader.start(self.step * accum, self.total_steps * accum)
