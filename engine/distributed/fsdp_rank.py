@@ -31,8 +31,7 @@ from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import ViewOutputs, choose_units, parameters_read_in_forward, shard_model
-from multilane.engine.health.lane_grads import fsdp_reduce_scatter
-from multilane.engine.health.monitor import HealthMonitor
+from multilane.engine.health.lane_grads import probe_reduce_scatter
 from multilane.engine.run import checkpointer
 from torch import nn
 
@@ -62,22 +61,6 @@ class _FsdpWindow(ShardWindow):
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         full = getattr(norm, "full_tensor", None)  # a DTensor: the norm over every rank's shards
         super().add_grad_norm(full() if full is not None else norm)
-
-
-def probe_reduce_scatter(health: HealthMonitor, model: nn.Module, rank: int, world: int) -> None:
-    """Every FSDP unit's reduce-scatter shows ``health``'s probe this rank's gradient first (the noise
-    scale); where this torch has no such hook, no noise scale, and the run says why."""
-    if health.probe is None:
-        return
-    try:
-        comm = fsdp_reduce_scatter(health.probe, rank, world)
-    except ImportError as e:
-        health.probe = None
-        health.off_note = f"the noise scale is not available under fsdp with this torch: {e}"
-        return
-    for m in model.modules():
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(comm)  # type: ignore[operator]
 
 
 class Fsdp(Ddp):
@@ -124,7 +107,11 @@ class Fsdp(Ddp):
         self._restore(t, info.device.torch_device())
         self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
         self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
-        probe_reduce_scatter(t.health, t.model, info.rank, info.world)
+        health = t.health
+        why = probe_reduce_scatter(t.model, health.probe, info.rank, info.world) if health.probe else None
+        if why is not None:  # this torch has no such hook: no noise scale, and the run says why
+            health.probe = None
+            health.off_note = f"the noise scale is not available under fsdp with this torch: {why}"
         self.ddp = _Sharded(t.model)
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
         self._gather_keys()
