@@ -107,7 +107,8 @@ class Trainer:
         self.spread.setup(self)
         # Health, once for every strategy, before the checkpoint (which holds its noise-scale average)
         # is restored; the strategy then hands it its gradients (``Strategy.attach``).
-        self.health = make_monitor(self, **self.spread.health_spread(self))
+        weighted = self._loss_weight is not None
+        self.health = make_monitor(cfg.health, self.task, weighted, **self.spread.health_spread(self))
         self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=self.spread.ranks)
         self.spread.attach(self)
         accum = cfg.train.grad_accum
