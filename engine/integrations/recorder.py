@@ -215,13 +215,11 @@ class RunRecorder:
     def health(self, record: dict[str, Any]) -> None:
         """A ``health`` record of the engine's monitor (rank 0): the grouped rows into metrics.jsonl,
         every layer's values into ``health_layers.jsonl``, as the engine's own runs write them."""
-        if self._writer is None:
-            return
         rec = split_health(record)[0]
-        if record_problem(rec) is None:
+        if self._writer is not None and record_problem(rec) is None:
             self._writer.on_health(record)
         else:
-            self.write(rec)  # left out, a warning naming why
+            self.write(rec)  # a record the readers would skip: left out, a warning naming why
 
     def eval(self, step: int, val_loss: float | None, metrics: dict[str, float], **fields: Any) -> None:
         """A validation record at ``step`` (rank 0)."""

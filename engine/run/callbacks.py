@@ -96,8 +96,7 @@ class MetricsWriter(TrainerCallback):
             self.keep_status(record.get("step"), getattr(self._trainer, "total_steps", None))
 
     def keep_status(self, step: Any, total: int | None) -> None:
-        """``status.json``'s step current, at most once every ``STATUS_EVERY_S`` (the loop's at log time,
-        an outside trainer's recorder at each step's end)."""
+        """``status.json``'s step current, at most once every ``STATUS_EVERY_S`` (the loop's, a recorder's)."""
         now = time.monotonic()
         if now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now

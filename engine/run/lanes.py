@@ -38,11 +38,10 @@ class Strategy(Protocol):
 
     sharded: bool  # the model's state sharded: checkpoints load through the sharded state-dict helpers
     place: Any  # a rank's (device, rank, world), which its memory meter measures; None: one process's lanes
+    ranks: bool  # one process per device: a NaN's replay runs on every rank (engine/health/rank_replay.py)
 
     def open_resume_dir(self, path: str | Path) -> RunDir: ...  # locked by the process that writes it
     def open_run_dir(self, t: Trainer) -> RunDir: ...  # the resumed one, the one given, or a new one
-
-    ranks: bool  # one process per device: a NaN's replay runs on every rank (engine/health/rank_replay.py)
 
     def setup(self, t: Trainer) -> None:
         """The loader, the model and optimizer on the strategy's devices, the log window."""
