@@ -85,7 +85,9 @@ def set_variant(t: Trainer, variant: str) -> None:
     elif variant == "every=1":
         h.every = h.noise_every = 1
     t.config = t.config.model_copy(update={"health": h})
-    t.health = make_monitor(t, len(t.devices), t.backend.output_device)
+    t.health = make_monitor(
+        t.config.health, t.task, t._loss_weight is not None, len(t.devices), t.backend.output_device
+    )
     t.strategy.lane_grads = t.health.probe
     t.run_health = RunHealth(replay=keep)
 

@@ -40,7 +40,6 @@ from multilane.engine.distributed.shards import RankLoader
 from multilane.engine.distributed.window import ShardWindow, combine
 from multilane.engine.errors import UserError
 from multilane.engine.health.lane_grads import ddp_comm_hook
-from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.parallel.strategy import AUTOCAST_DTYPES
 from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
@@ -71,6 +70,7 @@ class Ddp(RankAgreement):
     """
 
     sharded = False
+    ranks = True  # a NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
 
     def __init__(self, info: RankInfo, requests: RunControl | None = None, run_dir: str | Path | None = None) -> None:
         self.info = info
@@ -161,10 +161,12 @@ class Ddp(RankAgreement):
             box = [t._checkpoint if info.is_main else None]
             dist.broadcast_object_list(box, src=0, group=self.control_group)
             t._checkpoint = box[0]
-        self._restore(t, dev)
-        t.health = make_monitor(t, info.world, dev, exchange=dist.all_reduce)
-        # A NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
-        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
+
+    def health_spread(self, t: Trainer) -> dict[str, Any]:
+        return {"lanes": self.info.world, "device": self.info.device.torch_device(), "exchange": dist.all_reduce}
+
+    def attach(self, t: Trainer) -> None:
+        self._restore(t, self.info.device.torch_device())
         # This process's first steps find out which parameters each rank's backward reaches (see
         # RankRules.reduce_probe); DDP walks the graph every step (find_unused_parameters) only if it must.
         self._build_ddp(t, find_unused=False)

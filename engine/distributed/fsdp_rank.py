@@ -26,15 +26,12 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from multilane.engine.distributed.ddp import Ddp
 from multilane.engine.distributed.window import ShardWindow
 from multilane.engine.fsdp.reach import REACH_STEPS, UnitGuard, no_double_backward
 from multilane.engine.fsdp.sharded import remove_older, save_sharded
 from multilane.engine.fsdp.units import ViewOutputs, choose_units, parameters_read_in_forward, shard_model
-from multilane.engine.health.lane_grads import fsdp_reduce_scatter
-from multilane.engine.health.monitor import HealthMonitor
-from multilane.engine.health.run_health import RunHealth, make_monitor
+from multilane.engine.health.lane_grads import probe_reduce_scatter
 from multilane.engine.run import checkpointer
 from torch import nn
 
@@ -64,22 +61,6 @@ class _FsdpWindow(ShardWindow):
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         full = getattr(norm, "full_tensor", None)  # a DTensor: the norm over every rank's shards
         super().add_grad_norm(full() if full is not None else norm)
-
-
-def probe_reduce_scatter(health: HealthMonitor, model: nn.Module, rank: int, world: int) -> None:
-    """Every FSDP unit's reduce-scatter shows ``health``'s probe this rank's gradient first (the noise
-    scale); where this torch has no such hook, no noise scale, and the run says why."""
-    if health.probe is None:
-        return
-    try:
-        comm = fsdp_reduce_scatter(health.probe, rank, world)
-    except ImportError as e:
-        health.probe = None
-        health.off_note = f"the noise scale is not available under fsdp with this torch: {e}"
-        return
-    for m in model.modules():
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(comm)  # type: ignore[operator]
 
 
 class Fsdp(Ddp):
@@ -115,14 +96,22 @@ class Fsdp(Ddp):
         self._sharded_name: str | None = None
         if t._checkpoint is not None:
             self._sharded_name = t._checkpoint.get("sharded")
-        self._restore(t, dev)
-        self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
-        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
+
+    def health_spread(self, t: Trainer) -> dict[str, Any]:
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
         # gradient before the reduce-scatter, and a NaN's replay on every rank (docs/fsdp.md "Run health").
-        t.health = make_monitor(t, info.world, dev, exchange=dist.all_reduce, sharded=True)
-        probe_reduce_scatter(t.health, t.model, info.rank, info.world)
-        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=True)
+        return {**super().health_spread(t), "sharded": True}
+
+    def attach(self, t: Trainer) -> None:
+        info = self.info
+        self._restore(t, info.device.torch_device())
+        self.rules.reached = None  # no DDP probe: FSDP reduces what the ranks' backwards reach
+        self.rules.before_backward = self.unit_guard.before_backward  # ... which must be alike (reach.py)
+        health = t.health
+        why = probe_reduce_scatter(t.model, health.probe, info.rank, info.world) if health.probe else None
+        if why is not None:  # this torch has no such hook: no noise scale, and the run says why
+            health.probe = None
+            health.off_note = f"the noise scale is not available under fsdp with this torch: {why}"
         self.ddp = _Sharded(t.model)
         self._find_unused = True  # an empty shard's zero loss goes through the outputs only
         self._gather_keys()

@@ -10,7 +10,11 @@
   (``ddp_hook``);
 - ``fsdp``: a custom reduce-scatter on every FSDP unit sees this rank's gradient of the unit, whole
   (every rank computes the whole unit's gradient of its own samples), just before the reduce-scatter
-  (``fsdp_reduce_scatter``): no extra memory, one norm per unit on a sampled step.
+  (``fsdp_reduce_scatter``): no extra memory, one norm per unit on a sampled step. The engine's fsdp
+  strategy and an outside loop's FSDP2 model (Lightning's ``ModelParallelStrategy``) both install it
+  through ``probe_reduce_scatter``. An outside loop may reduce-scatter at every micro-batch: then the
+  rank's gradient of the whole step never exists unsharded, and the noise scale is measured only with
+  one micro-batch per step (engine/integrations/health.py).
 
 Norms stay on the device; ``read()`` returns them all at log time in one transfer.
 """
@@ -189,3 +193,40 @@ def fsdp_reduce_scatter(probe: LaneGradProbe, rank: int, world: int) -> Any:
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     return ProbeReduceScatter()
+
+
+OURS = ("DefaultReduceScatter", "ProbeReduceScatter")  # torch's own, or an earlier run's probe
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Some parameter of ``model`` is a ``DTensor`` (FSDP2, tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def probe_reduce_scatter(model: torch.nn.Module, probe: LaneGradProbe, rank: int, world: int) -> str | None:
+    """Every FSDP2 module of ``model`` reduce-scatters through ``fsdp_reduce_scatter``; None, or why
+    not (a model without FSDP2 modules, one whose FSDP reduce-scatters through a comm of the user's
+    own, which stays theirs, a torch without the hook)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        return "no module is FSDP2's (fully_shard)"
+    for m in fsdp:
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:  # another torch's internals: nothing to tell
+            break
+        for g in groups:
+            comm = getattr(g, "_reduce_scatter_comm", None)
+            if comm is not None and type(comm).__name__ not in OURS:
+                return f"the model's FSDP already reduce-scatters through its own {type(comm).__name__}"
+    try:
+        comm = fsdp_reduce_scatter(probe, rank, world)
+        for m in fsdp:
+            m.set_custom_reduce_scatter(comm)
+    except (ImportError, ValueError, RuntimeError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None

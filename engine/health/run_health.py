@@ -26,9 +26,11 @@ NAN_ORIGIN = "nan_origin.json"
 """The run folder's detail of where a non-finite loss began (the replay's findings)."""
 
 
-def make_monitor(t: Trainer, lanes: int, device: Any, exchange: Any = None, sharded: bool = False) -> HealthMonitor:
-    unit = "samples" if t._loss_weight is None else getattr(t.task, "loss_unit", None) or "loss weight"
-    return HealthMonitor(t.config.health, lanes, device, unit, exchange, sharded)
+def make_monitor(cfg: Any, task: Any, weighted: bool, lanes: int, device: Any, **spread: Any) -> HealthMonitor:
+    """The run's monitor (``cfg``: its ``health`` section) over ``lanes`` devices, its noise scale counted in
+    the task's unit: samples, or with a ``loss_weight`` (``weighted``) the task's ``loss_unit``."""
+    unit = getattr(task, "loss_unit", None) or "loss weight" if weighted else "samples"
+    return HealthMonitor(cfg, lanes, device, unit, **spread)  # spread: ``exchange``, ``sharded``
 
 
 def strategy_replicas(strategy: Any, lanes: int) -> list[Any] | None:

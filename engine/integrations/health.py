@@ -19,7 +19,7 @@ rank's buckets before torch's all-reduce; ``attach_ddp`` registers it. One proce
 already has another communication hook: the noise scale is not measured, and ``note`` says why.
 Under FSDP2 (``DTensor`` parameters) ``attach_sharded`` uses the engine's sharded monitor: the
 per-layer values from each rank's shards, summed over the ranks, and with one micro-batch per step
-the noise scale from each rank's gradient at FSDP's reduce-scatter (sharded.py).
+the noise scale from each rank's gradient at FSDP's reduce-scatter (engine/health/lane_grads.py: ``probe_reduce_scatter``).
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ class LoopHealth:
     def attach_sharded(self, model: nn.Module, strategy: str, accum: int) -> None:
         """Under FSDP2 (``DTensor`` parameters): per-layer health from each rank's shards, summed over
         the ranks (the engine's sharded monitor), and with one micro-batch per step the noise scale
-        from each rank's gradient as FSDP's reduce-scatter receives it (sharded.py); else ``note`` says
+        from each rank's gradient as FSDP's reduce-scatter receives it (``probe_reduce_scatter``); else ``note`` says
         why not. Every rank calls it, before the first backward."""
         if not self.every:
             return
         import torch.distributed as dist
-        from multilane.integrations.sharded import probe_reduce_scatter
+        from multilane.engine.health.lane_grads import probe_reduce_scatter
 
         lanes = self.world if accum == 1 else 1  # one lane: no probe, the per-layer sums only
         monitor = HealthMonitor(self.cfg, lanes, self.device, exchange=dist.all_reduce, sharded=True)

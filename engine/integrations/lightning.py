@@ -30,9 +30,9 @@ except MissingExtra:
 
 # After the library: without it, the one line comes before torch is imported.
 from multilane.engine.config import HealthSection
+from multilane.engine.health.lane_grads import is_sharded
 from multilane.integrations.health import SHARDED, LoopHealth, batch_size, health_section
 from multilane.integrations.recorder import RunRecorder
-from multilane.integrations.sharded import is_sharded
 
 __all__ = ["MultilaneCallback"]
 

@@ -32,7 +32,7 @@ import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed.failures import consolidate, write_note
 from multilane.engine.errors import UserError
-from multilane.engine.run.callbacks import HEALTH_LAYERS, STATUS_EVERY_S, split_health
+from multilane.engine.run.callbacks import MetricsWriter, split_health
 from multilane.engine.run.control import RunControl
 from multilane.engine.rundir.control_file import ControlFile
 from multilane.engine.rundir.runlog import CONFIG, ENVIRONMENT, RunDir, record_problem
@@ -97,7 +97,7 @@ class RunRecorder:
         self._open = False
         self._all_keys = [self.key]
         self._shared_dir: Path | None = None  # the run folder, on every rank (rank 0 made it)
-        self._status_at = 0.0
+        self._writer: MetricsWriter | None = None  # rank 0's: the loop's own writer of the run folder
 
     @property
     def is_main(self) -> bool:
@@ -156,7 +156,7 @@ class RunRecorder:
             self.rd.write_json(ENVIRONMENT, environment())
             self._file = ControlFile(self.rd.path)
             self.rd.set_status("running", step=self.step, total_steps=self.total_steps)
-            self._status_at = time.monotonic()
+            self._writer = MetricsWriter(self.rd)
             self.event("started", total_steps=self.total_steps)
         self._shared_dir = self.rd.path if self.rd is not None else None
         if dist is not None:  # every rank learns the folder: a failing rank writes its note there
@@ -215,12 +215,11 @@ class RunRecorder:
     def health(self, record: dict[str, Any]) -> None:
         """A ``health`` record of the engine's monitor (rank 0): the grouped rows into metrics.jsonl,
         every layer's values into ``health_layers.jsonl``, as the engine's own runs write them."""
-        if self.rd is None:
-            return
-        rec, layers = split_health(record)
-        if layers is not None and record_problem(rec) is None:
-            self.rd.append_text(HEALTH_LAYERS, layers)
-        self.write(rec)
+        rec = split_health(record)[0]
+        if self._writer is not None and record_problem(rec) is None:
+            self._writer.on_health(record)
+        else:
+            self.write(rec)  # a record the readers would skip: left out, a warning naming why
 
     def eval(self, step: int, val_loss: float | None, metrics: dict[str, float], **fields: Any) -> None:
         """A validation record at ``step`` (rank 0)."""
@@ -249,9 +248,8 @@ class RunRecorder:
             stop = self._paused(dist)
         if stop:
             self.stop_asked = True
-        elif self.rd is not None and time.monotonic() - self._status_at >= STATUS_EVERY_S:
-            self._status_at = time.monotonic()  # status.json's step current, as the engine keeps it
-            self.rd.set_status("running", step=step, total_steps=self.total_steps)
+        elif self._writer is not None:  # status.json's step current, as the engine keeps it
+            self._writer.keep_status(step, self.total_steps)
         return StepEnd(losses, stop, samples)
 
     def _read_control(self) -> tuple[bool, bool]:

@@ -92,11 +92,15 @@ class MetricsWriter(TrainerCallback):
 
     def on_log(self, record: dict[str, Any]) -> None:
         self.run_dir.append_metric(record)
+        if self._trainer is not None and not record.get("partial"):
+            self.keep_status(record.get("step"), getattr(self._trainer, "total_steps", None))
+
+    def keep_status(self, step: Any, total: int | None) -> None:
+        """``status.json``'s step current, at most once every ``STATUS_EVERY_S`` (the loop's, a recorder's)."""
         now = time.monotonic()
-        if self._trainer is not None and now - self._status_at >= STATUS_EVERY_S and not record.get("partial"):
+        if now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
-            total = getattr(self._trainer, "total_steps", None)
-            self.run_dir.set_status("running", step=record.get("step"), total_steps=total)
+            self.run_dir.set_status("running", step=step, total_steps=total)
 
     def on_record(self, record: dict[str, Any]) -> None:
         self.run_dir.append_metric(record)

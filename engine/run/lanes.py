@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from multilane.engine.data.loader import build_loader
-from multilane.engine.health.run_health import RunHealth, make_monitor, strategy_replicas
+from multilane.engine.health.run_health import strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -38,13 +38,20 @@ class Strategy(Protocol):
 
     sharded: bool  # the model's state sharded: checkpoints load through the sharded state-dict helpers
     place: Any  # a rank's (device, rank, world), which its memory meter measures; None: one process's lanes
+    ranks: bool  # one process per device: a NaN's replay runs on every rank (engine/health/rank_replay.py)
 
     def open_resume_dir(self, path: str | Path) -> RunDir: ...  # locked by the process that writes it
     def open_run_dir(self, t: Trainer) -> RunDir: ...  # the resumed one, the one given, or a new one
 
     def setup(self, t: Trainer) -> None:
-        """The loader, the model and optimizer on the strategy's devices, the log window, health, the
-        checkpoint restored (the loop then starts the loader at the run's next micro-batch)."""
+        """The loader, the model and optimizer on the strategy's devices, the log window."""
+
+    def health_spread(self, t: Trainer) -> dict[str, Any]:
+        """Health's view of the devices (``make_monitor``'s ``lanes``, ``device``, ``exchange``, ``sharded``)."""
+
+    def attach(self, t: Trainer) -> None:
+        """After the loop built ``t.health``: health handed where the gradients come from, the checkpoint
+        restored (the loop then starts the loader at the run's next micro-batch)."""
 
     def lane_names(self, t: Trainer) -> list[str]: ...  # the names the per-device series go by
     def sizes(self, t: Trainer, batch: int) -> list[int]: ...  # each device's share of a batch
@@ -67,6 +74,7 @@ class Lanes:
 
     sharded = False
     place = None
+    ranks = False
 
     def open_resume_dir(self, path: str | Path) -> RunDir:
         return RunDir.open_existing(path)  # locked: this process is its one writer
@@ -97,9 +105,12 @@ class Lanes:
         self._weights = cfg.devices.weights or None
         t.timer = t.backend.make_timer()
         t.window = MetricsWindow(t.backend.lane_names)
-        t.health = make_monitor(t, len(t.devices), t.backend.output_device)
+
+    def health_spread(self, t: Trainer) -> dict[str, Any]:
+        return {"lanes": len(t.devices), "device": t.backend.output_device}
+
+    def attach(self, t: Trainer) -> None:
         t.strategy.lane_grads = t.health.probe
-        t.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay)
         if t._checkpoint is not None:
             t._phase("restoring the checkpoint")
             checkpointer.restore(t, t._checkpoint)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from multilane.engine.config import RunConfig
 from multilane.engine.errors import UserError, nothing_to_train
+from multilane.engine.health.run_health import RunHealth, make_monitor
 from multilane.engine.plan.fit import check_fit
 from multilane.engine.plan.meter import NO_METER as _NO_METER
 from multilane.engine.plan.meter import run_meter
@@ -121,6 +122,13 @@ class Trainer:
         """What a step needs, built: the strategy's set-up. The fit probe (engine/plan/probe.py) builds the
         same before it drives the strategy's step, so what the loop adds here the probe measures too."""
         self.spread.setup(self)
+        # Health, once for every strategy, before the checkpoint (which holds its noise-scale average)
+        # is restored; the strategy then hands it its gradients (``Strategy.attach``).
+        cfg = self.config
+        weighted = self._loss_weight is not None
+        self.health = make_monitor(cfg.health, self.task, weighted, **self.spread.health_spread(self))
+        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=self.spread.ranks)
+        self.spread.attach(self)
 
     def _replicas(self) -> list[torch.nn.Module] | None:
         """The lanes' own copies of the model (persistent; None until it has made them), or []."""

@@ -1,4 +1,4 @@
-"""The FSDP2 noise-scale probe (engine/integrations/sharded.py, the engine's ``fsdp_reduce_scatter``)
+"""The FSDP2 noise-scale probe (engine/health/lane_grads.py: ``probe_reduce_scatter``, the engine's ``fsdp_reduce_scatter``)
 takes FSDP's reduce-scatter over only where the model's is FSDP's own (or an earlier run's probe): a real ``fully_shard`` on a one-process gloo group, in this process.
 The numbers themselves are checked on two processes in test_health_integrations.py."""
 
@@ -44,8 +44,7 @@ def comms(model: nn.Module) -> list[str]:
 
 
 def test_the_probe_replaces_fsdps_own_reduce_scatter_and_leaves_a_users_own(group):
-    from multilane.engine.health.lane_grads import fsdp_reduce_scatter
-    from multilane.integrations.sharded import is_sharded, probe_reduce_scatter
+    from multilane.engine.health.lane_grads import fsdp_reduce_scatter, is_sharded, probe_reduce_scatter
 
     probe = LaneGradProbe(2, torch.device("cpu"), always=True)
     plain = nn.Sequential(nn.Linear(4, 2))

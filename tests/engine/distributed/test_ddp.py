@@ -485,3 +485,30 @@ def test_other_ranks_telemetry_reaches_metrics_within_seconds_even_when_log_wind
     finally:
         p.kill()
     assert p.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_stopped_and_resumed_run_keeps_its_noise_scale_average(tmp_path):
+    # The noise scale averages every measured step (noise_scale.py; the record's "steps" counts them):
+    # the loop builds health before any strategy restores a checkpoint, so a resumed ddp run goes on
+    # from the checkpoint's average, as the lanes do, instead of starting afresh.
+    cfg = float64_settings(3)
+    cfg["health"] = {"noise_every": 1}
+    runs = tmp_path / "runs"
+    cfg["run"] = {"runs_dir": str(runs), "name": "ddp"}
+    cfg_path = tmp_path / "ddp.json"
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in (["--config", str(cfg_path)], ["--resume", "RUN", "--steps", "6"]):
+        args = [str(run_dirs(runs)[0]) if a == "RUN" else a for a in extra]
+        r = subprocess.run(
+            [*CLI, "train", "--strategy", "ddp", *args, "--devices", "cpu:0,cpu:1"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = run_dirs(runs)
+    noise = {r["step"]: r["noise"] for r in read_metrics(run) if r["kind"] == "train" and "noise" in r}
+    assert {step: n["steps"] for step, n in noise.items()} == {s: s for s in range(1, 7)}
+    saved = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["health"]["noise"]
+    assert saved["samples"] == 6 and saved["sums"]["w"] > 0

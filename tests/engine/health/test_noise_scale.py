@@ -282,8 +282,6 @@ def test_one_device_says_why_there_is_no_noise_scale():
 
 
 def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
-    from types import SimpleNamespace
-
     from multilane.engine.health.run_health import make_monitor
     from multilane.engine.tasks import loss_weight_fn
     from multilane.engine.tasks.charlm import CharLMTask
@@ -294,9 +292,7 @@ def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
 
     units = []
     for task in (CharLMTask(), ClassWeighted(), MlpRegression()):
-        trainer = SimpleNamespace(config=SimpleNamespace(health=HealthSection()), task=task)
-        trainer._loss_weight = loss_weight_fn(task)
-        units.append(make_monitor(trainer, 2, torch.device("cpu")).unit)
+        units.append(make_monitor(HealthSection(), task, loss_weight_fn(task) is not None, 2, torch.device("cpu")).unit)
     assert units == ["tokens", "loss weight", "samples"]
 
 
