@@ -194,15 +194,21 @@ class FolderAsFound:
 
     def __init__(self, run_dir: Path | None, made_here: bool) -> None:
         self.run_dir, self.made_here = run_dir, made_here
-        self.lock = self._lock_file() if run_dir is not None and not made_here else None
+        self.lock = self._file(LOCK) if run_dir is not None and not made_here else None
+        # rank 0 says "starting" and its phase in status.json before it reads the checkpoint; a rank 0
+        # killed because a peer refused first cannot put it back (under load it often is): this does
+        self.status = self._file(STATUS) if run_dir is not None and not made_here else None
 
-    def _lock_file(self) -> tuple[bytes, int, int] | None:
+    def _file(self, name: str) -> tuple[bytes, int, int] | None:
         assert self.run_dir is not None
         with contextlib.suppress(OSError):
-            st = os.stat(self.run_dir / LOCK, follow_symlinks=False)
-            if st.st_size <= 4096:
-                return (self.run_dir / LOCK).read_bytes(), st.st_atime_ns, st.st_mtime_ns
+            st = os.stat(self.run_dir / name, follow_symlinks=False)
+            if st.st_size <= 1 << 20:
+                return (self.run_dir / name).read_bytes(), st.st_atime_ns, st.st_mtime_ns
         return None
+
+    def _lock_file(self) -> tuple[bytes, int, int] | None:
+        return self._file(LOCK)
 
     def restore(self) -> None:
         path = self.run_dir
@@ -214,6 +220,10 @@ class FolderAsFound:
                 if {p.name for p in path.iterdir()} <= {LOCK, "checkpoints"} and not any(checkpoints.iterdir()):
                     shutil.rmtree(path)
                 return
+            now_status = self._file(STATUS)
+            if self.status is not None and (now_status is None or now_status[0] != self.status[0]):
+                (path / STATUS).write_bytes(self.status[0])
+                os.utime(path / STATUS, ns=self.status[1:], follow_symlinks=False)
             now = self._lock_file()
             if self.lock is None and now is not None:
                 (path / LOCK).unlink()

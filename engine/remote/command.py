@@ -25,6 +25,7 @@ COMMAND_TIMEOUT_S = 60.0
 MAX_OUTPUT_BYTES = 16 << 20
 CHUNK = 1 << 16
 MARKER = b"\x1emultilane-pgid "
+MARKER_WAIT_S = 2.0  # how long an overrun waits for the process-group line (_marker)
 _PGID = re.compile(rb"\x1emultilane-pgid (\d+)\n")
 
 
@@ -83,11 +84,8 @@ def read_bounded(chan: Any, timeout_s: float, max_bytes: int) -> Answer:
     fd = chan.fileno()
     while True:
         got = False
-        while chan.recv_ready():
-            out += chan.recv(CHUNK)
-            got = True
-            if len(out) + len(err) > max_bytes:
-                raise Overrun(f"answered more than {size_text(max_bytes)}", pgid or _pgid(err))
+        # stderr first: the wrapper's process-group line goes there before the command starts, and a
+        # flood on stdout must not pass the cap before that line is read (then nothing could be killed)
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(CHUNK)
             got = True
@@ -95,6 +93,11 @@ def read_bounded(chan: Any, timeout_s: float, max_bytes: int) -> Answer:
                 pgid = _pgid(err)
             if len(out) + len(err) > max_bytes:
                 raise Overrun(f"answered more than {size_text(max_bytes)}", pgid or _pgid(err))
+        while chan.recv_ready():
+            out += chan.recv(CHUNK)
+            got = True
+            if len(out) + len(err) > max_bytes:
+                raise Overrun(f"answered more than {size_text(max_bytes)}", pgid or _marker(chan, err))
         if not got and (chan.eof_received or chan.closed) and not (chan.recv_ready() or chan.recv_stderr_ready()):
             break
         left = deadline - time.monotonic()
@@ -116,6 +119,18 @@ def read_bounded(chan: Any, timeout_s: float, max_bytes: int) -> Answer:
     if pgid is None:
         pgid = _pgid(err)
     return Answer(code, bytes(out), bytes(_without_marker(err)), pgid)
+
+
+def _marker(chan: Any, err: bytearray, wait_s: float = MARKER_WAIT_S) -> int | None:
+    """The process group from stderr, waiting up to ``wait_s`` for its line: the two streams travel
+    apart, so stdout's bytes can arrive before the line printed ahead of them."""
+    deadline = time.monotonic() + wait_s
+    while (pgid := _pgid(err)) is None and time.monotonic() < deadline and not chan.closed:
+        if chan.recv_stderr_ready():
+            err += chan.recv_stderr(CHUNK)
+        else:
+            time.sleep(0.01)
+    return pgid
 
 
 def _pgid(err: bytearray | bytes) -> int | None:
