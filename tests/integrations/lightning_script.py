@@ -129,6 +129,8 @@ def main() -> None:
         DataLoader(data(256, 0), batch_size=16, shuffle=True),
         DataLoader(data(64, 1), batch_size=32),
     )
+    if torch.distributed.is_initialized():  # as docs/integrations.md asks: torch's c10d threads joined
+        torch.distributed.destroy_process_group()  # before exit (else, now and then, SIGABRT at teardown)
 
 
 def health_section(every: int) -> dict | None:

@@ -136,6 +136,8 @@ def main() -> None:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
     if mlp:
         torch.save(model.seen, out / f"seen-rank{rank}.pt")
+    if torch.distributed.is_initialized():  # as docs/integrations.md asks: torch's c10d threads joined
+        torch.distributed.destroy_process_group()  # before exit (else, now and then, SIGABRT at teardown)
 
 
 if __name__ == "__main__":
