@@ -27,6 +27,10 @@ from multilane.engine.run.trainer import Trainer, TrainerCallback
 from multilane.engine.tasks import ArrayData, Task
 from torch import nn
 
+# the tests' brute force (every sample's own gradient, torch.func): one copy of it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine" / "health"))
+from test_noise_scale import brute_force
+
 F64 = torch.float64
 N, D, H = 4000, 12, 32
 
@@ -45,21 +49,6 @@ class MlpRegression(Task):
 
     def loss(self, output, target):
         return nn.functional.mse_loss(output, target)
-
-
-def brute_force(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """``(|G|², tr Σ)`` from every sample's own gradient of its loss at ``model``'s weights."""
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def one(p, xi, yi):
-        return nn.functional.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
-
-    per = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(len(x), -1) for g in per.values()], 1)
-    mean = flat.mean(0)
-    return mean.square().sum().item(), (flat - mean).square().sum(1).mean().item()
 
 
 class Last(TrainerCallback):
