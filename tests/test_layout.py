@@ -148,3 +148,40 @@ def test_every_package_folder_is_in_pyprojects_packages_list():
             if name not in listed:
                 missing.append(name)
     assert not missing, f"pyproject.toml's packages list lacks {missing}"
+
+
+def _runtime_imports(tree: ast.AST) -> list[str]:
+    """The modules a file imports when it runs: ``if TYPE_CHECKING:`` blocks (annotations only) aside."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for n in node.orelse:
+                visit(n)
+            return
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.extend([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def test_no_two_folders_import_each_other_at_run_time():
+    # A room that imports another which imports it back: neither owns the step between them (fourteen
+    # such pairs once; the loop, its strategies and its instruments now point one way).
+    folders = {name: folder for name, folder in _packages()}
+    edges: set[tuple[str, str]] = set()
+    for name, folder in folders.items():
+        for path in folder.glob("*.py"):
+            for imported in _runtime_imports(ast.parse(path.read_text(), str(path))):
+                target = next((f for f in sorted(folders, key=len, reverse=True) if imported.startswith(f + ".")), None)
+                target = imported if imported in folders else target
+                if target is not None and target != name:
+                    edges.add((name, target))
+    pairs = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    # engine's root holds what every room uses (config, errors, ...), and the run folder's room reads config
+    assert [p for p in pairs if p != ("multilane.engine", "multilane.engine.rundir")] == []
