@@ -225,12 +225,12 @@ def _positive(runs: Iterable[RunData]) -> bool:
 
 def _title(fig: Figure, ax: Axes, title: str, caption: str | None, smoothing: float) -> None:
     """The run's name in bold over the figure; what it was (task, devices, smoothing) small under it."""
-    fig.suptitle(title, x=0.01, ha="left", fontweight="bold", fontsize=11)
+    fig.suptitle(title, x=0.01, ha="left", fontweight="bold", fontsize=11, wrap=True)
     extra = [caption] if caption else []
     if smoothing > 0:
         extra.append(f"smoothed: EMA {smoothing:.2f}, raw data faint")
     if extra:
-        ax.set_title(" · ".join(extra), loc="left", fontsize=8, color="#555")
+        ax.set_title(" · ".join(extra), loc="left", fontsize=8, color="#555", wrap=True)  # a long caption wraps
 
 
 def loss_figure(run: RunData, opts: FigureOptions | None = None, caption: str | None = None) -> Figure:

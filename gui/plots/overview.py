@@ -309,7 +309,7 @@ def overview_figure(run: RunData, opts: FigureOptions | None = None, caption: st
         fig = Figure(figsize=(opts.width_in * 1.45, 2.5 * nrows + 0.4), layout="constrained")
         _draw(fig, panels, run, opts)
         head = f"{run.name}" + (f" · {caption}" if caption else "")
-        fig.suptitle(head, x=0.01, ha="left", fontweight="bold", fontsize=11)
+        fig.suptitle(head, x=0.01, ha="left", fontweight="bold", fontsize=11, wrap=True)  # a long caption wraps
     return fig
 
 
