@@ -207,9 +207,6 @@ class FolderAsFound:
                 return (self.run_dir / name).read_bytes(), st.st_atime_ns, st.st_mtime_ns
         return None
 
-    def _lock_file(self) -> tuple[bytes, int, int] | None:
-        return self._file(LOCK)
-
     def restore(self) -> None:
         path = self.run_dir
         if path is None or not path.is_dir() or lock_is_held(path):
@@ -224,7 +221,7 @@ class FolderAsFound:
             if self.status is not None and (now_status is None or now_status[0] != self.status[0]):
                 (path / STATUS).write_bytes(self.status[0])
                 os.utime(path / STATUS, ns=self.status[1:], follow_symlinks=False)
-            now = self._lock_file()
+            now = self._file(LOCK)
             if self.lock is None and now is not None:
                 (path / LOCK).unlink()
             elif self.lock is not None and (now is None or now[0] != self.lock[0] or now[2] != self.lock[2]):
