@@ -27,8 +27,13 @@ def test_four_trial_sweep_on_two_lanes_leaves_a_study_optuna_opens_and_a_run_fol
     folder, r = four_trial_sweep
     study = load_journal(folder)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
-    devices = sorted(t.user_attrs["devices"] for t in study.trials)
-    assert devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]  # one lane per trial, both lanes used
+    # One lane per trial and both lanes used, at the same time: a slot takes the next trial as soon as
+    # its own ends, so a lane whose trials run faster may take three of the four (it did under load).
+    assert {t.user_attrs["devices"] for t in study.trials} == {"cpu:0", "cpu:1"}
+    first = {lane: min((t for t in study.trials if t.user_attrs["devices"] == lane), key=lambda t: t.number)
+             for lane in ("cpu:0", "cpu:1")}  # fmt: skip
+    a, b = first["cpu:0"], first["cpu:1"]
+    assert a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete  # they overlapped
     for t in study.trials:
         run = folder / f"trial-{t.number:04d}"
         assert t.user_attrs["run_dir"] == str(run)
