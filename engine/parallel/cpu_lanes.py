@@ -15,9 +15,9 @@ these are the same four primitives for the CPU, with the same semantics:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -89,15 +89,8 @@ class CpuLanesBackend(Backend):
     def make_timer(self) -> PhaseTimer:
         return PhaseTimer()
 
-    @contextmanager
-    def busy(self, lanes: Sequence[int]) -> Iterator[None]:
-        for lane in lanes:
-            self._busy.start(lane)
-        try:
-            yield
-        finally:
-            for lane in lanes:
-                self._busy.stop(lane)
+    def busy(self, lanes: Sequence[int]) -> AbstractContextManager[None]:
+        return self._busy.lanes(lanes)
 
     def busy_backward(
         self, loss: torch.Tensor | None, lane_losses: Sequence[torch.Tensor], lanes: Sequence[int]

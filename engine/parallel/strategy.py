@@ -85,6 +85,9 @@ class _InReplica:
             return self.fn(*args, **kwargs)
 
 
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
 class OutputShapeError(ValueError):
     """The model's output does not hold one row per input sample."""
 
@@ -171,7 +174,7 @@ class ReplicateEachStep:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST  # reusable: entered twice a step on one lane
         return torch.autocast(self.backend.device_type, dtype=self.autocast_dtype)
 
     def _active(self, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
