@@ -142,8 +142,13 @@ class Mlp(nn.Module):
 
 
 @pytest.mark.parametrize("strategy", ["replicate", "persistent"])
-@pytest.mark.parametrize(("lanes", "weights", "accum"), [(2, None, 2), (3, [3, 1, 2], 2), (3, [3, 1, 2], 1)])
-def test_each_strategy_catches_each_lanes_own_gradient_exactly(strategy, lanes, weights, accum):
+@pytest.mark.parametrize(
+    ("lanes", "weights", "sizes_"),
+    # (13, 1): the second micro-batch's one sample is lane 0's alone, a step the other lanes sit out
+    [(2, None, (13, 9)), (3, [3, 1, 2], (13, 9)), (3, [3, 1, 2], (13,)), (2, None, (13, 1)), (3, [3, 1, 2], (13, 1))],
+)
+def test_each_strategy_catches_each_lanes_own_gradient_exactly(strategy, lanes, weights, sizes_):
+    accum = len(sizes_)
     torch.manual_seed(0)
     model = Mlp()
     ref = Mlp()
@@ -153,7 +158,6 @@ def test_each_strategy_catches_each_lanes_own_gradient_exactly(strategy, lanes, 
     probe = LaneGradProbe(lanes, torch.device("cpu"))
     strat.lane_grads = probe
     g = torch.Generator().manual_seed(2)
-    sizes_ = (13, 9)[:accum]
     batches = [(torch.randn(n, 5, generator=g, dtype=F64), torch.randn(n, 3, generator=g, dtype=F64)) for n in sizes_]
     loss_fn = nn.functional.mse_loss
     try:
