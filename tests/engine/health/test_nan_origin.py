@@ -163,5 +163,5 @@ def test_a_finite_run_keeps_state_but_writes_no_origin(make_config):
     cfg = make_config(train__steps=4, data__batch_size=BATCH)
     trainer = Trainer(cfg, task=Regression())
     assert trainer.run().status == "finished"
-    assert trainer.run_health.keeper.kept is not None and trainer.run_health.keeper.kept.step == 3
+    assert trainer.run_health.kept is not None and trainer.run_health.kept.step == 3
     assert not (trainer.run_dir.path / "nan_origin.json").exists()

@@ -281,6 +281,19 @@ def test_one_device_says_why_there_is_no_noise_scale():
     assert math.isfinite(HealthSection().every)
 
 
+def test_a_replayed_step_is_neither_sampled_nor_measured_on_any_strategy():
+    # Under ddp and fsdp the probe is fed by the gradients' collective (``always``), not by the lanes'
+    # hook a replay replaces: a NaN's replay must turn the monitor off, not only its sampling.
+    mon = HealthMonitor(HealthSection(every=1, noise_every=1), 2, torch.device("cpu"), exchange=lambda v: None)
+    model = nn.Linear(2, 1)
+    with mon.quiet():
+        mon.begin_step(1, model, 1)
+        assert not mon.on and not mon.probe.armed
+    mon.begin_step(2, model, 1)
+    assert mon.on and mon.probe.armed  # the run's own steps: as before
+    mon.abandon()
+
+
 def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
     from multilane.engine.health.run_health import make_monitor
     from multilane.engine.tasks import loss_weight_fn
