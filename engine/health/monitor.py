@@ -79,7 +79,9 @@ class HealthMonitor:
         self._noise_tensors: dict[str, torch.Tensor] = {}
         self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
         self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
-        self.muted = False  # steps that are not the run's own (``quiet``)
+        self.muted = False
+        """Steps that are not the run's own (a NaN's replay): none sampled, none measured for the noise
+        scale (its probe stays unarmed, whatever feeds it: under ddp and fsdp the gradients' collective)."""
 
     @property
     def noise_note(self) -> str | None:
@@ -110,16 +112,6 @@ class HealthMonitor:
         if replicas is not None:
             targets = [model, *[r for r in replicas if r is not model]]
             self._handles = self.layers.hook_activations(targets)
-
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
-        """Steps that are not the run's own (a NaN's replay): none sampled, none measured for the noise
-        scale (its probe stays unarmed, whatever feeds it)."""
-        self.muted = True
-        try:
-            yield
-        finally:
-            self.muted = False
 
     @contextlib.contextmanager
     def no_activations(self) -> Iterator[None]:

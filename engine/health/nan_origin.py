@@ -62,7 +62,7 @@ class StepReplay(Protocol):
     lanes: int  # the lanes this process runs (a rank: 1)
     accum: int  # micro-batches a step
     step: int  # the loop's step, read and set
-    gather: Gather | None  # ddp, fsdp: every rank's findings of a step; None: this process holds them all
+    gather: Gather  # every process's object (ddp, fsdp: every rank's; one process: its own alone)
 
     def lane_rng(self) -> Any: ...  # the lanes' random streams (a rank's own), or None
     def set_lane_rng(self, state: Any) -> None: ...
@@ -203,15 +203,11 @@ def find_origin(loop: StepReplay, kept: Kept, last_step: int) -> Origin | None:
                 trail.step = step
                 with _traced(loop.task, tracer):
                     part = loop.run_step(step, tracer)
-                if loop.gather is None:  # this process's lanes are every lane
-                    found: Any = tracer
-                    rec = loop.record([part], step)
-                    steps += trail.take()
-                else:  # a rank is a lane: the ranks' findings, gathered (one small collective)
-                    everyone = loop.gather(_mine(part, tracer, trail))
-                    rec = loop.record([e["window"] for e in everyone], step)
-                    steps += _updates(everyone, sharded)
-                    found = _Gathered(everyone)
+                # every process's findings (ddp, fsdp: one small collective), a process's lanes the run's
+                everyone = loop.gather(_mine(part, tracer, trail))
+                rec = loop.record([e["window"] for e in everyone], step)
+                steps += _updates(everyone, sharded)
+                found = _Gathered(everyone, loop.lanes)
                 origin = origin_of(samples, step, found, rec, kept.step, names, steps, trail.names, history)
                 if origin is not None:
                     return origin
@@ -223,13 +219,13 @@ def find_origin(loop: StepReplay, kept: Kept, last_step: int) -> Origin | None:
         restore(loop, now)
 
 
-def weights_origin(kept: Kept, device: str, gather: Gather | None) -> Origin | None:
+def weights_origin(kept: Kept, device: str, gather: Gather) -> Origin | None:
     """The weights the replay would start from, already non-finite (an earlier update made them so; fsdp:
-    on any rank, each holding its own shards), or None."""
-    bad = [n for n, v in kept.model.items() if v.is_floating_point() and not bool(torch.isfinite(local(v)).all())]
-    if gather is not None:  # the same answer on every rank, in the model's order
-        everyone = gather(bad)
-        bad = [n for n in kept.model if any(n in e for e in everyone)]
+    on any rank, each holding its own shards), or None; the same answer on every rank."""
+    everyone = gather(
+        [n for n, v in kept.model.items() if v.is_floating_point() and not torch.isfinite(local(v)).all()]
+    )
+    bad = [n for n in kept.model if any(n in e for e in everyone)]
     if not bad:
         return None
     detail = {"step": kept.step + 1, "weights": bad[:MAX_DETAIL]}
@@ -256,37 +252,38 @@ def unsharded_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class _Gathered:
-    """Every rank's findings of one replayed step, as one tracer of lanes (a rank is a lane)."""
+    """Every process's findings of one replayed step, as one tracer of the run's lanes (a process's lane
+    ``i`` is the run's ``process * lanes + i``; under ddp and fsdp a rank is a lane)."""
 
-    def __init__(self, per_rank: list[dict[str, Any]]) -> None:
+    def __init__(self, everyone: list[dict[str, Any]], lanes: int) -> None:
         def of(kind: str) -> dict[int, Finding]:
             out = {}
-            for rank, found in enumerate(per_rank):
-                f = found[kind]
-                if f is not None:
-                    f.lane = rank
-                    out[rank] = f
+            for p, found in enumerate(everyone):
+                for lane, f in found[kind].items():
+                    f.lane = p * lanes + lane
+                    out[f.lane] = f
             return out
 
         self.inputs, self.outputs, self.losses, self.grads = (of(kind) for kind in PHASES)
         self.peaks: dict[tuple[int, str], dict[int, Any]] = {}
-        for rank, found in enumerate(per_rank):
-            for key, values in found["peaks"]:
-                self.peaks.setdefault(key, {})[rank] = values
+        for p, found in enumerate(everyone):
+            for key, lane, values in found["peaks"]:
+                self.peaks.setdefault(key, {})[p * lanes + lane] = values
 
 
 def _mine(window: Any, tracer: Tracer, trail: UpdateTrail) -> dict[str, Any]:
-    """This rank's findings of a replayed step, as plain data for the ranks' gather: its window's part,
-    its first non-finite input, output, loss and gradient, its rows' peaks and its layers' update sums."""
-    keys = [k for k in tracer.peaks if 0 in tracer.peaks[k]]
-    flat = [tracer.peaks[k][0] for k in keys]
-    values = torch.cat(flat).tolist() if flat else []
+    """This process's findings of a replayed step, as plain data to gather: its window's part, each lane's
+    first non-finite input, output, loss and gradient, its rows' peaks (one transfer) and its layers'
+    update sums."""
+    keys = [(k, lane) for k, by_lane in tracer.peaks.items() for lane in by_lane]
+    flat = [tracer.peaks[k][lane] for k, lane in keys]
+    values = torch.cat([v.to(flat[0].device) for v in flat]).tolist() if flat else []  # lanes on several GPUs
     peaks, at = [], 0
-    for k, v in zip(keys, flat, strict=True):
-        peaks.append((k, values[at : at + v.numel()]))
+    for (k, lane), v in zip(keys, flat, strict=True):
+        peaks.append((k, lane, values[at : at + v.numel()]))
         at += v.numel()
-    firsts = (tracer.inputs.get(0), tracer.outputs.get(0), tracer.losses.get(0), tracer.grads.get(0))
-    return {"window": window, **dict(zip(PHASES, firsts, strict=True)), "peaks": peaks, "updates": trail.take()}
+    found = (tracer.inputs, tracer.outputs, tracer.losses, tracer.grads)
+    return {"window": window, **dict(zip(PHASES, found, strict=True)), "peaks": peaks, "updates": trail.take()}
 
 
 def _updates(everyone: list[dict[str, Any]], sharded: bool) -> list[tuple[int, list[list[float]]]]:

@@ -226,7 +226,7 @@ def outlier_rows(
     for (m, name), by_lane in peaks.items():
         if m != micro or lane not in by_lane:
             continue
-        values = {k: torch.as_tensor(v).double().cpu().nan_to_num(nan=math.inf) for k, v in by_lane.items()}
+        values = {k: torch.as_tensor(v, dtype=torch.float64).cpu().nan_to_num(nan=math.inf) for k, v in by_lane.items()}
         every = torch.cat([values[k] for k in sorted(values)])
         median = float(torch.median(every))
         if not math.isfinite(median):

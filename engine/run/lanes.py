@@ -214,8 +214,6 @@ class LanesReplay:
     """The loop's side of a NaN's replay on one process's lanes (``StepReplay``): its state, and its own
     step run again; a rank strategy's (engine/distributed/ddp.py) changes the streams, loader and window."""
 
-    gather = None
-
     def __init__(self, t: Trainer, spread: Any) -> None:
         self.t, self.spread, self.task = t, spread, t.task
         self.accum, self.lanes = t.config.train.grad_accum, len(t.devices)
@@ -225,6 +223,9 @@ class LanesReplay:
     optimizer = property(lambda self: self.t.optimizer)
     scaler = property(lambda self: self.t.scaler)
     step = property(lambda self: self.t.step, lambda self, v: setattr(self.t, "step", v))
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]  # one process: its lanes are the run's
 
     def lane_rng(self) -> Any:
         random = getattr(self.t.strategy, "random", None)
@@ -246,12 +247,11 @@ class LanesReplay:
     @contextlib.contextmanager
     def replaying(self, loader: Any) -> Iterator[None]:
         t = self.t
-        saved, t.loader = (t.loader, t.window), loader
+        saved, t.loader, t.health.muted = (t.loader, t.window), loader, True  # a replayed step is not the run's
         try:
-            with t.health.quiet():
-                yield
+            yield
         finally:
-            t.loader, t.window = saved
+            (t.loader, t.window), t.health.muted = saved, False
 
     def run_step(self, step: int, tracer: Tracer) -> Any:
         t, strategy = self.t, self.t.strategy

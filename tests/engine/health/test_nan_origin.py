@@ -98,6 +98,7 @@ def test_a_module_making_inf_from_one_sample_is_named_with_its_device_and_sample
     assert f"from samples {sample}; first non-finite gradient in 2.weight on {device}" in line
     assert status["message"] == line
     assert detail["step"] == step and detail["samples"] == [sample]
+    assert not trainer.health.muted and trainer.health.every  # the run's monitor is its own again after the replay
     assert detail["outputs"] == {device: {"module": "0", "rows": detail["outputs"][device]["rows"]}}
     # the run's own state is the one it noticed the NaN in, not the replay's
     assert trainer.step == 5
