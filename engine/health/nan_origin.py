@@ -47,7 +47,7 @@ from torch import nn
 __all__ = ["Kept", "Origin", "StepReplay", "find_origin", "restore", "snapshot", "unsharded_params"]
 
 Gather = Callable[[Any], list[Any]]
-"""Every rank's object, in rank order (``torch.distributed.all_gather_object`` on the ranks' group)."""
+"""Every process's object, in rank order (ddp, fsdp: ``all_gather_object`` on the ranks' group)."""
 
 
 class StepReplay(Protocol):
@@ -277,11 +277,9 @@ def _mine(window: Any, tracer: Tracer, trail: UpdateTrail) -> dict[str, Any]:
     update sums."""
     keys = [(k, lane) for k, by_lane in tracer.peaks.items() for lane in by_lane]
     flat = [tracer.peaks[k][lane] for k, lane in keys]
-    values = torch.cat([v.to(flat[0].device) for v in flat]).tolist() if flat else []  # lanes on several GPUs
-    peaks, at = [], 0
-    for (k, lane), v in zip(keys, flat, strict=True):
-        peaks.append((k, lane, values[at : at + v.numel()]))
-        at += v.numel()
+    one = torch.cat([v.to(flat[0].device) for v in flat]).cpu() if flat else None  # one transfer (lanes: GPUs)
+    values = one.split([v.numel() for v in flat]) if one is not None else []
+    peaks = [(k, lane, v.tolist()) for (k, lane), v in zip(keys, values, strict=True)]
     found = (tracer.inputs, tracer.outputs, tracer.losses, tracer.grads)
     return {"window": window, **dict(zip(PHASES, found, strict=True)), "peaks": peaks, "updates": trail.take()}
 
