@@ -89,7 +89,7 @@ def set_variant(t: Trainer, variant: str) -> None:
         t.config.health, t.task, t._loss_weight is not None, len(t.devices), t.backend.output_device
     )
     t.strategy.lane_grads = t.health.probe
-    t.run_health = RunHealth(replay=keep)
+    t.run_health = RunHealth(t.health, t.spread.replay(t) if keep else None, t._event, t.callbacks)
 
 
 def block(t: Trainer, steps: int) -> float:
@@ -99,7 +99,7 @@ def block(t: Trainer, steps: int) -> float:
     t0 = time.process_time()
     for _ in range(steps):
         if t.window.steps == 0:
-            t.run_health.window_start(t)
+            t.run_health.window_start(t.step)
         t._train_step(1)
         t.step += 1
         if t.step % 10 == 0:

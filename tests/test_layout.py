@@ -185,3 +185,11 @@ def test_no_two_folders_import_each_other_at_run_time():
     pairs = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
     # engine's root holds what every room uses (config, errors, ...), and the run folder's room reads config
     assert [p for p in pairs if p != ("multilane.engine", "multilane.engine.rundir")] == []
+
+
+def test_the_instruments_never_name_the_loop():
+    # An instrument is handed what it needs (a replay gets the loop's side of it, ``StepReplay``; the
+    # report its events and callbacks): no module of engine/health imports engine/run, even for hints.
+    for path in (ENGINE / "health").glob("*.py"):
+        named = [n for n in _imports(path) if n.startswith(("multilane.engine.run", "multilane.engine.distributed"))]
+        assert named == [], f"{path.name} imports {named}"

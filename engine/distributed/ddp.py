@@ -46,6 +46,7 @@ from multilane.engine.parallel.timing import CudaPhaseTimer, PhaseTimer
 from multilane.engine.run import checkpointer
 from multilane.engine.run.control import RunControl
 from multilane.engine.run.evaluation import write_sample
+from multilane.engine.run.lanes import LanesReplay
 from multilane.engine.run.run_spec import open_run_dir, planned_steps
 from multilane.engine.rundir.runlog import RunDir
 from multilane.engine.tasks import loss_weight_fn
@@ -55,6 +56,7 @@ from multilane.engine.tensors.features import check_model
 from multilane.engine.tensors.optim import build_optimizer
 
 if TYPE_CHECKING:
+    from multilane.engine.health.tracer import Tracer
     from multilane.engine.run.trainer import Trainer
 
 RANK_LOCK_WAIT_S = 20.0
@@ -70,7 +72,6 @@ class Ddp(RankAgreement):
     """
 
     sharded = False
-    ranks = True  # a NaN's replay: every rank its own shard, together (engine/health/rank_replay.py)
 
     def __init__(self, info: RankInfo, requests: RunControl | None = None, run_dir: str | Path | None = None) -> None:
         self.info = info
@@ -115,7 +116,7 @@ class Ddp(RankAgreement):
         return dev
 
     def rank_loader(self, t: Trainer) -> RankLoader:
-        """A loader of this rank's slice of every global batch (also a NaN replay's own, health/rank_replay.py)."""
+        """A loader of this rank's slice of every global batch (also a NaN replay's own: ``RankReplay``)."""
         dev = self.info.device
         return RankLoader(build_loader(t.task, t.config, dev.torch_device() if dev.is_cuda else None), self.my_slice)
 
@@ -342,3 +343,44 @@ class Ddp(RankAgreement):
         if status != "failed":
             with contextlib.suppress(Exception):
                 self._drain_pending()
+
+    def replay(self, t: Trainer) -> RankReplay:
+        return RankReplay(t, self)
+
+
+class RankReplay(LanesReplay):
+    """The loop's side of a NaN's replay on a rank (every rank replays together, each its own shard): its
+    own random streams, its loader of shards, its log window's part, the ranks' findings gathered."""
+
+    spread: Ddp
+
+    def __init__(self, t: Trainer, spread: Ddp) -> None:
+        super().__init__(t, spread)
+        self.lanes, self.window = 1, type(t.window)  # fsdp's reads the DTensor norm of its clipping
+
+    def gather(self, obj: Any) -> list[Any]:
+        everyone: list[Any] = [None] * self.spread.info.world
+        dist.all_gather_object(everyone, obj, group=self.spread.control_group)
+        return everyone
+
+    def lane_rng(self) -> Any:
+        return self.spread.streams.own()
+
+    def set_lane_rng(self, state: Any) -> None:
+        self.spread.streams.set_own(state)
+
+    def replicas(self) -> list[torch.nn.Module]:
+        return []
+
+    def loader(self) -> Any:
+        return self.spread.rank_loader(self.t)
+
+    def run_step(self, step: int, tracer: Tracer) -> Any:
+        t = self.t
+        t.window = self.window()
+        t._train_step(self.accum)
+        t.step = step
+        return t.window.take()
+
+    def record(self, windows: list[Any], step: int) -> dict[str, Any] | None:
+        return combine(windows, self.lane_names, step=step) if all(w is not None for w in windows) else None

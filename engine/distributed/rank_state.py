@@ -50,19 +50,24 @@ class RankStreams:
         per rank, else afresh (rank 0 keeps the run's generators, which a resume has restored)."""
         lanes = (saved or {}).get("lanes") or []
         mine = lanes[self.rank] if len(lanes) == self.world else None
-        gens = _generators(self.device)
         if mine is not None:
-            for g, s in zip(gens, mine, strict=False):
-                g.set_state(s)
+            self.set_own(mine)
         elif self.rank > 0:
-            for g in gens:
+            for g in _generators(self.device):
                 g.manual_seed(lane_seed(self.seed, self.rank))
+
+    def own(self) -> list[torch.Tensor]:
+        """This rank's generator states (no collective)."""
+        return [g.get_state() for g in _generators(self.device)]
+
+    def set_own(self, states: Sequence[torch.Tensor]) -> None:
+        for g, s in zip(_generators(self.device), states, strict=False):
+            g.set_state(s)
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's generator states (a collective: every rank calls it at the same step)."""
-        mine = [g.get_state() for g in _generators(self.device)]
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, self.own(), group=self.group)
         return {"seed": self.seed, "lanes": everyone}
 
 

@@ -16,11 +16,6 @@ from multilane.engine.run.metrics_window import ActiveClock
 
 
 class ShardWindow(ActiveClock):
-    @staticmethod
-    def combine(windows: list[dict[str, Any]], keys: list[str], **fields: Any) -> dict[str, Any]:
-        """The run's train record from every rank's window (``combine``; a NaN replay's too)."""
-        return combine(windows, keys, **fields)
-
     def __init__(self) -> None:
         self._t0: float | None = None
         self.reset()

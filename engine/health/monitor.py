@@ -79,6 +79,9 @@ class HealthMonitor:
         self._noise_tensors: dict[str, torch.Tensor] = {}
         self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
         self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
+        self.muted = False
+        """Steps that are not the run's own (a NaN's replay): none sampled, none measured for the noise
+        scale (its probe stays unarmed, whatever feeds it: under ddp and fsdp the gradients' collective)."""
 
     @property
     def noise_note(self) -> str | None:
@@ -93,7 +96,7 @@ class HealthMonitor:
         made then would keep the hooks)."""
         sampled = bool(self.every) and step % self.every == 0
         noise = self.probe is not None and measured(step, self.noise_every)
-        if not (sampled or noise):
+        if self.muted or not (sampled or noise):
             return
         self.on, self._sampled, self._step = True, sampled, step
         self._shares = LaneShares.empty(self.lanes)

@@ -1,4 +1,4 @@
-"""What a replayed step shows (nan_origin.py, rank_replay.py): the origin of a NaN, in one line.
+"""What a replayed step shows (nan_origin.py): the origin of a NaN, in one line.
 
 The first non-finite value of the step — in the earliest micro-batch, and within it the input data,
 then a module's output, then the loss, then a gradient — is the origin. Its samples:
@@ -28,6 +28,7 @@ step; ties in one step go to the largest ratio.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,7 +226,7 @@ def outlier_rows(
     for (m, name), by_lane in peaks.items():
         if m != micro or lane not in by_lane:
             continue
-        values = {k: torch.as_tensor(v).double().cpu().nan_to_num(nan=math.inf) for k, v in by_lane.items()}
+        values = {k: torch.as_tensor(v, dtype=torch.float64).cpu().nan_to_num(nan=math.inf) for k, v in by_lane.items()}
         every = torch.cat([values[k] for k in sorted(values)])
         median = float(torch.median(every))
         if not math.isfinite(median):
@@ -238,14 +239,22 @@ def outlier_rows(
     return [], None
 
 
-def _samples(t: Any, micro: int, lane: int, rows: list[int]) -> list[int]:
-    """The dataset indices of ``rows`` of ``lane``'s shard of global micro-batch ``micro``."""
-    indices = t.loader.sample_indices(micro) if hasattr(t.loader, "sample_indices") and rows else None
-    if not indices:
-        return []
-    sizes = t._sizes(len(indices))
-    lo = sum(sizes[:lane])
-    return [indices[lo + r] for r in rows if r < sizes[lane] and lo + r < len(indices)]
+Samples = Callable[[int, int, list[int]], list[int]]
+"""The dataset indices of some rows of a lane's shard of a global micro-batch (``sample_namer``)."""
+
+
+def sample_namer(loader: Any, sizes: Callable[[int], list[int]]) -> Samples:
+    """``Samples`` of ``loader`` (its ``sample_indices``, where it has them), split as ``sizes`` splits a batch."""
+
+    def samples(micro: int, lane: int, rows: list[int]) -> list[int]:
+        indices = loader.sample_indices(micro) if hasattr(loader, "sample_indices") and rows else None
+        if not indices:
+            return []
+        shares = sizes(len(indices))
+        lo = sum(shares[:lane])
+        return [indices[lo + r] for r in rows if r < shares[lane] and lo + r < len(indices)]
+
+    return samples
 
 
 def _rows_of(
@@ -265,7 +274,7 @@ PHASES = ("input", "output", "loss", "gradient")
 
 
 def origin_of(
-    t: Any,
+    samples_of: Samples,
     step: int,
     tracer: Any,
     rec: dict[str, Any] | None,
@@ -275,7 +284,7 @@ def origin_of(
     layers: list[str] | None = None,
     history: dict[int, dict[tuple[int, str], dict[int, Any]]] | None = None,
 ) -> Origin | None:
-    """The origin a replayed step shows, from its findings per lane (``tracer``: ``inputs``, ``outputs``,
+    """The origin a replayed step shows (``samples_of`` names its rows' samples), from its findings per lane (``tracer``: ``inputs``, ``outputs``,
     ``losses``, ``grads``, ``peaks``; under ddp a rank is a lane) and its record (its loss, when not
     finite, goes into the origin's line), or None when every value stayed finite. ``updates``: the
     replayed steps' per-layer sums (``UpdateTrail.take``) of ``layers``; ``history``: the earlier
@@ -294,7 +303,7 @@ def origin_of(
     if firsts:
         _, _, kind, f = min(firsts, key=lambda x: (x[0], x[1], x[3].seq, x[3].lane))
         rows, standout = _rows_of(f, tracer.peaks, blew_up)
-        samples = _samples(t, f.micro, f.lane, rows)
+        samples = samples_of(f.micro, f.lane, rows)
         where, device, micro = f.where, names[f.lane], f.micro
     else:  # the combined loss, with every lane's finite (a weighted sum that overflowed)
         kind, where, device, samples, standout, micro = "loss", "the loss", bad_lanes[0], [], None, None
@@ -317,14 +326,14 @@ def origin_of(
         del u[RAW]
         blew = u["blew_up"]
         if blew is not None and not samples and history and blew["step"] in history:
-            found, standout = step_outliers(t, history[blew["step"]])
+            found, standout = step_outliers(samples_of, history[blew["step"]])
             if found:
                 origin.samples, origin.standout, origin.samples_step = found, standout, blew["step"]
                 detail["samples"], u["samples"] = found[:MAX_DETAIL], found[:MAX_DETAIL]
     return origin
 
 
-def step_outliers(t: Any, peaks: dict[tuple[int, str], dict[int, Any]]) -> tuple[list[int], str | None]:
+def step_outliers(samples_of: Samples, peaks: dict[tuple[int, str], dict[int, Any]]) -> tuple[list[int], str | None]:
     """Rule 2 over a whole step (every micro-batch, every device): the samples that stand out, and where
     they first do."""
     found: list[int] = []
@@ -333,6 +342,6 @@ def step_outliers(t: Any, peaks: dict[tuple[int, str], dict[int, Any]]) -> tuple
         for lane in sorted({k for (m, _), by in peaks.items() if m == micro for k in by}):
             rows, w = outlier_rows(peaks, micro, lane)
             if rows:
-                found += _samples(t, micro, lane, rows)
+                found += samples_of(micro, lane, rows)
                 where = where or w
     return found, where

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,6 @@ from multilane.engine.rundir.runread import CONFIG, ENVIRONMENT, METRICS, STATUS
 from multilane.integrations import mlflow_records as mr
 
 if TYPE_CHECKING:
-    from multilane.engine.run.trainer import Trainer
     from multilane.integrations.mlflow import Sender
 
 POLL_S = 1.0  # the mirror reads its new records at most this often
@@ -62,7 +62,7 @@ class MlflowLogger(TrainerCallback):
         self._handed: str | None = None
         self.points = mr.PointMaker()
         self.sender: Sender | None = None
-        self._trainer: Trainer | None = None
+        self._event: Callable[..., None] | None = None  # the run's events (``on_train_start``)
         self._warning: str | None = None
         self._warned = False
         self._lock = threading.Lock()
@@ -90,15 +90,15 @@ class MlflowLogger(TrainerCallback):
             if message:
                 self._warned = True
             handed, self._handed = self._handed, None
-        if self._trainer is None:
+        if self._event is None:
             return
         if message:
-            self._trainer._event("warning", message=message)
+            self._event("warning", message=message)
         if handed:  # the record the mirror takes over from (``MirrorLogger``)
-            self._trainer._event("warning", message=handed, **{mr.HAND_OVER_FIELD: mr.public_uri(self.uri)})
+            self._event("warning", message=handed, **{mr.HAND_OVER_FIELD: mr.public_uri(self.uri)})
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def on_train_start(self, trainer: Any) -> None:
+        self._event = trainer._event  # its one use of the loop: a warning is one of the run's events
 
     def on_event(self, record: dict[str, Any]) -> None:
         if record.get("event") == "started" and self.sender is None:

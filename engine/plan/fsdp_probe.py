@@ -109,7 +109,7 @@ def _probe(config: RunConfig, task: Any, devices: list[Device]) -> tuple[dict[st
     with counting:
         step = _RankStepper(config, task, dev, n, count)  # measures the setup phase
         step.run(inputs, target, batches[0])  # creates the optimizer's state
-        # Each rank's NaN replay copy of its shards and optimizer state (engine/health/rank_replay.py),
+        # Each rank's NaN replay copy of its shards and optimizer state (engine/health/nan_origin.py),
         # held for the whole run when it is on: made here too, so every peak holds it.
         replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
         free = measure.free_bytes(devices[0].name)

@@ -187,7 +187,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> l
             step = LoopStep(loop(quiet, task, devices), count, pools, stack)
         step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
         # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
-        # ddp each rank's, rank_replay.py), held on the model's device for the whole run when it is
+        # ddp each rank's own), held on the model's device for the whole run when it is
         # on: made here too, so every peak holds it.
         replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
         for b in batches:

@@ -147,7 +147,7 @@ WEIGHTS = "the weights or the optimizer's state became non-finite"
 def diverged_message(t: Trainer, e: NonFiniteLoss) -> str:
     """The one line of a run that diverged: where the NaN began when health's replay finds it (its line
     for weights reads "at step s: first non-finite gradient in …", put after ``WEIGHTS``)."""
-    message = t.run_health.explain(t, str(e))
+    message = t.run_health.explain(str(e), t.step, t.run_dir)
     if str(e).startswith(WEIGHTS) and not message.startswith(str(e)):
         message = f"{WEIGHTS} {message}"
     return message

@@ -8,7 +8,9 @@ runs. The other strategies, one process per device, are ddp and fsdp (engine/dis
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +31,8 @@ from multilane.engine.tensors import features
 from multilane.engine.tensors.optim import build_optimizer
 
 if TYPE_CHECKING:
+    from multilane.engine.health.nan_origin import StepReplay
+    from multilane.engine.health.tracer import Tracer
     from multilane.engine.run.trainer import Trainer
 
 
@@ -38,7 +42,6 @@ class Strategy(Protocol):
 
     sharded: bool  # the model's state sharded: checkpoints load through the sharded state-dict helpers
     place: Any  # a rank's (device, rank, world), which its memory meter measures; None: one process's lanes
-    ranks: bool  # one process per device: a NaN's replay runs on every rank (engine/health/rank_replay.py)
 
     def open_resume_dir(self, path: str | Path) -> RunDir: ...  # locked by the process that writes it
     def open_run_dir(self, t: Trainer) -> RunDir: ...  # the resumed one, the one given, or a new one
@@ -67,6 +70,7 @@ class Strategy(Protocol):
     def make_sampler(self, t: Trainer) -> TelemetrySampler | None: ...
     def checkpoint_state(self, t: Trainer) -> dict[str, Any]: ...
     def finish(self, t: Trainer, status: str) -> None: ...  # before the run's end is recorded
+    def replay(self, t: Trainer) -> StepReplay: ...  # the loop's side of a NaN's replay (engine/health/nan_origin.py)
 
 
 class Lanes:
@@ -74,7 +78,6 @@ class Lanes:
 
     sharded = False
     place = None
-    ranks = False
 
     def open_resume_dir(self, path: str | Path) -> RunDir:
         return RunDir.open_existing(path)  # locked: this process is its one writer
@@ -202,3 +205,65 @@ class Lanes:
 
     def finish(self, t: Trainer, status: str) -> None:
         pass
+
+    def replay(self, t: Trainer) -> StepReplay:
+        return LanesReplay(t, self)
+
+
+class LanesReplay:
+    """The loop's side of a NaN's replay on one process's lanes (``StepReplay``): its state, and its own
+    step run again; a rank strategy's (engine/distributed/ddp.py) changes the streams, loader and window."""
+
+    def __init__(self, t: Trainer, spread: Any) -> None:
+        self.t, self.spread, self.task = t, spread, t.task
+        self.accum, self.lanes = t.config.train.grad_accum, len(t.devices)
+
+    lane_names = property(lambda self: self.t.lane_names)
+    model = property(lambda self: self.t.model)
+    optimizer = property(lambda self: self.t.optimizer)
+    scaler = property(lambda self: self.t.scaler)
+    step = property(lambda self: self.t.step, lambda self, v: setattr(self.t, "step", v))
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]  # one process: its lanes are the run's
+
+    def lane_rng(self) -> Any:
+        random = getattr(self.t.strategy, "random", None)
+        return random.state_dict() if random is not None else None
+
+    def set_lane_rng(self, state: Any) -> None:
+        self.t.strategy.random.load_state_dict(state)
+
+    def replicas(self) -> list[torch.nn.Module]:
+        return self.spread.replicas(self.t) or []
+
+    def sizes(self, batch: int) -> list[int]:
+        return self.spread.sizes(self.t, batch)
+
+    def loader(self) -> Any:
+        dev = self.t.backend.model_device
+        return build_loader(self.t.task, self.t.config, dev if dev.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def replaying(self, loader: Any) -> Iterator[None]:
+        t = self.t
+        saved, t.loader, t.health.muted = (t.loader, t.window), loader, True  # a replayed step is not the run's
+        try:
+            yield
+        finally:
+            (t.loader, t.window), t.health.muted = saved, False
+
+    def run_step(self, step: int, tracer: Tracer) -> Any:
+        t, strategy = self.t, self.t.strategy
+        t.window = MetricsWindow(self.lane_names)
+        t.window.resume()
+        grads, strategy.lane_grads = strategy.lane_grads, tracer  # replicate shows it each lane's own copies
+        try:
+            t._train_step(self.accum)
+        finally:
+            strategy.lane_grads = grads
+        t.step = step
+        return t.window.record(step=step)
+
+    def record(self, windows: list[Any], step: int) -> dict[str, Any] | None:
+        return windows[0]

@@ -127,12 +127,9 @@ class Trainer:
         cfg = self.config
         weighted = self._loss_weight is not None
         self.health = make_monitor(cfg.health, self.task, weighted, **self.spread.health_spread(self))
-        self.run_health = RunHealth(replay=cfg.health.enabled and cfg.health.nan_replay, ranks=self.spread.ranks)
+        replay = self.spread.replay(self) if cfg.health.enabled and cfg.health.nan_replay else None
+        self.run_health = RunHealth(self.health, replay, self._event, self.callbacks)
         self.spread.attach(self)
-
-    def _replicas(self) -> list[torch.nn.Module] | None:
-        """The lanes' own copies of the model (persistent; None until it has made them), or []."""
-        return self.spread.replicas(self)  # type: ignore[attr-defined]
 
     def _sizes(self, batch: int) -> list[int]:
         return self.spread.sizes(self, batch)
@@ -240,7 +237,7 @@ class Trainer:
                 why = self.control.stop_reason
                 return "stopped", f"stopped at step {self.step}" + (f" ({why})" if why else "")
             self._at_step = self.step + 1
-            self.run_health.before_step(self)  # the state a replay of this window starts from
+            self.run_health.before_step(self.step, self.window)  # the state a replay of this window starts from
             with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
                 self._train_step(accum)
             self.step += 1
@@ -312,7 +309,7 @@ class Trainer:
         """A log window's record: health's part of it, then (``others``: other ranks' telemetry) to the
         callbacks; a non-finite loss in it ends the run (``NonFiniteLoss``, from step ``first``)."""
         add_token_fields(self.task, rec)  # a language model's tokens_per_s
-        self.run_health.report(self, rec)  # every rank: its noise-scale read is a collective
+        self.run_health.report(rec)  # every rank: its noise-scale read is a collective
         for r in others:
             self.dispatch(r)
         self._last_train = rec

@@ -98,6 +98,7 @@ def test_a_module_making_inf_from_one_sample_is_named_with_its_device_and_sample
     assert f"from samples {sample}; first non-finite gradient in 2.weight on {device}" in line
     assert status["message"] == line
     assert detail["step"] == step and detail["samples"] == [sample]
+    assert not trainer.health.muted and trainer.health.every  # the run's monitor is its own again after the replay
     assert detail["outputs"] == {device: {"module": "0", "rows": detail["outputs"][device]["rows"]}}
     # the run's own state is the one it noticed the NaN in, not the replay's
     assert trainer.step == 5
@@ -163,5 +164,5 @@ def test_a_finite_run_keeps_state_but_writes_no_origin(make_config):
     cfg = make_config(train__steps=4, data__batch_size=BATCH)
     trainer = Trainer(cfg, task=Regression())
     assert trainer.run().status == "finished"
-    assert trainer.run_health.keeper.kept is not None and trainer.run_health.keeper.kept.step == 3
+    assert trainer.run_health.kept is not None and trainer.run_health.kept.step == 3
     assert not (trainer.run_dir.path / "nan_origin.json").exists()

@@ -285,6 +285,27 @@ def test_one_device_says_why_there_is_no_noise_scale():
     assert math.isfinite(HealthSection().every)
 
 
+def test_a_replayed_step_is_neither_sampled_nor_measured_on_any_strategy():
+    # Under ddp and fsdp the probe is fed by the gradients' collective (``always``) while it is armed, not
+    # by the lanes' hook a replay replaces: a NaN's replay mutes the whole monitor, not only its sampling.
+    mon = HealthMonitor(HealthSection(every=1, noise_every=1), 2, torch.device("cpu"), exchange=lambda v: None)
+    model = nn.Linear(2, 1)
+
+    def step(s: int) -> None:
+        mon.begin_step(s, model, 1)
+        model(torch.ones(3, 2)).sum().backward()
+        mon.after_reduce(model, None)
+        mon.before_update()
+        mon.after_update()
+
+    mon.muted = True
+    step(1)
+    assert not mon.probe.armed and mon._pending == []
+    mon.muted = False
+    step(2)
+    assert [s for s, *_ in mon._pending] == [2]  # the run's own steps: sampled and measured as before
+
+
 def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
     from multilane.engine.health.run_health import make_monitor
     from multilane.engine.tasks import loss_weight_fn
