@@ -148,7 +148,7 @@ def test_plan_under_fsdp_needs_less_per_device_than_replicate_when_the_state_dom
 
 
 def test_plan_under_fsdp_in_its_own_process_holds_rank_0s_padded_shards_and_counts_both_ranks():
-    """The fast tier's run of the fsdp probe (fsdp_probe.py): ``plan --strategy fsdp`` as the user runs it, in a
+    """The fast tier's run of the fsdp probe (probe.py, an fsdp rank's own step): ``plan --strategy fsdp`` as the user runs it, in a
     process of its own (the probe's fake process group leaves a thread behind in the process). The shards
     are FSDP2's rule, counted here by hand: rank 0 holds ceil(rows / 2) rows of every parameter and of its
     gradient and Adam's two moments, and one 4-byte step counter per parameter; the 2 CPU ranks share one
