@@ -49,6 +49,9 @@ class MemoryLine:
     """The batch a step really takes where the training data holds fewer samples than the run's batch."""
     shards: list[int] | None = None
     """fsdp: [the bytes of parameters, gradients and optimizer state rank 0 holds, one device's whole]."""
+    settle: int = 0
+    """The strategy's first steps the probe took, unmeasured, after the one that creates what lasts (ddp: its
+    reach probe's, whose steps leave DDP's buckets idle): the run's meter measures after them too (meter.py)."""
 
     @property
     def per_sample(self) -> float:
@@ -184,8 +187,10 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> l
         rank = (lanes_run[0].torch_device(), n if strategy == "fsdp" else 1) if ranked else None
         step = LoopStep(loop(quiet, task, devices), count, pools, stack, rank)
         step.run(inputs, target, batches[0])  # creates optimizer state, lasting copies
+        settle = 0
         while step.t.spread.settling:  # the strategy's first steps (ddp's reach probe): the run's are too
             step.run(inputs, target, batches[0])
+            settle += 1
         # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; a rank's,
         # rank_replay.py), held on the model's device for the whole run when it is on: made here too, so
         # every peak holds it.
@@ -225,7 +230,7 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> l
             by_memory.setdefault(d.name if d.is_cuda else "cpu", []).append(i)
         lines += [MemoryLine(m, ranks, phases, ranks=len(ranks), shards=shards) for m, ranks in by_memory.items()]
     for line in lines:
-        line.data_batch = data_batch
+        line.data_batch, line.settle = data_batch, settle
     return lines
 
 
