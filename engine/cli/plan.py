@@ -17,14 +17,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.task is not None and overrides.get("task.params") == {}:
         del overrides["task.params"]
     config = _run_config(args, overrides)
+    from multilane.engine.distributed.worker import probe_loop
     from multilane.engine.plan.fit import plan_run
     from multilane.engine.run.failures import one_line, where
     from multilane.engine.run.run_spec import resolve_run
-    from multilane.engine.run.trainer import Trainer
 
     spec = resolve_run(config, {}, None, None)
     try:
-        forecast = plan_run(spec.config, spec.task, spec.devices, Trainer.for_probe)
+        forecast = plan_run(spec.config, spec.task, spec.devices, probe_loop)
     except (UserError, KeyboardInterrupt):
         raise
     except (Exception, SystemExit) as e:

@@ -162,6 +162,7 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
 
     made: Path | None = None
     if not args.resume:  # will it fit (engine/plan/), once for every rank, before any starts
+        from multilane.engine.distributed.worker import probe_loop
         from multilane.engine.plan.fit import check_fit
         from multilane.engine.plan.meter import FORECAST_ENV
         from multilane.engine.telemetry.devices import parse_devices
@@ -174,7 +175,7 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
 
             def check() -> Any:  # both build the task's model (its code): in the run's folder, "starting"
                 check_features(config, task)  # here, not once per rank (each rank checks it again)
-                return check_fit(config, task, parse_devices(config.devices.use))
+                return check_fit(config, task, parse_devices(config.devices.use), probe_loop)
 
             forecast = _fit_in_its_folder(config, task, check)
             if forecast == "stopped":
@@ -182,7 +183,7 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
             made = Path(os.environ[RUN_DIR_ENV])
         else:
             check_features(config, task)
-            forecast = check_fit(config, task, parse_devices(config.devices.use))
+            forecast = check_fit(config, task, parse_devices(config.devices.use), probe_loop)
         if forecast is not None:  # each rank sets its own peak beside it (engine/plan/meter.py)
             os.environ[FORECAST_ENV] = json.dumps(forecast.to_dict())
     else:

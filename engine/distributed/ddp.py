@@ -109,8 +109,8 @@ class Ddp(RankAgreement):
         t.model = t.task.build_model().to(dev)
         check_model(t.model, cfg)  # every rank finds the same, before any collective
         # Pause/stop flags (and the buffers' and checkpoints' small agreements) travel on a CPU (Gloo)
-        # group: no device sync per step on GPUs.
-        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        # group: no device sync per step on GPUs. (The fit probe's fake group moves nothing: its own.)
+        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() not in ("gloo", "fake") else None
         if cfg.devices.sync_batchnorm:  # the lanes' synchronized BatchNorm, across ranks (batchnorm.py)
             convert_rank_batchnorm(t.model, dist.new_group())
         return dev
@@ -162,6 +162,12 @@ class Ddp(RankAgreement):
             box = [t._checkpoint if info.is_main else None]
             dist.broadcast_object_list(box, src=0, group=self.control_group)
             t._checkpoint = box[0]
+
+    @property
+    def settling(self) -> bool:
+        """Whether this process's first steps still find what each backward reaches (``RankRules.reduce_probe``:
+        under ``no_sync``, DDP's buckets idle); the fit probe (engine/plan/probe.py) measures the steps after."""
+        return self.rules.reached is not None
 
     def health_spread(self, t: Trainer) -> dict[str, Any]:
         return {"lanes": self.info.world, "device": self.info.device.torch_device(), "exchange": dist.all_reduce}

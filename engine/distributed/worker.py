@@ -11,9 +11,10 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import sys
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
@@ -23,6 +24,12 @@ from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
 from torch.distributed.elastic.multiprocessing.errors import record
+
+if TYPE_CHECKING:
+    from multilane.engine.distributed.ddp import Ddp
+    from multilane.engine.run.trainer import Trainer
+    from multilane.engine.tasks import Task
+    from multilane.engine.telemetry.devices import Device
 
 # Errors that mean "another rank went away", not "this rank went wrong".
 _LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I)
@@ -36,11 +43,29 @@ class RankLostPeers(RankFailed):
     """This rank failed because another rank vanished (its own error is secondary)."""
 
 
+def probe_loop(config: RunConfig, task: Task, devices: list[Device]) -> Trainer:
+    """The loop the fit probe drives in this process (engine/plan/probe.py): the lanes' (``Trainer.for_probe``),
+    or a ddp or fsdp rank's, rank 0 of the probe's process group (ddp: this process alone; fsdp: torch's
+    fake N ranks) on the first device, with no run folder, telemetry sampler or agreement between steps."""
+    from multilane.engine.run.trainer import Trainer
+
+    if config.devices.strategy not in ("ddp", "fsdp"):
+        return Trainer.for_probe(config, task, devices)
+    world = dist.get_world_size()
+    info = RankInfo(0, world, 0, world, socket.gethostname(), devices[0])
+    return Trainer.for_probe(config, task, devices, _strategy(config)(info))
+
+
+def _strategy(config: RunConfig) -> type[Ddp]:
+    from multilane.engine.distributed.ddp import Ddp
+    from multilane.engine.distributed.fsdp_rank import Fsdp
+
+    return Fsdp if config.devices.strategy == "fsdp" else Ddp
+
+
 @record
 def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict[str, Any]) -> int:
     from multilane.engine.display.progress import ProgressDisplay, summary
-    from multilane.engine.distributed.ddp import Ddp
-    from multilane.engine.distributed.fsdp_rank import Fsdp
     from multilane.engine.run.trainer import Trainer
 
     if config is None:  # resuming: the devices come from the checkpoint's config
@@ -61,7 +86,7 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
     signal.signal(signal.SIGTERM, on_signal)
     progress = ProgressDisplay(started=command_start()) if info.is_main else None
     callbacks = [progress] if progress is not None else []
-    spread = Fsdp if config.devices.strategy == "fsdp" else Ddp
+    spread = _strategy(config)
     if resume_from:
         strategy = spread(info, requests)
         trainer = Trainer(callbacks=callbacks, resume_from=resume_from, overrides=overrides, strategy=strategy)

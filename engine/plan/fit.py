@@ -28,8 +28,8 @@ def fit_check_on(config: RunConfig) -> bool:
     return config.train.fit_check and os.environ.get(FIT_CHECK_ENV, "1") != "0" and not in_worker()
 
 
-def plan_run(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> Forecast:
-    """Probe the run (probe.py; ``loop``: the loop whose strategy's step the probe drives, for a lanes run)
+def plan_run(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> Forecast:
+    """Probe the run (probe.py; ``loop``: the loop whose strategy's step the probe drives)
     and forecast every memory's peak at its batch (one line if the probe itself runs out of memory)."""
     try:
         lines = probe(config, task, devices, loop)
@@ -104,7 +104,7 @@ def forecast_from(lines: list[MemoryLine], config: RunConfig, n: int) -> Forecas
     )
 
 
-def check_fit(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> Forecast | None:
+def check_fit(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> Forecast | None:
     """The forecast, or ``UserError`` with one line when the run will not fit; None when the check is off."""
     if not fit_check_on(config):
         return None

@@ -8,7 +8,9 @@
   replay keeps once the optimizer has state (its copy at the first window's start was made before the
   optimizer had any: steps 2 and 3 alone measured 11 % under the run's true peak on digits at batch 64).
   Steps of the same shapes hold the same memory, so these stand for every full step; counting every
-  step would cost an aten-op hook on all of them.
+  step would cost an aten-op hook on all of them. A strategy whose first steps differ (ddp's reach probe,
+  under ``no_sync``: DDP's buckets idle) has them let pass by the probe (``MemoryLine.settle``): the
+  meter measures as many steps later (a shorter run: its last step).
 - ddp and fsdp ranks (``RankPeakMeter``): each rank measures its own process (or GPU) at the same steps, against
   the forecast its launcher passed in ``MULTILANE_FORECAST``; rank 0's summary has a row per rank.
 - fsdp's setup, a phase of its forecast: each rank builds the whole model, then shards it, so its memory
@@ -43,6 +45,7 @@ class PeakMeter:
         self.count = None if self.cuda else measure.StorageCount()
         self.cpu_peak: int | None = None
         self.steps = set(CPU_STEPS)
+        self.settle = max((x.get("settle", 0) for x in forecast.lines), default=0)  # steps the probe let pass
 
     def before_model(self) -> None:
         """Called once the data is loaded, before the model is built: what is alive now is not counted."""
@@ -53,8 +56,8 @@ class PeakMeter:
         """The loop begins (at ``first_step``, 0 for a new run) of ``total_steps``, logging every ``log_every``."""
         if self.cuda:
             measure.cuda_reset(self.cuda)
-        steps = (*CPU_STEPS, first_step + log_every + 2)
-        wanted = [s for s in steps if first_step < s <= total_steps] or [first_step + 1]
+        steps = [s + self.settle for s in (*CPU_STEPS, first_step + log_every + 2)]
+        wanted = [s for s in steps if first_step < s <= total_steps] or [min(total_steps, first_step + 1 + self.settle)]
         self.steps = set(wanted)
 
     @contextlib.contextmanager

@@ -1,13 +1,13 @@
-"""The probe: real training steps of the run's own model, optimizer, precision and strategy, on the
-run's devices, at two small batches, each memory's peak measured (measure.py).
+"""The probe: the run's own steps (the loop's strategy's ``train_step``, whatever the strategy) on the run's
+devices at a few small batches, each memory's peak measured (measure.py) in each phase of the step.
 
-A step's peak on one memory (a GPU, or the CPU that every lane shares) is the larger of two phases:
-forward + backward (+ the gradient reduce), whose peak grows with the samples that memory holds, and
-the optimizer step (with clipping and the replicas' sync), which does not. The probe measures both at
-two batches, after a first step that creates the optimizer's state (Adam's moments) and the
-strategy's lasting copies (persistent replicas), so both are steady-state steps: ``fixed + per_sample · s``
-is fitted through the two forward-backward peaks. The model and data are the run's; the global random
-state is put back afterwards, so a probed run trains exactly as an unprobed one.
+The lanes step on every device; ddp and fsdp as one of their ranks, rank 0 of a process group of the
+probe's (loop_step.py), on the first device at the largest share. A phase's peak (forward, backward
+with the gradient reduce, the optimizer with clipping and the replicas' sync) is read where the step marks
+it; the steps measured follow the ones that create what lasts (Adam's moments, persistent replicas) and
+the strategy's own first steps (ddp's reach probe), so every one is a steady-state step. Each phase's
+points make a broken line in the samples a memory holds. The model and data are the run's; the global
+random state is put back afterwards, so a probed run trains exactly as an unprobed one.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from multilane.engine.config import RunConfig
 from multilane.engine.data.loader import build_loader
 from multilane.engine.parallel import chunk_sizes
 from multilane.engine.plan import measure
+from multilane.engine.plan.loop_step import RANKED, LoopStep, rank_group
+from multilane.engine.plan.shards import shard_bytes
 from multilane.engine.tasks import Task
 from multilane.engine.telemetry.devices import Device
-from torch.utils._pytree import tree_map
 
 PROBE_PER_DEVICE = (4,)
 """The smallest per-device batch probed; the probe doubles it while the peak's slope still changes."""
@@ -48,6 +49,9 @@ class MemoryLine:
     """The batch a step really takes where the training data holds fewer samples than the run's batch."""
     shards: list[int] | None = None
     """fsdp: [the bytes of parameters, gradients and optimizer state rank 0 holds, one device's whole]."""
+    settle: int = 0
+    """The strategy's first steps the probe took, unmeasured, after the one that creates what lasts (ddp: its
+    reach probe's, whose steps leave DDP's buckets idle): the run's meter measures after them too (meter.py)."""
 
     @property
     def per_sample(self) -> float:
@@ -134,38 +138,34 @@ def _kept_random_state(devices: list[Device]) -> Any:
     random.setstate(state)
 
 
-def probe(config: RunConfig, task: Task, devices: list[Device], loop: Any = None) -> list[MemoryLine]:
+def probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> list[MemoryLine]:
     """Measure the run's memory lines (one per memory the run uses); see the module docstring. Where the
-    training data holds fewer samples than the batch, the lines' ``data_batch`` says so. fsdp, whose
-    ranks hold no whole replica, is probed as one of its ranks (fsdp_probe.py); ddp as one rank's step
-    (rank_probe.py); the lanes by ``loop(config, task, devices)``: the loop (engine/run/trainer.py
-    ``Trainer.for_probe``), whose strategy's own set-up and ``train_step`` the probe drives."""
-    if config.devices.strategy == "fsdp":
-        from multilane.engine.plan.fsdp_probe import probe_fsdp
-
-        return probe_fsdp(config, task, devices)
-    if config.devices.strategy != "ddp" and loop is None:
-        raise TypeError("probe: a lanes run is probed through its loop's own step: pass loop (Trainer.for_probe)")
-    with _kept_random_state(devices):
+    training data holds fewer samples than the batch, the lines' ``data_batch`` says so. ``loop(config, task,
+    devices)`` is the loop whose strategy's own set-up and ``train_step`` the probe drives (the lanes'
+    ``Trainer.for_probe``, engine/run/trainer.py; a rank's ``probe_loop``, engine/distributed/worker.py): ddp
+    and fsdp as one of their ranks, in a process group of the probe's (loop_step.py ``rank_group``)."""
+    with _kept_random_state(devices), rank_group(config.devices.strategy, len(devices)):
         return _probe(config, task, devices, loop)
 
 
 def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> list[MemoryLine]:
-    ddp = config.devices.strategy == "ddp"
+    strategy, n = config.devices.strategy, len(devices)
+    ranked = strategy in RANKED
     weights = config.devices.weights or None
-    lanes_run = [devices[0]] if ddp else devices  # ddp: one rank's step, in this process
+    lanes_run = [devices[0]] if ranked else devices  # a rank's step, in this process
     cuda = lanes_run[0].is_cuda
     pools = _pools(lanes_run)
-    if ddp:  # one rank holds its own share: probe the largest share
-        batches = probe_batches(max(chunk_sizes(config.data.batch_size, len(devices), weights)), 1)
+    if ranked:  # one rank holds its own share: probe the largest share
+        batches = probe_batches(max(chunk_sizes(config.data.batch_size, n, weights)), 1)
     else:
-        batches = probe_batches(config.data.batch_size, len(devices))
+        batches = probe_batches(config.data.batch_size, n)
     inputs, target, size = first_batch(config, task, batches[-1])  # the data may hold fewer
-    data_batch = size if size < batches[-1] and not ddp else None  # every step takes all the data there is
+    # Every step takes all the data there is; a rank's share beyond the data is extended (a forecast above it).
+    data_batch = size if size < batches[-1] and not ranked else None
     batches = sorted({min(b, size) for b in batches})
 
     def shares(b: int) -> list[int]:
-        return [b] if ddp else chunk_sizes(b, len(devices), weights)
+        return [b] if ranked else chunk_sizes(b, n, weights)
 
     batches = _whole_shards(batches, shares)
 
@@ -177,26 +177,31 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> l
     with contextlib.ExitStack() as stack:
         if cuda:
             stack.callback(torch.cuda.empty_cache)  # the last thing done
-        if ddp:
-            from multilane.engine.plan.rank_probe import rank_stepper
-
-            step = rank_stepper(config, task, lanes_run[0], count, pools, stack)
-        else:
-            quiet = config.model_copy(deep=True)
-            quiet.data.workers = 0  # the loop's own loader is never started: the probe hands it its batches
-            step = LoopStep(loop(quiet, task, devices), count, pools, stack)
-        step.run(inputs, target, batches[0], shares(batches[0]))  # creates optimizer state, lasting copies
+            if ranked:  # the rank's current device, as its process sets it (FSDP places a rank there)
+                stack.enter_context(torch.cuda.device(lanes_run[0].torch_device()))
+        stack.callback(torch.set_num_threads, torch.get_num_threads())  # a CPU rank sets its own
+        quiet = config.model_copy(deep=True)
+        quiet.data.workers = 0  # the loop's own loader is never started: the probe hands it its batches
+        if ranked:
+            quiet.devices.weights = []  # ... and a rank its share
+        rank = (lanes_run[0].torch_device(), n if strategy == "fsdp" else 1) if ranked else None
+        step = LoopStep(loop(quiet, task, devices), count, pools, stack, rank)
+        step.run(inputs, target, batches[0])  # creates optimizer state, lasting copies
+        settle = 0
+        while step.t.spread.settling:  # the strategy's first steps (ddp's reach probe): the run's are too
+            step.run(inputs, target, batches[0])
+            settle += 1
         # The NaN replay's copy of the model and optimizer state (engine/health/nan_origin.py; under
-        # ddp each rank's own), held on the model's device for the whole run when it is
-        # on: made here too, so every peak holds it.
+        # ddp each rank's own), held on the model's device for the whole run when it is on: made here
+        # too, so every peak holds it.
         replay_copy = _replay_copy(step) if config.health.enabled and config.health.nan_replay else None
         for b in batches:
             if len(points) >= 2 and _beyond(points, b, pools, shares, free):
                 break  # the next batch would not fit (or nearly): the line so far says so, without trying
             try:
-                peaks = step.run(inputs, target, b, shares(b))
+                peaks = step.run(inputs, target, b)
                 for _ in range(REPEAT_SHARED - 1 if not cuda and len(lanes_run) > 1 else 0):
-                    again = step.run(inputs, target, b, shares(b))
+                    again = step.run(inputs, target, b)
                     peaks = [[max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(peaks, again, strict=True)]
                 points.append((b, peaks))
             except torch.OutOfMemoryError:
@@ -205,24 +210,35 @@ def _probe(config: RunConfig, task: Task, devices: list[Device], loop: Any) -> l
                 break  # the points so far are the line (the run's batch is beyond this memory)
             if all(
                 _settled(_phase(points, 0, k, ls, shares), _phase(points, 1, k, ls, shares))
-                and (not ddp or all(_dominant(_phase(points, i, k, ls, shares)) for i in (0, 1)))
+                and (not ranked or all(_dominant(_phase(points, i, k, ls, shares)) for i in (0, 1)))
                 for k, (_, ls) in enumerate(pools)
             ):
                 break
+        shards = _shards(step.model, n, config) if strategy == "fsdp" else None
+        setup = step.setup_peaks
         del step, replay_copy
     lines = []
     for k, (name, lanes) in enumerate(pools):
         phases = {p: _phase(points, i, k, lanes, shares) for i, p in enumerate(PHASES)}
-        if ddp:  # every rank: the one probed, each on its own device (or all in the one RAM)
-            if cuda:
-                lines += [MemoryLine(d.name, [i], phases) for i, d in enumerate(devices)]
-            else:
-                lines.append(MemoryLine("cpu", list(range(len(devices))), phases, ranks=len(devices)))
-        else:
+        if setup is not None:  # fsdp: each rank builds the whole model, then shards it
+            phases = {"setup": [(batches[0], setup[k])], **phases}
+        if not ranked:
             lines.append(MemoryLine(name, lanes, phases))
+            continue
+        by_memory: dict[str, list[int]] = {}  # every rank's: each GPU's ranks (two may share one), or the RAM's
+        for i, d in enumerate(devices):
+            by_memory.setdefault(d.name if d.is_cuda else "cpu", []).append(i)
+        lines += [MemoryLine(m, ranks, phases, ranks=len(ranks), shards=shards) for m, ranks in by_memory.items()]
     for line in lines:
-        line.data_batch = data_batch
+        line.data_batch, line.settle = data_batch, settle
     return lines
+
+
+def _shards(model: torch.nn.Module, n: int, config: RunConfig) -> list[int]:
+    """fsdp: [the bytes of parameters, gradients and optimizer state rank 0 holds, one device's whole]
+    (shards.py; a sharded parameter's shape is the whole one's)."""
+    whole, o = list(model.parameters()), config.optim
+    return [shard_bytes(whole, k, 0, o.name, o.momentum).total for k in (n, 1)]
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -273,7 +289,7 @@ def _dominant(pts: list[tuple[int, int]]) -> bool:
     """Whether the batch's part of the last point's peak is at least half of it. Until it is, the peak sits
     where the fixed bytes are (a unit's gathered parameters and gradients, the reduce-scatter's buffers),
     whose slope is below the activations' (the MLP at batch 4,096 read -34 % under fsdp, -8 % under ddp,
-    from batches 4 to 16 per rank). Asked of the process strategies' probes (fsdp_probe.py, and ddp here)."""
+    from batches 4 to 16 per rank). Asked of the ranked strategies' (ddp, fsdp)."""
     (s0, m0), (s1, m1) = pts[-2], pts[-1]
     return 2 * (m1 - m0) / (s1 - s0) * s1 >= m1
 
@@ -286,76 +302,3 @@ def _pools(devices: list[Device]) -> list[tuple[str, list[int]]]:
     for i, d in enumerate(devices):
         names.setdefault(d.name, []).append(i)
     return list(names.items())
-
-
-class LoopStep:
-    """The run's own step on ``t`` (a loop with no run folder): its strategy's set-up and ``train_step``,
-    the loop's ``optimizer_step``, on the probe's batch; each phase's peak read on each pool where the
-    step marks its phases (the timer's marks: the forward ends where the backward is marked, the backward
-    and its reduce where the optimizer is, the optimizer and the replicas' sync at the step's end)."""
-
-    def __init__(self, t: Any, count: measure.StorageCount, pools: list, stack: contextlib.ExitStack) -> None:
-        self.t, self.count = t, count
-        self._devices = [torch.device(name) for name, _ in pools] if pools and pools[0][0] != "cpu" else []
-        t.memory = self  # the run's meter's hook: ``before_model``
-        stack.callback(lambda: getattr(t, "backend", None) and t.backend.close())
-        t.setup_parts()
-        self.model, self.opt, self.peaks = t.model, t.optimizer, []
-        t.timer = _PhaseMarks(t.timer, self._read)
-        if not self._devices:
-            for x in [*self.model.parameters(), *self.model.buffers()]:
-                count.add_tensor(x)  # weights loaded from a file were not made by an op
-            stack.enter_context(measure.CpuCounting(count, t.backend))
-
-    def before_model(self) -> None:
-        """The loop's data is loaded: what is alive now is not the run's."""
-        if not self._devices:
-            self.count.baseline()
-
-    def _read(self) -> None:
-        self.peaks.append(measure.cuda_peaks(self._devices) if self._devices else [self.count.peak])
-        self._reset()
-
-    def _reset(self) -> None:
-        if self._devices:
-            measure.cuda_reset(self._devices)
-        else:
-            self.count.reset_peak()
-
-    def run(self, inputs: Any, target: Any, b: int, sizes: list[int]) -> list[list[int]]:
-        """One step on the first ``b`` samples; each phase's peak (forward, backward, optimizer) on each pool."""
-        self.t.loader = _Batch(inputs, target, b, self.t.backend.model_device)
-        self.peaks = []
-        self._reset()
-        self.t.spread.train_step(self.t, 1)
-        return self.peaks
-
-
-class _PhaseMarks:
-    """The step's timer, whose marks also end the probe's phases (``LoopStep``)."""
-
-    def __init__(self, timer: Any, read: Any) -> None:
-        self.timer, self._read = timer, read
-
-    def mark(self, phase: str | None) -> None:
-        if phase in ("backward", "optimizer"):
-            self._read()
-        self.timer.mark(phase)
-
-    def end_step(self) -> None:
-        self._read()
-        self.timer.end_step()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.timer, name)
-
-
-class _Batch:
-    """The loop's loader in the probe: the first ``b`` samples of the run's first batch, each step."""
-
-    def __init__(self, inputs: Any, target: Any, b: int, device: torch.device) -> None:
-        self.inputs, self.target, self.b, self.device = inputs, target, b, device
-
-    def next(self) -> tuple[Any, Any, int]:
-        take = lambda t: t[: self.b].clone().to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return tree_map(take, self.inputs), tree_map(take, self.target), self.b

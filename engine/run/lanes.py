@@ -42,6 +42,7 @@ class Strategy(Protocol):
 
     sharded: bool  # the model's state sharded: checkpoints load through the sharded state-dict helpers
     place: Any  # a rank's (device, rank, world), which its memory meter measures; None: one process's lanes
+    settling: bool  # its first steps differ from the rest (ddp: the reach probe): the fit probe measures after them
 
     def open_resume_dir(self, path: str | Path) -> RunDir: ...  # locked by the process that writes it
     def open_run_dir(self, t: Trainer) -> RunDir: ...  # the resumed one, the one given, or a new one
@@ -78,6 +79,7 @@ class Lanes:
 
     sharded = False
     place = None
+    settling = False
 
     def open_resume_dir(self, path: str | Path) -> RunDir:
         return RunDir.open_existing(path)  # locked: this process is its one writer

@@ -90,11 +90,14 @@ class Trainer:
             raise
 
     @classmethod
-    def for_probe(cls, config: RunConfig, task: Task, devices: list[Device]) -> Trainer:
-        """A loop of ``config`` on the lanes with no run folder, callbacks or checkpoint: the fit probe
-        (engine/plan/probe.py) drives its strategy's own set-up and step, and its ``optimizer_step``."""
+    def for_probe(
+        cls, config: RunConfig, task: Task, devices: list[Device], strategy: Strategy | None = None
+    ) -> Trainer:
+        """A loop of ``config`` (on the lanes, or ``strategy``'s) with no run folder, callbacks or checkpoint: the fit
+        probe (engine/plan/probe.py) drives its strategy's own set-up and step, and its ``optimizer_step``."""
         t = cls.__new__(cls)
-        t.spread, t.config, t.task, t.devices, t.callbacks = Lanes(), config, task, devices, []
+        t.spread = strategy if strategy is not None else Lanes()
+        t.config, t.task, t.devices, t.callbacks = config, task, devices, []
         t.run_dir, t._checkpoint, t.step, t.memory = None, None, 0, None
         return t
 

@@ -4,9 +4,9 @@ float64, or refuses it in one line before step 1.
 
 With the run's seed 1 and uneven shares the data puts the branch's samples on some lanes' shards and never
 on the first lane's, and three of the six steps hold none at all (the layer keeps no gradient there, as on
-one device). The fit check's probe takes the run's own steps (engine/plan/probe.py, rank_probe.py): under
-ddp it finds the parameters a rank reaches as the ddp trainer does, so what the run trains the probe
-measures; under fsdp, whose units' collectives every rank must enter, the check runs each rank's shard of
+one device). The fit check's probe takes the run's own steps (engine/plan/probe.py drives the strategy's
+``train_step``): under ddp it finds the parameters a rank reaches as the ddp trainer does, so what the run
+trains the probe measures; under fsdp, whose units' collectives every rank must enter, the check runs each rank's shard of
 the first micro-batches and refuses the model before any rank starts (engine/fsdp/reach.py), and a run
 without the check stops at its first such step with the same line, never torch's abort.
 """
@@ -23,6 +23,7 @@ import torch
 from helpers import CLI, TASK_FILES
 from multilane.engine.config import build_config
 from multilane.engine.data.loader import build_loader
+from multilane.engine.distributed.worker import probe_loop
 from multilane.engine.errors import UserError
 from multilane.engine.fsdp.reach import check_shards, first_difference
 from multilane.engine.fsdp.units import default_units
@@ -215,7 +216,7 @@ def test_a_process_strategys_probe_step_that_fails_is_one_line_exit_2_and_no_run
 def test_plan_under_ddp_steps_a_layer_only_some_samples_reach(tmp_path):
     """The probe under ddp (a rank's step on a group of one, as the ddp trainer takes it): the layer that its
     first batch does not reach keeps DDP from waiting for its gradient; ``multilane plan`` forecasts.
-    Unmarked though it can take 3-6 s on the busy 2-core machine: the fast tier's run of rank_probe.py (in a
+    Unmarked though it can take 3-6 s on the busy 2-core machine: the fast tier's run of the ddp probe (in a
     process of its own: a Gloo group in the test's process is a hazard for later forks, test_rank_in_process)."""
     r = subprocess.run(
         [*CLI, "plan", "--task", BRANCH, "--devices", "cpu:0,cpu:1", "--strategy", "ddp", "--batch-size", "11", "--json"],
@@ -335,5 +336,5 @@ class _DictInputs(nn.Module):
 @pytest.mark.slow
 def test_the_fsdp_probe_steps_a_model_with_named_inputs_as_its_rank_does():
     cfg = build_config({"task": {"name": "mlp"}, "data": {"batch_size": 8}, "devices": {"strategy": "fsdp"}})
-    forecast = plan_run(cfg, DictInputs(), parse_devices("cpu:0,cpu:1"))
+    forecast = plan_run(cfg, DictInputs(), parse_devices("cpu:0,cpu:1"), probe_loop)
     assert forecast.strategy == "fsdp" and forecast.needs[0].need > 0, forecast

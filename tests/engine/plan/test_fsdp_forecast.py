@@ -148,7 +148,7 @@ def test_plan_under_fsdp_needs_less_per_device_than_replicate_when_the_state_dom
 
 
 def test_plan_under_fsdp_in_its_own_process_holds_rank_0s_padded_shards_and_counts_both_ranks():
-    """The fast tier's run of the fsdp probe (fsdp_probe.py): ``plan --strategy fsdp`` as the user runs it, in a
+    """The fast tier's run of the fsdp probe (probe.py, an fsdp rank's own step): ``plan --strategy fsdp`` as the user runs it, in a
     process of its own (the probe's fake process group leaves a thread behind in the process). The shards
     are FSDP2's rule, counted here by hand: rank 0 holds ceil(rows / 2) rows of every parameter and of its
     gradient and Adam's two moments, and one 4-byte step counter per parameter; the 2 CPU ranks share one
@@ -195,21 +195,17 @@ def test_an_fsdp_run_that_will_not_fit_gets_one_line_naming_the_largest_batch_an
     assert not runs.exists() or not any(runs.iterdir())  # no rank started, no run folder
 
 
-DDP_PROBE_OVER = pytest.mark.xfail(
-    strict=False,
-    reason="known, not fixed: since the ddp probe drives the trainer's own first steps (no_sync, then the "
-    "reach probe's reduce), its forecast of this MLP is 10.6 % over the rank's measured peak (5.66 MB vs "
-    "5.12 MB), past the 10 % this test allows; an over-forecast, on the safe side",
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=DDP_PROBE_OVER)])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_process_run_sets_each_ranks_measured_peak_beside_its_forecast(tmp_path, strategy):
+    """Each rank's measured peak within 10 % of its forecast. A ddp process's first 4 steps find what each
+    backward reaches under ``no_sync`` (DDP's buckets idle, 10.6 % below the steps after them on this MLP):
+    the probe lets them pass before it measures, and so does the rank's meter, so the ddp run takes 6 steps."""
     runs = tmp_path / "runs"
+    steps = "6" if strategy == "ddp" else "3"
     r = subprocess.run(
         [*CLI, "train", "--task", "mlp", "--devices", "cpu:0,cpu:1", "--strategy", strategy, "--batch-size", "256",
-         "--steps", "3", "--runs-dir", str(runs), "--set", "train.log_every=1", "--set", "train.eval_every=0"],
+         "--steps", steps, "--runs-dir", str(runs), "--set", "train.log_every=1", "--set", "train.eval_every=0"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "MULTILANE_FIT_CHECK": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

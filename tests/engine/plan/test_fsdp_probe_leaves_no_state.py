@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 from helpers import TASK_FILES
 from multilane.engine.config import build_config
+from multilane.engine.distributed.worker import probe_loop
 from multilane.engine.plan.fit import plan_run
 from multilane.engine.tasks import make_task
 from multilane.engine.telemetry.devices import parse_devices
@@ -28,7 +29,7 @@ def test_a_rank_sharding_after_the_fsdp_probe_in_its_process_holds_its_own_shard
         }
     )
     task = make_task(TASK, {"kind": "mlp"})
-    plan_run(cfg, task, parse_devices("cpu:0,cpu:1"))  # the launcher's probe: rank 0 of a fake group of 2
+    plan_run(cfg, task, parse_devices("cpu:0,cpu:1"), probe_loop)  # the launcher's probe: rank 0 of a fake group of 2
     dist.init_process_group("fake", rank=1, world_size=2)  # now a rank 1 in the same process, as a fork is
     try:
         model = task.build_model()
