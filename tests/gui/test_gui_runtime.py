@@ -19,10 +19,13 @@ def test_signal_emit_keeps_reference_counts(qapp):
     e = Emitter()
     got = []
     e.record.connect(got.append)
+    emits = 5000
     before_true, before_none = sys.getrefcount(True), sys.getrefcount(None)
-    for _ in range(200):
+    for _ in range(emits):
         e.record.emit({"loss": None, "ok": True})
     got.clear()
-    # A few references come and go elsewhere in the process; the broken release lost one per emit.
-    assert sys.getrefcount(True) > before_true - 20
-    assert sys.getrefcount(None) > before_none - 20
+    # The broken release lost one reference per emit (5000 here). Other threads of the process (a
+    # test's leftover timer, the interpreter's own) hold and drop references too: under load they
+    # moved True's count by 47 during 200 emits, so the bound is half the emits, not a few.
+    assert sys.getrefcount(True) > before_true - emits // 2
+    assert sys.getrefcount(None) > before_none - emits // 2
