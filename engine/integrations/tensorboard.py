@@ -26,7 +26,7 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
-from multilane.engine.rundir.records import HEALTH_ROWS
+from multilane.engine.rundir.records import HEALTH_ROWS, metric_value
 from multilane.integrations.extras import require
 
 WHAT = "multilane.integrations.tensorboard (train.tensorboard, File → Open TensorBoard logdir)"
@@ -41,14 +41,6 @@ event_file_loader = require(
 )
 
 
-def _value(v: Any) -> float | None:
-    if isinstance(v, dict):
-        v = v.get("mean")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
 class TensorBoardWriter(TrainerCallback):
     """Writes a run's records as TensorBoard scalars into ``log_dir`` (the run folder)."""
 
@@ -56,7 +48,7 @@ class TensorBoardWriter(TrainerCallback):
         self.writer = tb.SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
 
     def _add(self, tag: str, value: Any, rec: dict[str, Any]) -> None:
-        v = _value(value)
+        v = metric_value(value)
         if v is not None:
             self.writer.add_scalar(tag, v, global_step=rec.get("step") or 0, walltime=rec.get("wall_time"))
 

@@ -140,6 +140,15 @@ def record_problem(rec: Any) -> str | None:
     return None
 
 
+def metric_value(v: Any) -> float | None:
+    """A record's value as a float (a per-lane table's mean); None when it is no finite number."""
+    if isinstance(v, dict):
+        v = v.get("mean")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
 def _finite(text: str) -> float | None:
     v = float(text)
     return v if math.isfinite(v) else None
