@@ -163,23 +163,21 @@ def parse_record(raw: bytes) -> dict[str, Any] | None:
     return rec if record_problem(rec) is None else None
 
 
-def iter_lines(path: str | Path, offset: int = 0, tail: bool = True) -> Iterator[tuple[bytes, int]]:
-    """``(line, end)`` for each line of a regular file from byte ``offset`` on, read in chunks; ``end``
-    is the offset after its newline. A line longer than ``MAX_LINE`` comes back as a NUL byte (damage:
-    the reader skips it) without being held. An unterminated last line is yielded only with ``tail``
-    (a follower waits for it: a writer may be finishing it). ``NotRegularFile`` for a folder, a FIFO
-    or a device."""
+def iter_lines(path: str | Path) -> Iterator[bytes]:
+    """Each line of a regular file, read in chunks. A line longer than ``MAX_LINE`` comes back as a NUL
+    byte (damage: the reader skips it) without being held. ``NotRegularFile`` for a folder, a FIFO or a
+    device."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFile(f"{kind_of(mode)}, not a file")
-        pos, rest, too_long = offset, b"", False
+        pos, rest, too_long = 0, b"", False
         while True:
             chunk = os.pread(fd, CHUNK, pos)
             if not chunk:
-                if tail and (rest or too_long):
-                    yield (b"\0" if too_long else rest), pos
+                if rest or too_long:
+                    yield b"\0" if too_long else rest
                 return
             start = 0
             while True:
@@ -188,7 +186,7 @@ def iter_lines(path: str | Path, offset: int = 0, tail: bool = True) -> Iterator
                     break
                 line = rest + chunk[start:nl]
                 rest, start = b"", nl + 1
-                yield (b"\0" if too_long else line), pos + start
+                yield b"\0" if too_long else line
                 too_long = False
             pos += len(chunk)
             if not too_long:
