@@ -59,12 +59,9 @@ def finish_run(trainer: Trainer, status: str, message: str | None, tb: str | Non
     with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
         trainer._event(status, **extra)
     rd.close()
-    if hasattr(trainer, "strategy"):
-        trainer.strategy.close()
-    if hasattr(trainer, "loader"):
-        trainer.loader.close()
-    if hasattr(trainer, "backend"):
-        trainer.backend.close()
+    for part in ("strategy", "loader", "backend"):  # the parts the run got as far as building
+        if hasattr(trainer, part):
+            getattr(trainer, part).close()
     result = RunResult(
         status=status,
         step=trainer.step,
