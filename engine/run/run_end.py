@@ -23,11 +23,8 @@ from typing import TYPE_CHECKING, Any
 from multilane.engine.errors import UserError, one_line, where
 from multilane.engine.run.callbacks import RunResult
 from multilane.engine.run.control import SetupStopped
-from multilane.engine.rundir.runlog import STATUS
+from multilane.engine.rundir.runlog import STATUS, RunDir
 from multilane.engine.rundir.writefile import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from multilane.engine.rundir.runlog import RunDir
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
