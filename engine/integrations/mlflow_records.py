@@ -30,11 +30,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from multilane.engine.errors import UserError
-from multilane.engine.rundir.records import metric_value
+from multilane.engine.rundir.records import READINGS, metric_value
 from multilane.engine.rundir.runread import iter_metrics
 
 TRAIN_KEYS = ("lr", "samples_per_s", "tokens_per_s", "step_ms", "grad_norm", "samples_per_j")
-READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
 TELEMETRY_EVERY_S = 5.0
 """Telemetry reaches the server at most once every this many seconds (the run folder keeps every record)."""
 RUN_FILE = "mlflow.json"

@@ -26,12 +26,11 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
-from multilane.engine.rundir.records import HEALTH_ROWS, metric_value
+from multilane.engine.rundir.records import HEALTH_ROWS, READINGS, metric_value
 from multilane.integrations.extras import require
 
 WHAT = "multilane.integrations.tensorboard (train.tensorboard, File → Open TensorBoard logdir)"
 TRAIN_KEYS = ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j")
-READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
 FLUSH_S = 5  # a live TensorBoard sees the run at most this late
 
 

@@ -61,6 +61,8 @@ def _reading_problem(name: str, reading: Any) -> str | None:
 
 
 HEALTH_ROWS = {"rows": ("grad_norm", "weight_norm", "update_ratio"), "act_rows": ("act_mean", "act_std", "act_zero")}
+READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
+"""The telemetry readings (a device's and the process's) the integrations export as metrics."""
 
 
 def _health_problem(rec: dict[str, Any]) -> str | None:
