@@ -260,10 +260,8 @@ class _WatchedOutput:
 
 def _say(line: str) -> None:
     """A line on stderr, unless stderr itself cannot take it (nothing else could be said then)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
 
 
 def _stdout_lost(e: OSError, stdout: Any) -> int:

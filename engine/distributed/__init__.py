@@ -1,7 +1,7 @@
 """Scale-out on torch.distributed: one process per device, DistributedDataParallel, torch's elastic launcher.
 
 ``rank.py`` (who this process is, the process group), ``window.py`` (a rank's log window),
-``trainer.py`` (the ddp trainer), ``worker.py`` (a rank's entry point), ``launcher.py`` (starting the
+``ddp.py`` (the ddp strategy), ``worker.py`` (a rank's entry point), ``launcher.py`` (starting the
 ranks through torch.distributed's elastic agent and reporting how they ended).
 
 This module itself imports nothing heavy: the CLI asks ``in_worker()`` before it imports torch.

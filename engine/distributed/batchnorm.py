@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine.parallel.replicas.sync_batchnorm import LaneBatchNorm, SyncBatchNormError
+from multilane.engine.parallel.replicas.sync_batchnorm import LaneBatchNorm, SyncBatchNormError, convert_sync_batchnorm
 from torch import nn
 from torch.autograd import Function
-from torch.nn.modules.batchnorm import _BatchNorm
 
 _empty = [False]
 _gathers: list[torch.Tensor] = []  # this forward's exchanges, for ``touch_exchanges``
@@ -115,17 +114,4 @@ class RankBatchNorm(LaneBatchNorm):
 def convert_rank_batchnorm(module: nn.Module, group: Any = None) -> nn.Module:
     """Replace every BatchNorm in ``module`` with a ``RankBatchNorm`` holding the same parameters and
     buffers; returns the module."""
-    if isinstance(module, _BatchNorm) and not isinstance(module, RankBatchNorm):
-        new = RankBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-        if module.affine:
-            new.weight, new.bias = module.weight, module.bias
-        new.running_mean, new.running_var = module.running_mean, module.running_var
-        new.num_batches_tracked = module.num_batches_tracked
-        new.training = module.training
-        new.group = group
-        return new
-    for name, child in module.named_children():
-        new_child = convert_rank_batchnorm(child, group)
-        if new_child is not child:
-            module._modules[name] = new_child
-    return module
+    return convert_sync_batchnorm(module, RankBatchNorm, group=group)

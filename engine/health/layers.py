@@ -20,9 +20,6 @@ import torch
 from multilane.engine.tensors.grads import local, norms
 from torch import nn
 
-ACT_FIELDS = ("act_mean", "act_std", "act_zero")
-PARAM_FIELDS = ("grad_norm", "weight_norm", "update_ratio")
-
 
 def param_layers(model: nn.Module) -> tuple[list[str], list[int], list[nn.Parameter]]:
     """The layers (modules with parameters of their own, in ``named_modules`` order), and for every

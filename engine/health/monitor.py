@@ -77,7 +77,6 @@ class HealthMonitor:
         self._handles: list[Any] = []
         self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares, bool]] = []
         self._noise_tensors: dict[str, torch.Tensor] = {}
-        self.batch_units: float | None = None  # the last sampled step's units (the batch, in the noise's unit)
         self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
         self.muted = False
         """Steps that are not the run's own (a NaN's replay): none sampled, none measured for the noise
@@ -177,7 +176,6 @@ class HealthMonitor:
         if tensors:
             self._pending.append((self._step, tensors, self._shares, self._sampled))
         self._noise_tensors = {}
-        self.batch_units = self._shares.units
         self.on = self._sampled = False
 
     def abandon(self) -> None:
@@ -253,7 +251,6 @@ class HealthMonitor:
                 t["lane_sq"] = pack[at : at + n]
                 vals = pack[at + n : at + 3 * n + 1].tolist()
                 sh.a, sh.q, sh.units = vals[:n], vals[n : 2 * n], vals[2 * n]
-                self.batch_units = sh.units
                 at += 3 * n + 1
 
     def _noise_value(self) -> dict[str, Any] | None:

@@ -84,7 +84,6 @@ class Sender:
         self._closing = False
         self._on_problem = on_problem
         self.problem: str | None = None  # the first failure, in words
-        self.failing = False
         self.dropped = 0  # points, params and tags the server refused for good
         self.reached = False  # one send went through
         # On a host (mlflow_logger.py): never reached within ``hand_over_s`` (or by the end), the sending is
@@ -156,10 +155,8 @@ class Sender:
             try:
                 self.send_now()
                 delay = 0.0
-                self.failing = False
                 self.reached = True
             except Exception as e:
-                self.failing = True
                 if self.hand_over_s is not None and not self.reached:
                     if closing or time.monotonic() - t0 >= self.hand_over_s:
                         self._hand_over(mr.reason(e))

@@ -127,10 +127,7 @@ class MlflowLogger(TrainerCallback):
         self._queue(record)
         self._say_warning()
 
-    def on_eval(self, record: dict[str, Any]) -> None:
-        self._queue(record)
-        self._say_warning()
-
+    on_eval = on_log
     on_telemetry = _queue
 
     def _end(self, state: str, wall_time: Any) -> None:

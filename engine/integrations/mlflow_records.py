@@ -30,10 +30,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from multilane.engine.errors import UserError
+from multilane.engine.rundir.records import READINGS, metric_value
 from multilane.engine.rundir.runread import iter_metrics
 
 TRAIN_KEYS = ("lr", "samples_per_s", "tokens_per_s", "step_ms", "grad_norm", "samples_per_j")
-READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
 TELEMETRY_EVERY_S = 5.0
 """Telemetry reaches the server at most once every this many seconds (the run folder keeps every record)."""
 RUN_FILE = "mlflow.json"
@@ -79,14 +79,6 @@ def metric_name(*parts: str) -> str:
     return "/".join(re.sub(r"[^A-Za-z0-9_\-. ]", "_", p) for p in parts)[:NAME_MAX]
 
 
-def _finite(v: Any) -> float | None:
-    if isinstance(v, dict):
-        v = v.get("mean")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
 def end_status(state: str) -> str:
     return END_STATUS.get(state, KILLED)
 
@@ -102,13 +94,13 @@ class PointMaker:
         kind = rec.get("kind")
         step = rec.get("step")
         wall = rec.get("wall_time")
-        if not isinstance(step, int) or isinstance(step, bool) or _finite(wall) is None:
+        if not isinstance(step, int) or isinstance(step, bool) or metric_value(wall) is None:
             return []
         ts = round(float(wall) * 1000)
         out: list[Point] = []
 
         def add(key: str, v: Any) -> None:
-            x = _finite(v)
+            x = metric_value(v)
             if x is not None:
                 out.append((key, x, ts, step))
 

@@ -312,10 +312,8 @@ class RunRecorder:
             return
         lost = bool(LOST_PEERS.search(message))
         note = f"rank {self.rank} ({self.key}): {message}"
-        try:
+        with contextlib.suppress(OSError):  # a folder this node does not share: rank 0 says what it knows
             write_note(self._shared_dir, self.rank, note, text, lost, time.time())
-        except OSError:  # a folder this node does not share: rank 0 says what it knows
-            pass
         if not self.is_main:
             self.finish("failed")  # rank 0 writes the outcome
             return

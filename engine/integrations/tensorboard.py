@@ -26,12 +26,11 @@ from typing import Any
 
 from multilane.engine.errors import UserError
 from multilane.engine.run.callbacks import RunResult, TrainerCallback
-from multilane.engine.rundir.records import HEALTH_ROWS
+from multilane.engine.rundir.records import HEALTH_ROWS, READINGS, metric_value
 from multilane.integrations.extras import require
 
 WHAT = "multilane.integrations.tensorboard (train.tensorboard, File → Open TensorBoard logdir)"
 TRAIN_KEYS = ("lr", "samples_per_s", "step_ms", "grad_norm", "samples_per_j")
-READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
 FLUSH_S = 5  # a live TensorBoard sees the run at most this late
 
 
@@ -41,14 +40,6 @@ event_file_loader = require(
 )
 
 
-def _value(v: Any) -> float | None:
-    if isinstance(v, dict):
-        v = v.get("mean")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
 class TensorBoardWriter(TrainerCallback):
     """Writes a run's records as TensorBoard scalars into ``log_dir`` (the run folder)."""
 
@@ -56,7 +47,7 @@ class TensorBoardWriter(TrainerCallback):
         self.writer = tb.SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
 
     def _add(self, tag: str, value: Any, rec: dict[str, Any]) -> None:
-        v = _value(value)
+        v = metric_value(value)
         if v is not None:
             self.writer.add_scalar(tag, v, global_step=rec.get("step") or 0, walltime=rec.get("wall_time"))
 

@@ -19,21 +19,18 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from multilane.engine.parallel.coalesced import sum_into
+from multilane.engine.parallel.coalesced import BUCKET_BYTES, sum_into
 from multilane.engine.tensors.grads import add_grad, is_sparse
 from torch import nn
 
 FIRST_BUCKET_BYTES = 1024 * 1024
-BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def bucket_indices(
-    params: Sequence[nn.Parameter], first: int = FIRST_BUCKET_BYTES, rest: int = BUCKET_BYTES
-) -> list[list[int]]:
-    """Indices of the trainable ``params``, last first, cut into buckets of about ``first`` then ``rest``
-    bytes (a bucket never mixes devices or dtypes, so each is one coalesced call)."""
+def bucket_indices(params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """Indices of the trainable ``params``, last first, cut into buckets of about ``FIRST_BUCKET_BYTES`` then
+    ``BUCKET_BYTES`` bytes (a bucket never mixes devices or dtypes, so each is one coalesced call)."""
     buckets: list[list[int]] = []
-    size, limit, key = 0, first, None
+    size, limit, key = 0, FIRST_BUCKET_BYTES, None
     for j in reversed(range(len(params))):
         p = params[j]
         if not p.requires_grad:
@@ -43,7 +40,7 @@ def bucket_indices(
             buckets[-1].append(j)
         else:
             if buckets:
-                limit = rest
+                limit = BUCKET_BYTES
             buckets.append([j])
             size, key = 0, k
         size += p.numel() * p.element_size()

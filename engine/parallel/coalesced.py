@@ -25,25 +25,21 @@ BUCKET_BYTES = 25 * 1024 * 1024
 """Coalescing buffer for cross-GPU transfers (DDP's default bucket size)."""
 
 
-def sum_into(
-    dst: Sequence[torch.Tensor], srcs: Sequence[Sequence[torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
-) -> None:
+def sum_into(dst: Sequence[torch.Tensor], srcs: Sequence[Sequence[torch.Tensor]]) -> None:
     """Add every list in ``srcs`` into ``dst`` in place, in the order given (a fixed order: the same
     sum on every run)."""
     if not dst or not srcs:
         return
     device = dst[0].device
     if device.type == "cuda" and any(s[0].device != device for s in srcs):
-        reduced = torch.cuda.comm.reduce_add_coalesced([list(dst), *map(list, srcs)], device.index, bucket_bytes)
+        reduced = torch.cuda.comm.reduce_add_coalesced([list(dst), *map(list, srcs)], device.index, BUCKET_BYTES)
         torch._foreach_copy_(list(dst), list(reduced))
         return
     for src in srcs:
         torch._foreach_add_(list(dst), list(src))
 
 
-def copy_into(
-    dsts: Sequence[Sequence[torch.Tensor]], src: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
-) -> None:
+def copy_into(dsts: Sequence[Sequence[torch.Tensor]], src: Sequence[torch.Tensor]) -> None:
     """Copy ``src`` into every list in ``dsts`` in place (replicas keep their tensor objects)."""
     if not src or not dsts:
         return
@@ -56,7 +52,7 @@ def copy_into(
         return
     # One coalesced broadcast per other GPU, then a same-device copy into each replica there.
     targets = sorted({d[0].device.index for d in remote})
-    copies = torch.cuda.comm.broadcast_coalesced(list(src), [device.index, *targets], bucket_bytes)
+    copies = torch.cuda.comm.broadcast_coalesced(list(src), [device.index, *targets], BUCKET_BYTES)
     on = dict(zip(targets, copies[1:], strict=True))
     for d in remote:
         torch._foreach_copy_(list(d), list(on[d[0].device.index]))

@@ -214,7 +214,10 @@ class PersistentReplicas(ReplicateEachStep):
                     torch.autograd.backward(out.shard_losses, seeds)
             else:
                 self.backend.parallel_apply(
-                    [_lane_backward] * len(out.lanes), list(zip(out.shard_losses, seeds, strict=True)), None, out.lanes
+                    [torch.autograd.backward] * len(out.lanes),
+                    list(zip(out.shard_losses, seeds, strict=True)),
+                    None,
+                    out.lanes,
                 )
         finally:
             if buckets is not None:
@@ -275,10 +278,6 @@ class PersistentReplicas(ReplicateEachStep):
             self._buckets = None
         self._model = None
         self._replicas_by_lane, self._params, self._buffers, self._module_pairs = [], [], [], []
-
-
-def _lane_backward(root: torch.Tensor, seed: torch.Tensor) -> None:
-    torch.autograd.backward(root, seed)
 
 
 def _dense(g: torch.Tensor | None) -> bool:

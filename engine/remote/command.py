@@ -24,7 +24,6 @@ from typing import Any
 COMMAND_TIMEOUT_S = 60.0
 MAX_OUTPUT_BYTES = 16 << 20
 CHUNK = 1 << 16
-MARKER = b"\x1emultilane-pgid "
 MARKER_WAIT_S = 2.0  # how long an overrun waits for the process-group line (_marker)
 _PGID = re.compile(rb"\x1emultilane-pgid (\d+)\n")
 

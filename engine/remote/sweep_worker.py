@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 from multilane.engine.errors import UserError
 from multilane.engine.remote.connection import Connection, RemoteError
-from multilane.engine.remote.launch import remote_runs_folder
+from multilane.engine.remote.launch import _line, remote_runs_folder
 
 DEFAULT_SWEEPS = "sweeps"  # on the host, in the login's home: the worker's trial folders go in <it>/<study>
 STOP_GRACE_S = 120.0  # running trials finish their step and write a checkpoint before the worker exits
@@ -142,8 +142,3 @@ def read_log(conn: Connection, path: str, offset: int = 0) -> tuple[str, int]:
         except FileNotFoundError:
             return "", offset
     return data.decode("utf-8", "replace"), offset + len(data)
-
-
-def _line(text: str) -> str:
-    lines = [s for s in text.strip().splitlines() if s.strip()]
-    return lines[-1] if lines else ""

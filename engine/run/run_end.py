@@ -23,11 +23,8 @@ from typing import TYPE_CHECKING, Any
 from multilane.engine.errors import UserError, one_line, where
 from multilane.engine.run.callbacks import RunResult
 from multilane.engine.run.control import SetupStopped
-from multilane.engine.rundir.runlog import STATUS
+from multilane.engine.rundir.runlog import STATUS, RunDir
 from multilane.engine.rundir.writefile import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from multilane.engine.rundir.runlog import RunDir
 
 if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
@@ -59,12 +56,9 @@ def finish_run(trainer: Trainer, status: str, message: str | None, tb: str | Non
     with contextlib.suppress(Exception):  # reporting must not hide the run's own outcome
         trainer._event(status, **extra)
     rd.close()
-    if hasattr(trainer, "strategy"):
-        trainer.strategy.close()
-    if hasattr(trainer, "loader"):
-        trainer.loader.close()
-    if hasattr(trainer, "backend"):
-        trainer.backend.close()
+    for part in ("strategy", "loader", "backend"):  # the parts the run got as far as building
+        if hasattr(trainer, part):
+            getattr(trainer, part).close()
     result = RunResult(
         status=status,
         step=trainer.step,

@@ -61,6 +61,8 @@ def _reading_problem(name: str, reading: Any) -> str | None:
 
 
 HEALTH_ROWS = {"rows": ("grad_norm", "weight_norm", "update_ratio"), "act_rows": ("act_mean", "act_std", "act_zero")}
+READINGS = ("util_pct", "busy_pct", "mem_used_mb", "torch_allocated_mb", "power_w", "temp_c", "cpu_pct", "rss_mb")
+"""The telemetry readings (a device's and the process's) the integrations export as metrics."""
 
 
 def _health_problem(rec: dict[str, Any]) -> str | None:
@@ -140,6 +142,15 @@ def record_problem(rec: Any) -> str | None:
     return None
 
 
+def metric_value(v: Any) -> float | None:
+    """A record's value as a float (a per-lane table's mean); None when it is no finite number."""
+    if isinstance(v, dict):
+        v = v.get("mean")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
 def _finite(text: str) -> float | None:
     v = float(text)
     return v if math.isfinite(v) else None
@@ -154,23 +165,21 @@ def parse_record(raw: bytes) -> dict[str, Any] | None:
     return rec if record_problem(rec) is None else None
 
 
-def iter_lines(path: str | Path, offset: int = 0, tail: bool = True) -> Iterator[tuple[bytes, int]]:
-    """``(line, end)`` for each line of a regular file from byte ``offset`` on, read in chunks; ``end``
-    is the offset after its newline. A line longer than ``MAX_LINE`` comes back as a NUL byte (damage:
-    the reader skips it) without being held. An unterminated last line is yielded only with ``tail``
-    (a follower waits for it: a writer may be finishing it). ``NotRegularFile`` for a folder, a FIFO
-    or a device."""
+def iter_lines(path: str | Path) -> Iterator[bytes]:
+    """Each line of a regular file, read in chunks. A line longer than ``MAX_LINE`` comes back as a NUL
+    byte (damage: the reader skips it) without being held. ``NotRegularFile`` for a folder, a FIFO or a
+    device."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFile(f"{kind_of(mode)}, not a file")
-        pos, rest, too_long = offset, b"", False
+        pos, rest, too_long = 0, b"", False
         while True:
             chunk = os.pread(fd, CHUNK, pos)
             if not chunk:
-                if tail and (rest or too_long):
-                    yield (b"\0" if too_long else rest), pos
+                if rest or too_long:
+                    yield b"\0" if too_long else rest
                 return
             start = 0
             while True:
@@ -179,7 +188,7 @@ def iter_lines(path: str | Path, offset: int = 0, tail: bool = True) -> Iterator
                     break
                 line = rest + chunk[start:nl]
                 rest, start = b"", nl + 1
-                yield (b"\0" if too_long else line), pos + start
+                yield b"\0" if too_long else line
                 too_long = False
             pos += len(chunk)
             if not too_long:

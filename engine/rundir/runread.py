@@ -48,7 +48,7 @@ def iter_metrics(path: str | Path, metrics: Metrics | None = None) -> Iterator[d
     there but cannot be read."""
     path = Path(path)
     try:
-        for raw, _ in iter_lines(path):
+        for raw in iter_lines(path):
             if not raw.strip():
                 continue
             rec = parse_record(raw)

@@ -17,10 +17,8 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """In the child: ``sig`` when the thread that started it ends (Linux's ``PR_SET_PDEATHSIG``; elsewhere
     nothing, and whoever guards the child stops it)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
-    except (OSError, AttributeError):
-        pass
 
 
 def sigterm_with_parent() -> None:

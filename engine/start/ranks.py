@@ -146,10 +146,8 @@ def supervise_rank(argv: list[str], launcher: int) -> None:
 
 
 def _pass_on(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _run_rank(argv: list[str]) -> None:
@@ -182,10 +180,8 @@ def _run_rank(argv: list[str]) -> None:
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         os._exit(code)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import setproctitle
 import torch
 from multilane.engine.errors import UserError
-from multilane.engine.start.cli_child import CLI_MODULE, run_cli
+from multilane.engine.start.cli_child import run_cli
 
 PRELOAD = [
     "torch",
@@ -46,7 +46,6 @@ PRELOAD = [
 """What the server imports before it forks. No module of the engine reads a setting when it loads (each
 reads the environment when it runs), so a child's own environment still decides."""
 
-CLI = [sys.executable, "-m", CLI_MODULE]
 _LAUNCH = threading.Lock()
 
 
@@ -233,7 +232,7 @@ def start_cli(
     new_session: bool = False,
     signal_when_i_end: int | None = None,
 ) -> ForkedProcess:
-    """Fork ``argv`` (a ``multilane`` command line: ``CLI`` then its arguments) from the server, on the
+    """Fork ``argv`` (a ``multilane`` command line: ``python -m multilane.engine.cli`` then its arguments) from the server, on the
     descriptors ``stdin``, ``stdout``, ``stderr``. ``signal_when_i_end``: the signal the child gets when
     this process ends, however it ends (a pidfd the child watches)."""
     environ = {os.fsdecode(k): os.fsdecode(v) for k, v in (env if env is not None else os.environ).items()}

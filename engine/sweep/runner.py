@@ -76,16 +76,6 @@ class SweepRunner:
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
-    def stop_trial(self, number: int, prune: bool = False) -> bool:
-        """Stop (or prune) one trial this process runs; False if it is not running here."""
-        from multilane.engine.sweep.trial_run import request_trial
-
-        live = self.live.get(number)
-        if live is None:
-            return False
-        request_trial(live.process.run_dir, "prune" if prune else "stop")
-        return True
-
     # -- one slot -------------------------------------------------------------------------------------
     def _slot(self, devices: str) -> None:
         while not self._stop.is_set():

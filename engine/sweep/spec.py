@@ -10,8 +10,6 @@ from typing import Any
 from multilane.engine.errors import UserError
 from multilane.engine.sweep.space import ParamSpec
 
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("median", "halving", "none")
 SPEC_ATTR = "multilane_sweep"  # the study's user attribute that holds the spec
 
 

@@ -43,10 +43,6 @@ def grace_s() -> float:
     return value if 0 < value < 86400 else DEFAULT_GRACE_S
 
 
-def short_grace_s() -> float:
-    return min(SHORT_GRACE_S, grace_s())
-
-
 def _stat(pid: int, zombie: bool = False) -> tuple[int, int, int, int] | None:
     """(ppid, pgid, sid, start time) of ``pid`` from /proc; None when it is gone or (unless ``zombie``)
     a zombie, which holds its pid until it is reaped."""

@@ -10,6 +10,7 @@ bounded in time (``driver.py``): a driver that does not answer makes ``NvmlReade
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -76,10 +77,8 @@ class NvmlReader:
             h = nvml.nvmlDeviceGetHandleByIndex(k)
             info = nvml.nvmlDeviceGetPciInfo(h)
             by_pci[(int(info.domain), int(info.bus), int(info.device))] = h
-            try:
+            with contextlib.suppress(nvml.NVMLError):
                 by_uuid[_text(nvml.nvmlDeviceGetUUID(h)).removeprefix("GPU-")] = h
-            except nvml.NVMLError:
-                pass
         for i in sorted(set(cuda_indices)):
             pci = pci_of(i)
             h = by_pci.get(pci) if pci is not None else None
@@ -141,10 +140,8 @@ class NvmlReader:
     def close(self) -> None:
         if self.problem is not None:
             return
-        try:
+        with contextlib.suppress(Exception):
             bounded(self.nvml.nvmlShutdown)
-        except Exception:
-            pass
 
 
 def open_nvml(cuda_indices: list[int]) -> NvmlReader | None:

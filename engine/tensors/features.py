@@ -48,10 +48,6 @@ def _in_place_writers(model: nn.Module) -> list[str]:
     ]
 
 
-def _zero_dim(model: nn.Module) -> list[str]:
-    return [f"'{n}'" for n, p in model.named_parameters() if p.dim() == 0]
-
-
 def refusal(model: nn.Module, strategy: str, optimizer: str) -> str | None:
     """One line if ``model`` has a feature ``strategy`` (or ``optimizer``) cannot train, else None."""
     sparse = sparse_grad_modules(model)
@@ -66,7 +62,7 @@ def refusal(model: nn.Module, strategy: str, optimizer: str) -> str | None:
                 f"devices.strategy = fsdp: the model's {sparse[0]} makes sparse gradients, which FSDP cannot "
                 'shard: use devices.strategy = "ddp", "replicate" or "persistent", or sparse=False'
             )
-        if zero_dim := _zero_dim(model):
+        if zero_dim := [f"'{n}'" for n, p in model.named_parameters() if p.dim() == 0]:
             return (
                 f"devices.strategy = fsdp: parameter {zero_dim[0]} is 0-dim (a scalar), which FSDP cannot shard "
                 'on dim 0: use devices.strategy = "ddp" (or any other), or give it shape (1,)'

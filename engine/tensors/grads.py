@@ -18,6 +18,7 @@ Every walker uses these helpers instead of assuming a dense tensor: norms (``nor
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -68,10 +69,8 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     if t.layout != torch.strided:  # CSR, CSC, BSR, BSC: values and whichever index tensors the layout has
         parts = [t.values()]
         for name in ("crow_indices", "col_indices", "ccol_indices", "row_indices"):
-            try:
+            with contextlib.suppress(RuntimeError):
                 parts.append(getattr(t, name)())
-            except RuntimeError:
-                pass
         return parts
     return [t]
 

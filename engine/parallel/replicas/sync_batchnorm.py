@@ -16,6 +16,7 @@ Outside a multi-lane call (one lane, or the model used directly) it is an ordina
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from multilane.engine.parallel.replicas.lane_context import current_lane
@@ -93,19 +94,21 @@ class LaneBatchNorm(_BatchNorm):
         self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
 
 
-def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm (1d/2d/3d) in ``module`` with a ``LaneBatchNorm`` holding the same
-    parameters and buffers (as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does); returns the module."""
-    if isinstance(module, _BatchNorm) and not isinstance(module, LaneBatchNorm):
-        new = LaneBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+def convert_sync_batchnorm(module: nn.Module, kind: type[LaneBatchNorm] = LaneBatchNorm, **attrs: Any) -> nn.Module:
+    """Replace every BatchNorm (1d/2d/3d) in ``module`` with a ``kind`` (set ``attrs`` on each) holding the
+    same parameters and buffers (as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does); returns the module."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, kind):
+        new = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
         if module.affine:
             new.weight, new.bias = module.weight, module.bias
         new.running_mean, new.running_var = module.running_mean, module.running_var
         new.num_batches_tracked = module.num_batches_tracked
         new.training = module.training
+        for key, value in attrs.items():
+            setattr(new, key, value)
         return new
     for name, child in module.named_children():
-        new_child = convert_sync_batchnorm(child)
+        new_child = convert_sync_batchnorm(child, kind, **attrs)
         if new_child is not child:
             module._modules[name] = new_child
     return module
