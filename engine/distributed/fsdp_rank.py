@@ -93,9 +93,6 @@ class Fsdp(Ddp):
         t.scaler = torch.amp.GradScaler(info.device.kind, enabled=False)  # fp16 is refused (units.py)
         t.window = _FsdpWindow()
         self.autocast_dtype = None  # FSDP2's MixedPrecisionPolicy casts (units.py)
-        self._sharded_name: str | None = None
-        if t._checkpoint is not None:
-            self._sharded_name = t._checkpoint.get("sharded")
 
     def health_spread(self, t: Trainer) -> dict[str, Any]:
         # Health from the shards (each rank's sums added at log time), the noise scale from each rank's
@@ -149,7 +146,6 @@ class Fsdp(Ddp):
 
     def checkpoint_saved(self, t: Trainer) -> None:
         """``last.pt`` names the new folder: rank 0 removes the older ones."""
-        self._sharded_name = self._saving
         if self.info.is_main and t.run_dir is not None:
             remove_older(t.run_dir.path / "checkpoints", self._saving)
 
