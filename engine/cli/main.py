@@ -7,14 +7,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import signal
 import sys
-import threading
-from collections.abc import Sequence
-from importlib.machinery import ModuleSpec
-from types import ModuleType
 from typing import Any
 
+from multilane.engine.cli.interrupts import hold_ctrl_c_while_torch_loads
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
 from multilane.engine.cli.train import cmd_train
@@ -133,57 +129,6 @@ def _remote(args: argparse.Namespace) -> int | None:
 
         return cmd_train_hosts(args)
     return remote.cmd_remote_devices(args)
-
-
-# Ctrl+C while torch loads: held until its import ends, then delivered as usual. A KeyboardInterrupt
-# raised while torch's C++ extension initialises goes wrong in every way: of 32 presses during
-# `multilane train`'s start, 4 were swallowed (the run trained to its end), 1 aborted the process
-# (SIGABRT: "terminate called after throwing an instance of 'pybind11::error_already_set'"), 1 was a
-# numpy ImportError traceback and 1 a false "setup failed: RecursionError" (tests/engine/cli/
-# test_ctrl_c_during_start.py). So the command's first act installs this finder: wherever torch is first
-# imported (a command, a task file, a ddp rank), SIGINT only sets a flag until the import is done, then
-# is raised again for the handler in place by then (the default one: "multilane: interrupted", 130).
-class _HoldWhileTorchLoads:  # a meta path finder (importlib.abc's base class costs an import)
-    """Finds nothing itself: asks the finders after it for ``torch``, and holds SIGINT around its load."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != "torch":
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)  # once: torch loads once per process
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            spec: ModuleSpec | None = find(fullname, path, target) if find else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    _hold_during(spec.loader)
-                return spec
-        return None
-
-
-def _hold_during(loader: Any) -> None:
-    run = loader.exec_module
-
-    def exec_module(module: ModuleType) -> None:
-        del loader.exec_module  # the loader as it was, for any later use
-        if threading.current_thread() is not threading.main_thread():
-            return run(module)
-        pressed: list[int] = []
-        previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
-        try:
-            run(module)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            if pressed:
-                signal.raise_signal(signal.SIGINT)  # to the handler in place now, as if pressed just now
-
-    loader.exec_module = exec_module
-
-
-def hold_ctrl_c_while_torch_loads() -> None:
-    """Install the hold for this process's first ``import torch`` (nothing if torch is loaded already)."""
-    if "torch" not in sys.modules and not any(isinstance(f, _HoldWhileTorchLoads) for f in sys.meta_path):
-        sys.meta_path.insert(0, _HoldWhileTorchLoads())
 
 
 MAX_LINE = 1000

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cold_start
 
 HELD = """
 import os, signal, sys, threading, time
-from multilane.engine.cli.main import hold_ctrl_c_while_torch_loads
+from multilane.engine.cli.interrupts import hold_ctrl_c_while_torch_loads
 
 hold_ctrl_c_while_torch_loads()
 if sys.argv[1] == "press":

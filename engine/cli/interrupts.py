@@ -1,0 +1,80 @@
+"""Ctrl+C while a command starts: held while an extension loads, then raised as if pressed just then.
+
+A ``KeyboardInterrupt`` raised while an extension module initialises goes wrong in every way: of 32
+presses during ``multilane train``'s start, 4 were swallowed (the run trained to its end), 1 aborted the
+process (SIGABRT: "terminate called after throwing an instance of 'pybind11::error_already_set'"), 1 was
+a numpy ImportError traceback and 1 a false "setup failed: RecursionError"
+(tests/engine/cli/test_ctrl_c_during_start.py). Two holds:
+
+- ``hold_ctrl_c_while_torch_loads``, a command's first act: wherever torch is first imported (a command,
+  a task file, a ddp rank), SIGINT only sets a flag until the import is done;
+- ``ctrl_c_held``, around a command's own imports before it puts its Ctrl+C handler in place (the
+  engine's modules, pydantic's and psutil's extensions): a press there was once swallowed too, and the
+  run trained to its end.
+
+Either way the press is raised again at the hold's end, for the handler in place by then (the default
+one: "multilane: interrupted", 130).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """SIGINT inside the block only sets a flag; at its end it is raised again, for the handler in place
+    then. In the main thread only (signals reach no other); nested holds pass a press outwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pressed:
+            signal.raise_signal(signal.SIGINT)  # to the handler in place now, as if pressed just now
+
+
+class _HoldWhileTorchLoads:  # a meta path finder (importlib.abc's base class costs an import)
+    """Finds nothing itself: asks the finders after it for ``torch``, and holds SIGINT around its load."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != "torch":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # once: torch loads once per process
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec: ModuleSpec | None = find(fullname, path, target) if find else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    _hold_during(spec.loader)
+                return spec
+        return None
+
+
+def _hold_during(loader: Any) -> None:
+    run = loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        del loader.exec_module  # the loader as it was, for any later use
+        with ctrl_c_held():
+            run(module)
+
+    loader.exec_module = exec_module
+
+
+def hold_ctrl_c_while_torch_loads() -> None:
+    """Install the hold for this process's first ``import torch`` (nothing if torch is loaded already)."""
+    if "torch" not in sys.modules and not any(isinstance(f, _HoldWhileTorchLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HoldWhileTorchLoads())
