@@ -33,13 +33,6 @@ def make_monitor(cfg: Any, task: Any, weighted: bool, lanes: int, device: Any, *
     return HealthMonitor(cfg, lanes, device, unit, **spread)  # spread: ``exchange``, ``sharded``
 
 
-def strategy_replicas(strategy: Any, lanes: int) -> list[Any] | None:
-    """A strategy's own copies of the model (persistent; None until it has made them), or []."""
-    if not hasattr(strategy, "replicas") or lanes < 2:
-        return []
-    return strategy.replicas() or None
-
-
 class RunHealth:
     def __init__(
         self,

@@ -210,7 +210,7 @@ class ReplicateEachStep:
         """
         b = self.backend
         lanes, active = self._active(sizes)
-        if lanes == [0] and not (b.n > 1 and self.lane_grads is not None and self.lane_grads.armed):
+        if lanes == [0] and not (self.lane_grads is not None and self.lane_grads.armed):
             # (A micro-batch only lane 0 takes, on a step whose lanes' gradients are read: through
             # its replica like any lane's, so that its part of lane 0's gradient is caught.)
             return self._single_lane(model, inputs, target, loss_fn, timer, weight_fn, keep_output)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from multilane.engine.data.loader import build_loader
-from multilane.engine.health.run_health import strategy_replicas
 from multilane.engine.parallel import chunk_sizes, make_backend, make_strategy
 from multilane.engine.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from multilane.engine.run import checkpointer
@@ -131,7 +130,9 @@ class Lanes:
 
     def replicas(self, t: Trainer) -> list[torch.nn.Module] | None:
         """The strategy's own copies of the model (persistent; None until it has made them), or []."""
-        return strategy_replicas(t.strategy, len(t.devices))
+        if not hasattr(t.strategy, "replicas") or len(t.devices) < 2:
+            return []
+        return t.strategy.replicas() or None
 
     def train_step(self, t: Trainer, accum: int) -> None:
         timer, opt, window, strategy, health, scaler = t.timer, t.optimizer, t.window, t.strategy, t.health, t.scaler
