@@ -27,15 +27,8 @@ LABELS = {
     "rss_mb": "process RSS (MiB)",
 }
 THROUGHPUT_TITLES = {"samples_per_s": "Throughput (samples/s)", "tokens_per_s": "Throughput (tokens/s)"}
-UNITS = {
-    "samples_per_s": "samples/s",
-    "tokens_per_s": "tokens/s",
-    "step_ms": "ms",
-    "util": "%",
-    "mem": "MiB",
-    "alloc": "MiB",
-}
-UNITS |= {"power": "W", "temp": "°C", "rss_mb": "MiB"}
+# Each unit as its label writes it in parentheses ("step time (ms)": ms).
+UNITS = {k: v[v.rindex("(") + 1 : -1] for k, v in LABELS.items() if v.endswith(")")}
 
 
 def x_values(run: RunData, series: Series, x_mode: str) -> np.ndarray:
