@@ -100,7 +100,7 @@ def block(t: Trainer, steps: int) -> float:
     for _ in range(steps):
         if t.window.steps == 0:
             t.run_health.window_start(t.step)
-        t._train_step(1)
+        t.spread.train_step(t, 1)
         t.step += 1
         if t.step % 10 == 0:
             t._log()

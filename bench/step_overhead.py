@@ -60,7 +60,7 @@ def plain_loop(trainer: Trainer):
 
 def engine_step(trainer: Trainer):
     def step() -> None:
-        trainer._train_step(1)
+        trainer.spread.train_step(trainer, 1)
         trainer.step += 1
         if trainer.step % 10 == 0:
             trainer._log()

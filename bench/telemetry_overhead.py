@@ -42,7 +42,7 @@ def block(t: Trainer, steps: int) -> float:
     t0 = time.perf_counter()
     samples = 0
     for _ in range(steps):
-        t._train_step(1)
+        t.spread.train_step(t, 1)
         t.step += 1
         samples += t.config.data.batch_size
         if t.step % 10 == 0:

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import math
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,10 +225,8 @@ class Ddp(RankAgreement):
         health = t.health
         health.begin_step(t.step + 1, t.model, accum)
         for k in range(accum):
-            timer.mark(None)
-            t_data = time.perf_counter()
+            timer.mark_host("data")
             inputs, target, n, size = t.loader.next_shard()
-            timer.add("data", time.perf_counter() - t_data)
             # Gradients are averaged across ranks once per optimizer step, at its last micro-batch
             # (this process's first steps: by hand, after each; see RankRules.reduce_probe).
             probing = self.rules.reached is not None
@@ -384,7 +381,7 @@ class RankReplay(LanesReplay):
     def run_step(self, step: int, tracer: Tracer) -> Any:
         t = self.t
         t.window = self.window()
-        t._train_step(self.accum)
+        t.spread.train_step(t, self.accum)
         t.step = step
         return t.window.take()
 

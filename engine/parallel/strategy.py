@@ -21,7 +21,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,19 +38,20 @@ from torch._utils import ExceptionWrapper
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     loss: torch.Tensor
     """The combined loss (full-batch mean), a 0-dim tensor on the output device, with grad."""
     lane_losses: torch.Tensor
-    """Each active lane's own shard loss, detached, a vector on the output device."""
+    """Each active lane's own shard loss, detached, a vector on the output device (one lane's step: its
+    loss, detached, 0-dim; ``reshape(-1)`` makes it the vector)."""
     lanes: list[int]
     """Which lanes took part (a lane whose chunk is empty, or whose loss weight is 0, sits the step out)."""
     weight: torch.Tensor | None = None
     """With a task's ``loss_weight``: the batch's total weight (0-dim, on the output device)."""
     output: Any = None
     """The model's output gathered on the output device (``keep_output=True``, for evaluation)."""
-    shard_losses: list[torch.Tensor] = field(default_factory=list)
+    shard_losses: Sequence[torch.Tensor] = ()
     """Each lane's loss in ``lanes`` as its lane computed it, before gather, with grad: the roots of the
     lanes' own graphs (empty on one lane, where ``loss`` is that root)."""
     lane_weights: list[float] | None = None
@@ -86,6 +87,7 @@ class _InReplica:
 
 
 _NO_AUTOCAST = contextlib.nullcontext()
+_LANE_0 = (0,)
 
 
 class OutputShapeError(ValueError):
@@ -94,7 +96,10 @@ class OutputShapeError(ValueError):
 
 def check_batch(output: Any, target: Any) -> None:
     """The model must return one row per sample: a wrong batch size would broadcast silently."""
-    out, tgt = first_tensor(output), first_tensor(target)
+    if type(output) is torch.Tensor and type(target) is torch.Tensor:  # the common case, without the walk
+        out, tgt = output, target
+    else:
+        out, tgt = first_tensor(output), first_tensor(target)
     if out is not None and tgt is not None and out.dim() > 0 and tgt.dim() > 0 and out.shape[0] != tgt.shape[0]:
         raise OutputShapeError(
             f"the model returned {out.shape[0]} rows (shape {tuple(out.shape)}) for {tgt.shape[0]} samples"
@@ -208,6 +213,8 @@ class ReplicateEachStep:
         ``Σ wᵢ·lossᵢ / Σ wᵢ``; a lane whose weight is 0 sits out (its own mean is 0/0, whose gradient is
         NaN whatever it is multiplied by), which needs the weights on the host: one small read per step.
         """
+        if len(sizes) == 1:  # one lane (no probe: a noise scale needs two)
+            return self._single_lane(model, inputs, target, loss_fn, timer, weight_fn, keep_output)
         b = self.backend
         lanes, active = self._active(sizes)
         if lanes == [0] and not (self.lane_grads is not None and self.lane_grads.armed):
@@ -287,18 +294,16 @@ class ReplicateEachStep:
         timer.mark("forward")
         weight = None
         try:  # the lane's forward and loss count as its busy time, as in parallel_apply on several lanes
-            with self.backend.busy([0]):
-                with self._autocast():
-                    output = model(*args, **kwargs)
+            with self.backend.busy(_LANE_0), self._autocast():
+                output = model(*args, **kwargs)
                 timer.mark("loss")
                 check_batch(output, target)
-                with self._autocast():
-                    loss = _LaneLoss.check(loss_fn(output, target))
-                    if weight_fn is not None:
-                        weight = _LaneLoss.weight(weight_fn(output, target), loss)
+                loss = _LaneLoss.check(loss_fn(output, target))
+                if weight_fn is not None:
+                    weight = _LaneLoss.weight(weight_fn(output, target), loss)
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
-        return StepOutput(loss, loss.detach().reshape(1), [0], weight=weight, output=output if keep_output else None)
+        return StepOutput(loss, loss.detach(), [0], weight=weight, output=output if keep_output else None)
 
     def _forward_lanes(
         self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer
@@ -359,7 +364,7 @@ class ReplicateEachStep:
         lanes, active = self._active(sizes)
         if lanes == [0]:
             args, kwargs = model_args(inputs)
-            with self.backend.busy([0]), self._autocast():
+            with self.backend.busy(_LANE_0), self._autocast():
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
         return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))

@@ -32,9 +32,10 @@ class PhaseTimer:
             self._totals[self._phase] += now - self._t0
         self._phase, self._t0 = phase, now
 
-    def add(self, phase: str, seconds: float) -> None:
-        """Add host-side time to ``phase`` (waiting for the next batch is measured on the host, also on GPUs)."""
-        self._totals[phase] += seconds
+    def mark_host(self, phase: str) -> None:
+        """Start ``phase``, timed on the host until the next mark (waiting for the next batch is
+        measured on the host, also on GPUs). On the CPU every phase is: a plain mark."""
+        self.mark(phase)
 
     def end_step(self) -> None:
         self.mark(None)
@@ -60,8 +61,17 @@ class CudaPhaseTimer(PhaseTimer):
         self._device = device
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._start: torch.cuda.Event | None = None
+        self._host: tuple[str, float] | None = None
+
+    def mark_host(self, phase: str) -> None:
+        self.mark(None)
+        self._host = (phase, time.perf_counter())
 
     def mark(self, phase: str | None) -> None:
+        if self._host is not None:
+            host, t0 = self._host
+            self._totals[host] += time.perf_counter() - t0
+            self._host = None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(torch.cuda.current_stream(self._device))
         if self._phase is not None and self._start is not None:

@@ -9,7 +9,6 @@ runs. The other strategies, one process per device, are ddp and fsdp (engine/dis
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -106,6 +105,7 @@ class Lanes:
         t.total_steps = planned_steps(t.task, cfg, t.loader.per_epoch)
         t.scaler = torch.amp.GradScaler(t.backend.device_type, enabled=cfg.train.precision == "fp16")
         self._sizes_cache: dict[int, list[int]] = {}
+        self._copies = hasattr(t.strategy, "replicas") and len(t.devices) > 1  # persistent's own replicas
         self._weights = cfg.devices.weights or None
         t.timer = t.backend.make_timer()
         t.window = MetricsWindow(t.backend.lane_names)
@@ -130,31 +130,29 @@ class Lanes:
 
     def replicas(self, t: Trainer) -> list[torch.nn.Module] | None:
         """The strategy's own copies of the model (persistent; None until it has made them), or []."""
-        if not hasattr(t.strategy, "replicas") or len(t.devices) < 2:
-            return []
-        return t.strategy.replicas() or None
+        return (t.strategy.replicas() or None) if self._copies else []
 
     def train_step(self, t: Trainer, accum: int) -> None:
-        timer, opt, window, strategy, health, scaler = t.timer, t.optimizer, t.window, t.strategy, t.health, t.scaler
+        timer, window, strategy, health, scaler = t.timer, t.window, t.strategy, t.health, t.scaler
+        step = t.step + 1
         t.set_lr()
-        health.begin_step(t.step + 1, t.model, accum, self.replicas(t))
+        health.begin_step(step, t.model, accum, self.replicas(t))
         for k in range(accum):
-            timer.mark(None)
-            t0 = time.perf_counter()
+            timer.mark_host("data")
             inputs, target, size = t.loader.next()
-            timer.add("data", time.perf_counter() - t0)
             sizes = self.sizes(t, size)
             out = strategy.forward_loss(t.model, inputs, target, t.task.loss, sizes, timer, weight_fn=t._loss_weight)
-            health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
+            if health.on:
+                health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
             timer.mark("backward")
             if k == 0:
                 # Free the last step's gradients just before backward (the order of PyTorch's own
                 # examples): backward then reuses those blocks; freeing them before the forward
                 # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
-                opt.zero_grad(set_to_none=True)
+                t.optimizer.zero_grad(set_to_none=True)
             loss = out.loss / accum if accum > 1 else out.loss
-            strategy.backward(out, scaler.scale(loss))
-            window.add(out, size, t.step + 1)
+            strategy.backward(out, scaler.scale(loss) if scaler.is_enabled() else loss)
+            window.add(out, size, step)
         strategy.reduce_gradients(timer)
         t.optimizer_step()
         strategy.sync_replicas(t.model, timer)
@@ -262,7 +260,7 @@ class LanesReplay:
         t.window.resume()
         grads, strategy.lane_grads = strategy.lane_grads, tracer  # replicate shows it each lane's own copies
         try:
-            t._train_step(self.accum)
+            t.spread.train_step(t, self.accum)
         finally:
             strategy.lane_grads = grads
         t.step = step

@@ -85,7 +85,7 @@ class MetricsWindow(ActiveClock):
             self._lane_sum += out.lane_losses
         else:
             idx = torch.tensor(out.lanes, device=self._lane_sum.device)
-            self._lane_sum.index_add_(0, idx, out.lane_losses.to(self._lane_sum.dtype))
+            self._lane_sum.index_add_(0, idx, out.lane_losses.reshape(-1).to(self._lane_sum.dtype))
         for lane in out.lanes:
             self._lane_count[lane] += 1
         self.micro += 1

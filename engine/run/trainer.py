@@ -242,7 +242,7 @@ class Trainer:
             self._at_step = self.step + 1
             self.run_health.before_step(self.step, self.window)  # the state a replay of this window starts from
             with memory.step(self.step + 1, getattr(self, "backend", None)):  # a ddp rank has none
-                self._train_step(accum)
+                self.spread.train_step(self, accum)
             self.step += 1
             self._at_step = self.step
             epoch = self.loader.epoch_at(self.step * accum)
@@ -271,9 +271,6 @@ class Trainer:
         """Whether ``step`` ends a log window (``train.log_every``, or the run's last step)."""
         return step % self.config.train.log_every == 0 or step == self.total_steps
 
-    def _train_step(self, accum: int) -> None:
-        self.spread.train_step(self, accum)
-
     def set_lr(self) -> None:
         """The learning rate of the step about to be taken (a pure function of the step: ``lr_at``)."""
         cfg = self.config
@@ -285,7 +282,10 @@ class Trainer:
         """After the strategy's reduction, on every strategy: health reads the gradients, clipping (or the
         norm of the step that logs), the update."""
         opt, scaler, window, health, model = self.optimizer, self.scaler, self.window, self.health, self.model
-        health.after_reduce(model, scaler._scale if scaler.is_enabled() else None)
+        fp16 = scaler.is_enabled()
+        measured = health.on  # a sampled or measured step (most are neither: no calls)
+        if measured:
+            health.after_reduce(model, scaler._scale if fp16 else None)
         self.timer.mark("optimizer")
         clip = self.config.train.grad_clip
         if clip > 0:
@@ -294,10 +294,15 @@ class Trainer:
         elif self._logs_at(self.step + 1):  # not clipping: the norm of the step that logs (each step's cost 6 %)
             scaler.unscale_(opt)
             window.add_grad_norm(grad_norm(model.parameters()))
-        health.before_update()
-        scaler.step(opt)
-        scaler.update()
-        health.after_update()
+        if measured:
+            health.before_update()
+        if fp16:
+            scaler.step(opt)
+            scaler.update()
+        else:  # what GradScaler does when disabled, without its two calls
+            opt.step()
+        if measured:
+            health.after_update()
 
     def _log(self, **extra: Any) -> None:
         """Report the open log window as a train record (nothing if it is empty)."""

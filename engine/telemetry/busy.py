@@ -20,7 +20,6 @@ and that one measure would credit that lane with the wait for the next ``every``
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,52 +29,51 @@ from typing import Any
 
 class BusyClock:
     """Cumulative busy seconds of ``n`` lanes; ``start(i)`` and ``stop(i)`` bracket lane i's work
-    (``rate``: the share of that time that is lane i's, where lanes share one thread's work)."""
+    (``rate``: the share of that time that is lane i's, where lanes share one thread's work).
+
+    Each lane's state is one tuple ``(done, since, rate)``, replaced whole: a lane's work runs in one
+    thread at a time (its pool thread, or the calling thread), so each lane has one writer, and a reader
+    in another thread (telemetry) takes each tuple at once, never a half-made update. No lock: this
+    brackets every step's forward and backward."""
 
     def __init__(self, n: int) -> None:
-        self._done = [0.0] * n
-        self._since: list[float | None] = [None] * n
-        self._rate = [1.0] * n
-        self._lock = threading.Lock()
+        self._lanes: list[tuple[float, float | None, float]] = [(0.0, None, 1.0)] * n
+        self._one: dict[int, LanesBusy] = {}
 
     def start(self, lane: int, rate: float = 1.0) -> None:
-        with self._lock:
-            self._since[lane] = time.perf_counter()
-            self._rate[lane] = rate
+        self._lanes[lane] = (self._lanes[lane][0], time.perf_counter(), rate)
 
     def lanes(self, lanes: Sequence[int]) -> LanesBusy:
         """A ``with`` block counted as busy time of each of ``lanes`` (a class, not a generator: it
-        brackets every one-lane forward and backward, where a generator's set-up was a visible cost)."""
+        brackets every one-lane forward and backward, where a generator's set-up was a visible cost;
+        one lane's is made once)."""
+        if len(lanes) == 1:
+            one = self._one.get(lanes[0])
+            if one is None:
+                one = self._one[lanes[0]] = LanesBusy(self, (lanes[0],))
+            return one
         return LanesBusy(self, lanes)
 
     def stop(self, lane: int) -> None:
-        with self._lock:
-            t0 = self._since[lane]
-            if t0 is not None:
-                self._done[lane] += self._rate[lane] * (time.perf_counter() - t0)
-                self._since[lane] = None
+        done, since, rate = self._lanes[lane]
+        if since is not None:
+            self._lanes[lane] = (done + rate * (time.perf_counter() - since), None, rate)
 
     def switch(self, old: int | None, new: int | None) -> None:
         """Stop lane ``old`` and start lane ``new`` at one instant (None: no lane)."""
-        with self._lock:
-            now = time.perf_counter()
-            if old is not None:
-                t0 = self._since[old]
-                if t0 is not None:
-                    self._done[old] += now - t0
-                    self._since[old] = None
-            if new is not None:
-                self._since[new] = now
-                self._rate[new] = 1.0
+        now = time.perf_counter()
+        if old is not None:
+            done, since, _ = self._lanes[old]
+            if since is not None:
+                self._lanes[old] = (done + now - since, None, 1.0)
+        if new is not None:
+            self._lanes[new] = (self._lanes[new][0], now, 1.0)
 
     def seconds(self) -> list[float]:
         """Each lane's busy seconds so far, its running work included up to now."""
+        lanes = list(self._lanes)  # first: no lane's start is then later than ``now``
         now = time.perf_counter()
-        with self._lock:
-            return [
-                d + (r * (now - s) if s is not None else 0.0)
-                for d, s, r in zip(self._done, self._since, self._rate, strict=True)
-            ]
+        return [d + (r * (now - s) if s is not None else 0.0) for d, s, r in lanes]
 
 
 _SHARED = -1  # a node two lanes' graphs both reach: no one lane's work
@@ -200,17 +198,22 @@ def median_shares(history: Sequence[Sequence[float]]) -> list[float]:
 
 
 class LanesBusy:
-    """``BusyClock.lanes``: starts the lanes' clocks on entry and stops them on exit."""
+    """``BusyClock.lanes``: starts the lanes' clocks on entry and stops them on exit (``start`` and
+    ``stop`` written out: this brackets every step's forward and backward)."""
 
-    __slots__ = ("clock", "lanes_")
+    __slots__ = ("lanes_", "state")
 
     def __init__(self, clock: BusyClock, lanes: Sequence[int]) -> None:
-        self.clock, self.lanes_ = clock, lanes
+        self.state, self.lanes_ = clock._lanes, lanes
 
     def __enter__(self) -> None:
+        state, now = self.state, time.perf_counter()
         for lane in self.lanes_:
-            self.clock.start(lane)
+            state[lane] = (state[lane][0], now, 1.0)
 
     def __exit__(self, *exc: object) -> None:
+        state, now = self.state, time.perf_counter()
         for lane in self.lanes_:
-            self.clock.stop(lane)
+            done, since, rate = state[lane]
+            if since is not None:
+                state[lane] = (done + rate * (now - since), None, rate)

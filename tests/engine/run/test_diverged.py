@@ -113,14 +113,14 @@ def test_a_stop_after_the_nan_saves_nothing_and_the_run_diverged_not_stopped(tmp
     cfg["train"]["checkpoint_every"] = 0  # only the stop's checkpoint (and the final one)
     cfg["train"]["checkpoint_minutes"] = 0
     trainer = Trainer(build_config(cfg), task=make_task(TASK, cfg["task"]["params"]), control=control)
-    original = trainer._train_step
+    original = trainer.spread.train_step
 
-    def step_then_stop(accum):
-        original(accum)
+    def step_then_stop(t, accum):
+        original(t, accum)
         if trainer.step + 1 == AT + 1:  # step 9 done: stop before step 10 (the log)
             control.request_stop()
 
-    trainer._train_step = step_then_stop
+    trainer.spread.train_step = step_then_stop
     result = trainer.run()
     assert result.status == "diverged", result.message
     assert not (result.run_dir / "checkpoints" / "last.pt").exists()  # nothing finite was ever saved after 0
