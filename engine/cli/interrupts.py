@@ -14,6 +14,15 @@ a numpy ImportError traceback and 1 a false "setup failed: RecursionError"
 
 Either way the press is raised again at the hold's end, for the handler in place by then (the default
 one: "multilane: interrupted", 130).
+
+Two more, for what no hold covers:
+
+- ``hold_ctrl_c_while_extensions_load``: every C extension's initialisation (a library imported later, on
+  a command's first poll or first step) holds SIGINT the same way;
+- ``note_ctrl_c``: Python's own handler, which raises ``KeyboardInterrupt``, but noting the press first. A
+  ``KeyboardInterrupt`` raised in a finalizer or a callback is printed as "Exception ignored" and lost,
+  and a library may catch it; the command's long waits (``watch``'s loop, ``train``'s and ``sweep``'s
+  own handlers once in place) ask ``missed_ctrl_c`` and answer a press that was lost that way.
 """
 
 from __future__ import annotations
@@ -43,6 +52,57 @@ def ctrl_c_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
         if pressed:
             signal.raise_signal(signal.SIGINT)  # to the handler in place now, as if pressed just now
+
+
+_noted: list[int] = []  # presses raised as KeyboardInterrupt that no command has answered yet
+
+
+def _raise_noted(signum: int, _frame: Any) -> None:
+    _noted.append(signum)
+    raise KeyboardInterrupt
+
+
+def note_ctrl_c() -> None:
+    """Ctrl+C raises ``KeyboardInterrupt`` as Python's own handler does, and is noted (``missed_ctrl_c``).
+    Only in place of Python's own handler, in the main thread."""
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_noted)
+
+
+def missed_ctrl_c() -> bool:
+    """Whether a Ctrl+C was pressed since the last ask (its ``KeyboardInterrupt`` lost on the way, or
+    answered by whoever asks now): the note is then forgotten."""
+    pressed = bool(_noted)
+    _noted.clear()
+    return pressed
+
+
+def answer_missed_ctrl_c(on_signal: Any) -> None:
+    """Call a command's own SIGINT handler, just put in place, for a press that was lost before it."""
+    if missed_ctrl_c():
+        on_signal(signal.SIGINT, None)
+
+
+def hold_ctrl_c_while_extensions_load() -> None:
+    """Hold SIGINT (``ctrl_c_held``) while any C extension module initialises, from now on in this process."""
+    from importlib.machinery import ExtensionFileLoader
+
+    if getattr(ExtensionFileLoader, "_ctrl_c_held", False):
+        return
+    create, execute = ExtensionFileLoader.create_module, ExtensionFileLoader.exec_module
+
+    def create_module(self: Any, spec: ModuleSpec) -> Any:
+        with ctrl_c_held():
+            return create(self, spec)
+
+    def exec_module(self: Any, module: ModuleType) -> None:
+        with ctrl_c_held():
+            execute(self, module)
+
+    ExtensionFileLoader.create_module = create_module  # type: ignore[method-assign]
+    ExtensionFileLoader.exec_module = exec_module  # type: ignore[method-assign]
+    ExtensionFileLoader._ctrl_c_held = True  # type: ignore[attr-defined]
 
 
 class _HoldWhileTorchLoads:  # a meta path finder (importlib.abc's base class costs an import)

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from multilane.engine.cli.interrupts import answer_missed_ctrl_c
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import UserError
 
@@ -254,3 +255,4 @@ def _stop_on_signals(runner: Any, console: Any) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    answer_missed_ctrl_c(on_signal)

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from multilane.engine.cli.interrupts import answer_missed_ctrl_c
 from multilane.engine.errors import UserError
 
 POLL_S = 1.0
@@ -59,6 +60,7 @@ def _follow(conn: Any, w: Any) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    answer_missed_ctrl_c(on_signal)
     offset = 0
     stopping = False
     try:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.interrupts import ctrl_c_held
+from multilane.engine.cli.interrupts import answer_missed_ctrl_c, ctrl_c_held
 from multilane.engine.cli.parser import short_text
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
@@ -390,3 +390,4 @@ def _stop_on_signals(control: Any, console: Any) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    answer_missed_ctrl_c(on_signal)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from multilane.engine.cli.interrupts import missed_ctrl_c
 from multilane.engine.display.device_line import DeviceTelemetry
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
@@ -153,6 +154,8 @@ def watch(
     interrupted = False
     while True:
         try:
+            if missed_ctrl_c():  # a press whose KeyboardInterrupt a library or a finalizer lost
+                raise KeyboardInterrupt
             update = follower.poll()
             said = []  # the run's own warnings (an MLflow server out of reach), one line each
             for rec in update.records:
@@ -182,6 +185,7 @@ def watch(
                 break
             time.sleep(interval)
         except KeyboardInterrupt:
+            missed_ctrl_c()  # answered here
             if on_interrupt is None or interrupted:
                 break
             interrupted = True
