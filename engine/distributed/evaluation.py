@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multilane.engine.parallel.strategy import _LaneLoss, model_args
+from multilane.engine.parallel.lane_loss import LaneLoss, model_args
 from multilane.engine.tasks import Task, add_token_fields
 from torch import nn
 
@@ -41,10 +41,10 @@ def evaluate_shards(
                 cast = torch.autocast(device_kind, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
                 with cast:
                     output = model(*args, **kwargs)
-                    loss = _LaneLoss.check(task.loss(output, target))
+                    loss = LaneLoss.check(task.loss(output, target))
                     w = float(n)
                     if loss_weight is not None:
-                        w = float(_LaneLoss.weight(loss_weight(output, target), loss))
+                        w = float(LaneLoss.weight(loss_weight(output, target), loss))
                 if w > 0:  # a shard holding no weight (all padding) adds nothing; its mean is 0/0
                     loss_sum += float(loss.double()) * w
                     weight_sum += w

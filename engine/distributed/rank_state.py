@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from multilane.engine.distributed.batchnorm import empty_shard
 from multilane.engine.fsdp.reach import reached
+from multilane.engine.parallel.lane_loss import LaneLoss, LossWeightError, check_batch, model_args
 from multilane.engine.parallel.replicas.buffers import merge_values, set_buffer
 from multilane.engine.parallel.replicas.lane_rng import _generators, lane_seed
-from multilane.engine.parallel.strategy import LossWeightError, _LaneLoss, check_batch, model_args
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -305,8 +305,8 @@ def shard_forward(
         if n == 0:
             return output, None, None
         check_batch(output, target)
-        loss = _LaneLoss.check(task.loss(output, target))
+        loss = LaneLoss.check(task.loss(output, target))
         weight = None
         if loss_weight is not None:
-            weight = _LaneLoss.weight(loss_weight(output, target), loss)
+            weight = LaneLoss.weight(loss_weight(output, target), loss)
         return output, loss, weight

@@ -192,7 +192,7 @@ def check_shards(
 
 def _shard_reach(model: nn.Module, units: list[nn.Module], params: list, task: Any, x: Any, y: Any) -> tuple:
     """The units one shard's forward calls and, for each parameter, whether its loss reaches it (1 or 0)."""
-    from multilane.engine.parallel.strategy import model_args
+    from multilane.engine.parallel.lane_loss import model_args
 
     args, kwargs = model_args(x)
     with recording(units) as seen, no_double_backward():

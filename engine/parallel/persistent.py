@@ -38,11 +38,12 @@ import torch
 from multilane.engine.parallel.backend import Backend
 from multilane.engine.parallel.buckets import GradBuckets
 from multilane.engine.parallel.coalesced import copy_into, sum_into
+from multilane.engine.parallel.lane_loss import model_args
 from multilane.engine.parallel.replicas.buffers import merge_buffers
 from multilane.engine.parallel.replicas.inplace_watch import InplaceWatch
 from multilane.engine.parallel.replicas.lane_rng import LaneRandomnessError
 from multilane.engine.parallel.replicas.sync_batchnorm import LaneBatchNorm
-from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput, model_args
+from multilane.engine.parallel.strategy import ReplicateEachStep, StepOutput
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.tensors.grads import add_grad, is_sparse
 from torch import nn

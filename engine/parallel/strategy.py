@@ -8,11 +8,12 @@ combine them weighted by what each device's mean is over: its shard size, or the
 ``backward()`` once on the combined loss (``backward``); gradients flow back through the replicas
 into the original parameters.
 
-A strategy is four calls per optimizer step, made by the trainer in this order:
-``forward_loss`` (per micro-batch) → ``backward`` (per micro-batch) → ``reduce_gradients`` (once:
+A strategy is three calls per optimizer step, made by the trainer in this order: ``train_micro``
+(per micro-batch: ``forward_loss``, then ``backward`` of its scaled loss) → ``reduce_gradients`` (once:
 the model's ``.grad`` must then hold the whole batch's gradient) → the optimizer steps the model →
-``sync_replicas`` (once: whatever the strategy keeps on the other devices catches up). ``forward``
-serves evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy behind them.
+``sync_replicas`` (once: whatever the strategy keeps on the other devices catches up). ``forward_loss``
+alone and ``forward`` serve evaluation. ``PersistentReplicas`` (persistent.py) is the second strategy
+behind them.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from typing import Any
 
 import torch
 from multilane.engine.parallel.backend import Backend
+from multilane.engine.parallel.lane_loss import LaneLoss, LossFn, LossWeightError, WeightFn, check_batch, model_args
 from multilane.engine.parallel.replicas import inplace
 from multilane.engine.parallel.replicas.buffers import merge_buffers
 from multilane.engine.parallel.replicas.lane_context import lane_apply
 from multilane.engine.parallel.replicas.lane_rng import LaneRandom, LaneRandomnessError
 from multilane.engine.parallel.timing import PhaseTimer
-from multilane.engine.parallel.tree import first_tensor
 from torch import nn
 from torch._utils import ExceptionWrapper
 
@@ -58,20 +59,6 @@ class StepOutput:
     """With a task's ``loss_weight``: each lane's weight in ``lanes`` (host numbers, already read)."""
 
 
-class LossNotScalarError(ValueError):
-    """The task's loss returned something other than one number."""
-
-
-def model_args(inputs: Any) -> tuple[tuple, dict]:
-    """How a batch's inputs are passed to the model: a tensor as one argument, a tuple as positional
-    arguments, a dict as keyword arguments."""
-    if isinstance(inputs, dict):
-        return (), inputs
-    if isinstance(inputs, tuple):
-        return inputs, {}
-    return (inputs,), {}
-
-
 class _InReplica:
     """Runs ``fn`` inside autocast with the run's dtype, entered in the replica's own thread.
 
@@ -88,66 +75,6 @@ class _InReplica:
 
 _NO_AUTOCAST = contextlib.nullcontext()
 _LANE_0 = (0,)
-
-
-class OutputShapeError(ValueError):
-    """The model's output does not hold one row per input sample."""
-
-
-def check_batch(output: Any, target: Any) -> None:
-    """The model must return one row per sample: a wrong batch size would broadcast silently."""
-    if type(output) is torch.Tensor and type(target) is torch.Tensor:  # the common case, without the walk
-        out, tgt = output, target
-    else:
-        out, tgt = first_tensor(output), first_tensor(target)
-    if out is not None and tgt is not None and out.dim() > 0 and tgt.dim() > 0 and out.shape[0] != tgt.shape[0]:
-        raise OutputShapeError(
-            f"the model returned {out.shape[0]} rows (shape {tuple(out.shape)}) for {tgt.shape[0]} samples"
-        )
-
-
-class LossWeightError(ValueError):
-    """The task's loss_weight returned something other than one number >= 0."""
-
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-WeightFn = Callable[[Any, Any], "torch.Tensor | float"]
-
-
-class _LaneLoss:
-    """A lane's loss as a 1-element vector (fp32 at least), so that gather stacks them without a warning;
-    with a ``weight_fn``, the pair ``(loss, weight)`` of such vectors."""
-
-    def __init__(self, loss_fn: LossFn, weight_fn: WeightFn | None = None) -> None:
-        self.loss_fn, self.weight_fn = loss_fn, weight_fn
-
-    def __call__(self, output: Any, target: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        check_batch(output, target)
-        loss = self.check(self.loss_fn(output, target))
-        if self.weight_fn is None:
-            return loss.reshape(1)
-        return loss.reshape(1), self.weight(self.weight_fn(output, target), loss).reshape(1)
-
-    @staticmethod
-    def check(loss: Any) -> torch.Tensor:
-        """The loss as a 0-dim tensor, in fp32 at least; LossNotScalarError if it is not one number."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise LossNotScalarError(f"the loss must be one number (a 0-dim tensor), got {shape}")
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()
-        return loss if loss.dim() == 0 else loss.reshape(())
-
-    @staticmethod
-    def weight(w: Any, loss: torch.Tensor) -> torch.Tensor:
-        """The loss weight as a 0-dim tensor in the loss's dtype, on its device, never differentiated."""
-        if isinstance(w, torch.Tensor):
-            if w.numel() != 1:
-                raise LossWeightError(f"loss_weight must be one number, got shape {tuple(w.shape)}")
-            return w.detach().reshape(()).to(device=loss.device, dtype=loss.dtype)
-        if isinstance(w, (int, float)) and not isinstance(w, bool):
-            return torch.tensor(float(w), dtype=loss.dtype, device=loss.device)
-        raise LossWeightError(f"loss_weight must be a number or a 0-dim tensor, got {type(w).__name__}")
 
 
 class ReplicateEachStep:
@@ -226,7 +153,7 @@ class ReplicateEachStep:
         shard_targets = b.scatter(target, active, lanes)
         outputs = self._forward_lanes(model, shard_inputs, lanes, active, timer)
         timer.mark("loss")
-        lane_loss = self._wrap([_LaneLoss(loss_fn, weight_fn)] * len(lanes))
+        lane_loss = self._wrap([LaneLoss(loss_fn, weight_fn)] * len(lanes))
         pairs = list(zip(outputs, shard_targets, strict=True))
         try:
             losses = self._apply("loss", lane_loss, pairs, None, lanes)
@@ -266,6 +193,33 @@ class ReplicateEachStep:
             lane_weights=[ws[k] for k in keep],
         )
 
+    def train_micro(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        target: Any,
+        loss_fn: LossFn,
+        sizes: Sequence[int],
+        timer: PhaseTimer,
+        weight_fn: WeightFn | None = None,
+        zero: torch.optim.Optimizer | None = None,
+        accum: int = 1,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> StepOutput:
+        """One micro-batch of a training step: ``forward_loss``, then ``backward`` of its loss divided by
+        ``accum`` and scaled by fp16's ``scaler`` (None: not scaled). ``zero``: the optimizer, on a step's
+        first micro-batch, whose gradients are freed just before this backward (the order of PyTorch's own
+        examples: backward then reuses those blocks; freeing them before the forward cost ~3 % on the CPU
+        in fresh pages, bench/step_overhead.py). One lane's forward, loss and backward are one busy bracket."""
+        if len(sizes) > 1:
+            out = self.forward_loss(model, inputs, target, loss_fn, sizes, timer, weight_fn)
+            self.backward(out, _to_backward(out, timer, zero, accum, scaler))
+            return out
+        with self.backend.busy(_LANE_0):
+            out = self._forward_0(model, inputs, target, loss_fn, timer, weight_fn, False)
+            _to_backward(out, timer, zero, accum, scaler).backward()
+        return out
+
     def backward(self, out: StepOutput, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (``out.loss``, scaled by the caller): one backward through the replicas'
         graphs, which sums every lane's gradient into the model's own parameters. One lane's backward is
@@ -289,18 +243,24 @@ class ReplicateEachStep:
         """Drop whatever the strategy holds between steps."""
 
     def _single_lane(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
-        """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device)."""
+        """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device); its
+        forward and loss count as its busy time, as in parallel_apply on several lanes."""
+        with self.backend.busy(_LANE_0):
+            return self._forward_0(model, inputs, target, loss_fn, timer, weight_fn, keep_output)
+
+    def _forward_0(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
+        """Lane 0's forward and loss on the model itself."""
         args, kwargs = model_args(inputs)
         timer.mark("forward")
         weight = None
-        try:  # the lane's forward and loss count as its busy time, as in parallel_apply on several lanes
-            with self.backend.busy(_LANE_0), self._autocast():
+        try:
+            with self._autocast():
                 output = model(*args, **kwargs)
                 timer.mark("loss")
                 check_batch(output, target)
-                loss = _LaneLoss.check(loss_fn(output, target))
+                loss = LaneLoss.check(loss_fn(output, target))
                 if weight_fn is not None:
-                    weight = _LaneLoss.weight(weight_fn(output, target), loss)
+                    weight = LaneLoss.weight(weight_fn(output, target), loss)
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
         return StepOutput(loss, loss.detach(), [0], weight=weight, output=output if keep_output else None)
@@ -368,6 +328,17 @@ class ReplicateEachStep:
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
         return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))
+
+
+def _to_backward(
+    out: StepOutput, timer: PhaseTimer, zero: torch.optim.Optimizer | None, accum: int, scaler: Any
+) -> torch.Tensor:
+    """What a micro-batch's backward starts from (``train_micro``), the last step's gradients freed first."""
+    timer.mark("backward")
+    if zero is not None:
+        zero.zero_grad(set_to_none=True)
+    loss = out.loss / accum if accum > 1 else out.loss
+    return loss if scaler is None else scaler.scale(loss)
 
 
 class _NoTimer(PhaseTimer):

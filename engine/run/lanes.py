@@ -133,7 +133,8 @@ class Lanes:
         return (t.strategy.replicas() or None) if self._copies else []
 
     def train_step(self, t: Trainer, accum: int) -> None:
-        timer, window, strategy, health, scaler = t.timer, t.window, t.strategy, t.health, t.scaler
+        timer, window, strategy, health = t.timer, t.window, t.strategy, t.health
+        fp16 = t.scaler if t.scaler.is_enabled() else None
         step = t.step + 1
         t.set_lr()
         health.begin_step(step, t.model, accum, self.replicas(t))
@@ -141,17 +142,12 @@ class Lanes:
             timer.mark_host("data")
             inputs, target, size = t.loader.next()
             sizes = self.sizes(t, size)
-            out = strategy.forward_loss(t.model, inputs, target, t.task.loss, sizes, timer, weight_fn=t._loss_weight)
+            zero = t.optimizer if k == 0 else None  # the last step's gradients, freed before this backward
+            out = strategy.train_micro(
+                t.model, inputs, target, t.task.loss, sizes, timer, t._loss_weight, zero, accum, fp16
+            )
             if health.on:
                 health.micro(out.lane_weights or [sizes[i] for i in out.lanes], out.lanes, accum)
-            timer.mark("backward")
-            if k == 0:
-                # Free the last step's gradients just before backward (the order of PyTorch's own
-                # examples): backward then reuses those blocks; freeing them before the forward
-                # costs ~3% on the CPU in fresh pages (bench/step_overhead.py).
-                t.optimizer.zero_grad(set_to_none=True)
-            loss = out.loss / accum if accum > 1 else out.loss
-            strategy.backward(out, scaler.scale(loss) if scaler.is_enabled() else loss)
             window.add(out, size, step)
         strategy.reduce_gradients(timer)
         t.optimizer_step()

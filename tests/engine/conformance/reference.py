@@ -17,8 +17,8 @@ import torch
 from matrix import KINDS, config, devices_for
 from multilane.engine.config import build_config
 from multilane.engine.parallel import chunk_sizes
+from multilane.engine.parallel.lane_loss import model_args
 from multilane.engine.parallel.replicas.lane_rng import lane_seed
-from multilane.engine.parallel.strategy import model_args
 from multilane.engine.run.trainer import Trainer
 from torch.func import functional_call
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
-from multilane.engine.parallel.strategy import model_args
+from multilane.engine.parallel.lane_loss import model_args
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.telemetry.devices import parse_devices
 

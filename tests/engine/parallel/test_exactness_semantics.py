@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 from multilane.engine.parallel import ReplicateEachStep, chunk_sizes, make_backend
+from multilane.engine.parallel.lane_loss import LossWeightError
 from multilane.engine.parallel.replicas.inplace import InplaceParameterError
 from multilane.engine.parallel.replicas.replica import replicate_module
-from multilane.engine.parallel.strategy import LossWeightError
 from multilane.engine.parallel.timing import PhaseTimer
 from multilane.engine.parallel.tree import GatherError
 from multilane.engine.telemetry.devices import parse_devices
