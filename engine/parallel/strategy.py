@@ -32,7 +32,7 @@ from multilane.engine.parallel.replicas import inplace
 from multilane.engine.parallel.replicas.buffers import merge_buffers
 from multilane.engine.parallel.replicas.lane_context import lane_apply
 from multilane.engine.parallel.replicas.lane_rng import LaneRandom, LaneRandomnessError
-from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.parallel.timing import NoTimer, PhaseTimer
 from torch import nn
 from torch._utils import ExceptionWrapper
 
@@ -341,9 +341,4 @@ def _to_backward(
     return loss if scaler is None else scaler.scale(loss)
 
 
-class _NoTimer(PhaseTimer):
-    def mark(self, phase: str | None) -> None:
-        pass
-
-
-_NO_TIMER = _NoTimer()
+_NO_TIMER = NoTimer()

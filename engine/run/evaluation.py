@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from multilane.engine.parallel import ReplicateEachStep
-from multilane.engine.parallel.timing import PhaseTimer
+from multilane.engine.parallel.timing import NoTimer
 from multilane.engine.parallel.tree import move_tree
 from multilane.engine.rundir.runlog import SAMPLES, RunDir
 from multilane.engine.tasks import Task, add_token_fields, loss_weight_fn
@@ -42,7 +42,7 @@ def evaluate(
     loss_sum = weight_sum = metric_sums = None
     count = 0
     keys: list[str] = []
-    timer = PhaseTimer()
+    timer = NoTimer()  # evaluation's phases are no step's
     try:
         with torch.no_grad():
             for inputs, target, size in batches:

@@ -72,22 +72,23 @@ class MetricsWindow(ActiveClock):
     # -- accumulating (every micro-batch / step) -------------------------------------------------
     def add(self, out: StepOutput, size: int, step: int) -> None:
         """One micro-batch's losses (device tensors, no sync)."""
-        if self.first_step is None:
-            self.first_step = step
-        if self._lane_sum is None:  # accumulate in the loss's own dtype: no cast per step
-            self._lane_sum = torch.zeros(
-                len(self._lane_count), dtype=out.lane_losses.dtype, device=out.lane_losses.device
+        lane_sum, counts = self._lane_sum, self._lane_count
+        if lane_sum is None:  # the window's first: accumulate in the loss's own dtype, no cast per step
+            if self.first_step is None:
+                self.first_step = step
+            lane_sum = self._lane_sum = torch.zeros(
+                len(counts), dtype=out.lane_losses.dtype, device=out.lane_losses.device
             )
-        if len(self._lane_count) > 1:  # with one lane the combined loss is the lane's loss
+        if len(counts) > 1:  # with one lane the combined loss is the lane's loss
             loss = out.loss.detach()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        if len(out.lanes) == len(self._lane_count):
-            self._lane_sum += out.lane_losses
+        if len(out.lanes) == len(counts):
+            lane_sum += out.lane_losses
         else:
-            idx = torch.tensor(out.lanes, device=self._lane_sum.device)
-            self._lane_sum.index_add_(0, idx, out.lane_losses.reshape(-1).to(self._lane_sum.dtype))
+            idx = torch.tensor(out.lanes, device=lane_sum.device)
+            lane_sum.index_add_(0, idx, out.lane_losses.reshape(-1).to(lane_sum.dtype))
         for lane in out.lanes:
-            self._lane_count[lane] += 1
+            counts[lane] += 1
         self.micro += 1
         self.samples += size
 
