@@ -1,6 +1,6 @@
 """Engine step time on one CPU lane against a plain hand-written PyTorch loop, side by side.
 
-    python bench/step_overhead.py [--rounds 600]
+    python bench/step_overhead.py [--rounds 600] [--cases digits,mlp]
 
 Both loops train the same model from the same weights on the same batches (fetched the same way).
 They take turns step by step, in a shuffled order each round, so that drift on a shared machine hits
@@ -24,6 +24,11 @@ CASES = {
     "mlp (1024x4, batch 512)": {
         "task": {"name": "mlp", "params": {"width": 1024, "depth": 4, "features": 256}},
         "data": {"batch_size": 512},
+    },
+    # a step that is almost all overhead: the difference in µs is the loop's own cost
+    "mlp (8x1, batch 8)": {
+        "task": {"name": "mlp", "params": {"width": 8, "depth": 1, "features": 8}},
+        "data": {"batch_size": 8},
     },
 }
 
@@ -88,14 +93,21 @@ def main() -> None:
     torch.set_flush_denormal(True)
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=600, help="steps of each loop, interleaved")
+    ap.add_argument("--cases", default="", help="only the cases whose names start with one of these (comma-separated)")
     args = ap.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {args.rounds} interleaved "
         "steps of each loop, median step time in ms"
     )
     print("'plain again' is a second, identical plain loop: its ratio shows the noise floor.\n")
-    print(f"{'case':26} {'plain':>8} {'plain again':>12} {'engine 1 lane':>14} {'ratio':>6} {'A/A':>6} {'2 lanes':>8}")
+    print(
+        f"{'case':26} {'plain':>8} {'plain again':>12} {'engine 1 lane':>14} {'ratio':>6} {'A/A':>6} {'2 lanes':>8} "
+        f"{'+µs':>8}"
+    )
+    only = [c.strip() for c in args.cases.split(",") if c.strip()]
     for name, case in CASES.items():
+        if only and not any(name.startswith(c) for c in only):
+            continue
         tr = engine(case, "cpu:0")
         tr2 = engine(case, "cpu:0,cpu:1")
         fns = {"plain": plain_loop(tr), "again": plain_loop(tr), "engine": engine_step(tr)}
@@ -109,7 +121,8 @@ def main() -> None:
         m["lanes2"] = interleaved({"lanes2": lanes2}, max(50, args.rounds // 4))["lanes2"]
         print(
             f"{name:26} {m['plain']:8.3f} {m['again']:12.3f} {m['engine']:14.3f} "
-            f"{m['engine'] / m['plain']:6.3f} {m['again'] / m['plain']:6.3f} {m['lanes2']:8.3f}"
+            f"{m['engine'] / m['plain']:6.3f} {m['again'] / m['plain']:6.3f} {m['lanes2']:8.3f} "
+            f"{1000 * (m['engine'] - m['plain']):8.0f}"
         )
         tr.backend.close()
         tr2.backend.close()
