@@ -123,14 +123,20 @@ def supervise_rank(argv: list[str], launcher: int) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    setproctitle.setproctitle(f"{title(os.environ)} supervisor (pid {pid})")
+    # Not "multilane rank 1/2 ...": that names the rank itself, what ps, pkill -f and a user look for.
+    setproctitle.setproctitle(f"multilane supervisor of {title(os.environ)[len('multilane ') :]} (pid {pid})")
+    try:  # readable once the rank has ended: its end is written down at once, before its peers' reports
+        ended: int | None = os.pidfd_open(pid)
+    except OSError:
+        ended = None
     orphan = False
     while True:
-        ready, _, _ = select.select([gone] if gone is not None else [], [], [], 0.5)
+        watched = [fd for fd in (gone, ended) if fd is not None]
+        ready, _, _ = select.select(watched, [], [], 0.5)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
-        if ready:
+        if gone is not None and gone in ready:
             _pass_on(pid, signal.SIGTERM)
             os.close(gone)
             gone, orphan = None, True
