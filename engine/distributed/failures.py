@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -35,6 +36,10 @@ from multilane.engine.rundir.runlog import ERROR, STATUS, RunDir, iter_metrics
 
 NOTES = "failures"
 LOST_PEERS = "RankLostPeers"
+LOST_PEER_ERROR = re.compile(
+    r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I
+)
+"""An error that means "another rank went away", not "this rank went wrong"."""
 REFUSALS = "refusals"  # in the node's folder: rank<N>.json, the line of a rank that refused to run
 
 
@@ -82,7 +87,8 @@ def notes_from_child_failure(run_dir: Path, e: Any) -> None:
             message, tb = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}", None
         elif isinstance(f.message, dict):
             text = str(f.message.get("message", ""))
-            lost = LOST_PEERS in text
+            # RankLostPeers, or a set-up that failed on a peer's lost connection (a UserError's "setup failed")
+            lost = LOST_PEERS in text or bool(LOST_PEER_ERROR.search(text))
             text = text.split(": ", 1)[1] if text.startswith(("RankFailed: ", f"{LOST_PEERS}: ")) else text
             message = text or f"rank {rank} exited with {f.exitcode}"
             tb = f.message.get("extraInfo", {}).get("py_callstack")
@@ -92,6 +98,20 @@ def notes_from_child_failure(run_dir: Path, e: Any) -> None:
         if old.exists() and not f.exitcode < 0:
             continue  # the rank wrote its own note (the same error, its exact time)
         write_note(run_dir, rank, message, tb, lost, float(f.timestamp or time.time()))
+
+
+def note_silent_ranks(run_dir: Path, world: int) -> None:
+    """One node's run whose notes all say "lost its peers": a rank of the ``world`` that left no note at
+    all ended without a word (a signal killed it with its supervisor, engine/start/ranks.py, or killed it
+    where nobody saw) and caused the others. Its note says so, so that the outcome names it."""
+    notes = read_notes(run_dir)
+    if not notes or any(not n["lost_peers"] for n in notes):
+        return
+    noted, first = {n["rank"] for n in notes}, min(n["time"] for n in notes)
+    for rank in range(world):
+        if rank not in noted:
+            message = f"rank {rank} ended and left no word of why (a signal that kills a rank's supervisor leaves none)"
+            write_note(run_dir, rank, message, None, False, first)
 
 
 NODES = "nodes.json"  # a run across hosts: each node's host (engine/remote/multi_host.py writes it)

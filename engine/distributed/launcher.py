@@ -27,9 +27,11 @@ from typing import Any
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV
 from multilane.engine.distributed.failures import (
+    LOST_PEER_ERROR,
     LOST_PEERS,
     FolderAsFound,
     consolidate,
+    note_silent_ranks,
     notes_from_child_failure,
     primary,
     refusal,
@@ -176,7 +178,7 @@ def launch(
         elastic_launch(lc, entrypoint)(*args)
     except ChildFailedError as e:
         _raise_refusal(node_file.parent, as_found)
-        return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, e)
+        return _report_failure(run_dir or _run_dir_of_node(node_file), node_file.parent, nnodes, e, nproc)
     except SignalException:
         state = _state(run_dir)
         print(f"{state or 'stopped'}: by signal; every rank was asked to stop", file=sys.stderr)
@@ -212,7 +214,7 @@ def _raise_refusal(node_dir: Path, as_found: FolderAsFound) -> None:
         raise UserError(line) from None
 
 
-def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -> int:
+def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any, nproc: int = 0) -> int:
     """The run failed (``e``: torch's ``ChildFailedError``, or None when the store went first): this
     node's notes into the run folder, the failure that caused the others on stderr; exit status 1."""
     cause = None
@@ -230,6 +232,8 @@ def _report_failure(run_dir: Path | None, node_dir: Path, nnodes: int, e: Any) -
                 notes_from_child_failure(run_dir, e)
             for death in deaths:
                 write_note(run_dir, death["rank"], death["message"], None, False, death["time"])
+            if nnodes == 1 and e is not None:  # every rank is this node's: one without a note vanished
+                note_silent_ranks(run_dir, nproc)
             # With several nodes the failure that caused this node's may be another node's: wait for its note.
             cause = consolidate(run_dir, wait_for_cause_s=FOREIGN_CAUSE_WAIT_S if nnodes > 1 else 0.0)
         except OSError as err:
@@ -324,7 +328,7 @@ def first_failure(e: Any, deaths: list[dict[str, Any]] | None = None) -> str:
     notes = list(deaths or [])
     for rank, f in e.failures.items():
         text = str(f.message.get("message", "")) if isinstance(f.message, dict) else ""
-        lost = LOST_PEERS in text
+        lost = LOST_PEERS in text or bool(LOST_PEER_ERROR.search(text))
         if f.exitcode < 0:
             text = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()}"
         elif text.startswith(("RankFailed: ", f"{LOST_PEERS}: ")):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import signal
 import socket
 import sys
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch.distributed as dist
 from multilane.engine.config import RunConfig
 from multilane.engine.distributed import NODE_FILE_ENV, RUN_DIR_ENV, command_start
-from multilane.engine.distributed.failures import consolidate, write_note, write_refusal
+from multilane.engine.distributed.failures import LOST_PEER_ERROR, consolidate, write_note, write_refusal
 from multilane.engine.distributed.rank import RankInfo, init_process_group
 from multilane.engine.errors import UserError
 from multilane.engine.run.control import RunControl
@@ -30,9 +29,6 @@ if TYPE_CHECKING:
     from multilane.engine.run.trainer import Trainer
     from multilane.engine.tasks import Task
     from multilane.engine.telemetry.devices import Device
-
-# Errors that mean "another rank went away", not "this rank went wrong".
-_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|timed out|Timeout", re.I)
 
 
 class RankFailed(RuntimeError):
@@ -105,7 +101,7 @@ def rank_main(config: RunConfig | None, resume_from: str | None, overrides: dict
         print(summary(said, getattr(trainer, "total_steps", None), timing), flush=True)
     if result.status == "failed":
         message = f"rank {info.rank} ({info.key}): {result.message}"
-        lost = bool(_LOST.search(result.message or ""))
+        lost = bool(LOST_PEER_ERROR.search(result.message or ""))
         # The run folder knows every rank's failure (failures.py); a node that does not share the
         # folder (no shared filesystem) leaves the report to rank 0's.
         if trainer.run_dir is not None and trainer.run_dir.path.is_dir():
@@ -134,7 +130,7 @@ def run_rank(config: RunConfig | None, resume_from: str | None, overrides: dict[
     except RankFailed:
         code = 1
     except UserError as e:
-        if not write_refusal(int(os.environ.get("RANK", "0")), str(e), bool(_LOST.search(str(e)))):
+        if not write_refusal(int(os.environ.get("RANK", "0")), str(e), bool(LOST_PEER_ERROR.search(str(e)))):
             print(f"multilane: error: {e}", file=sys.stderr)
         code = 2
     except Exception:

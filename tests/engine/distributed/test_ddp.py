@@ -5,6 +5,7 @@ Every run here is real: real processes, real collectives, real files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -227,6 +228,38 @@ class Failing(BUILTIN_TASKS["linear"]):
             raise ValueError("boom on purpose")
         return super().loss(output, target)
 """
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["set-up", "train"])
+def test_a_rank_killed_with_its_supervisor_is_named_not_the_peer_that_lost_it(tmp_path, when):
+    # SIGKILL on the supervisor of a forked rank: the rank dies with it, and nobody is left to write down
+    # how. The run must still name rank 1, not rank 0's "Connection reset by peer".
+    runs = tmp_path / "runs"
+    p = long_ddp_run(runs)
+    try:
+        run = wait_for(lambda: (run_dirs(runs) or [None])[0], 60, "the run folder")
+        wait_for(lambda: rank_pid(p, 1), 30, "rank 1")
+        if when == "train":  # else as soon as rank 1 has its title: mostly still in the set-up
+            wait_for(lambda: last_train_step(run) >= 5, 120, "training")
+        supervisor = None
+        for child in psutil.Process(p.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if " ".join(child.cmdline()).startswith("multilane supervisor of rank 1/"):
+                    supervisor = child
+        if supervisor is None:
+            pytest.skip("ranks start as fresh interpreters here (MULTILANE_RANK_START=exec): no supervisor")
+        supervisor.kill()
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    _, err = p.communicate()
+    assert p.returncode == 1
+    status = json.loads((run / "status.json").read_text())
+    # "rank 1 (pid N) was killed by SIGKILL" when the agent saw the supervisor die first, else "rank 1
+    # ended and left no word of why": either way rank 1, never rank 0's lost peer
+    assert status["state"] == "failed" and status["message"].startswith("rank 1 "), status
+    assert "failed: rank 1 " in err, err
 
 
 @pytest.mark.slow
