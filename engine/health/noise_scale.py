@@ -199,6 +199,15 @@ def unit_word(unit: str | None) -> str:
     return unit or "samples"
 
 
+def batch_text(batch: float, unit: str | None = "samples") -> str:
+    """The batch the noise scale is judged against, as every view prints it. It is the mean over the
+    measured steps, so an epoch's short last batch makes it a fraction: "batch 63.6 samples on average",
+    not a rounded "batch 64" or "batch 63" that no step had; a whole number stays one."""
+    if abs(batch - round(batch)) < 0.05:
+        return f"batch {round(batch):,} {unit_word(unit)}"
+    return f"batch {batch:,.1f} {unit_word(unit)} on average"
+
+
 def band_text(lo: float | None, hi: float | None) -> str:
     """The band as every view prints it: "95 % band 900–2,400", or "band unbounded"."""
     if lo is None or hi is None:
@@ -227,7 +236,7 @@ def verdict(
     only where the band is clear of the batch (or, holding it, lies within a factor of 2 of it: near);
     otherwise "not yet known"."""
     u = unit_word(unit)
-    head = f"batch {batch:,.0f} {u}"
+    head = batch_text(batch, unit)
     if b_simple is None:
         return f"{head} · noise scale not yet known"
     value = f"{head} · noise scale ≈ {format_noise_scale(b_simple)} {u} ({band_text(lo, hi)})"

@@ -22,7 +22,7 @@ import numpy as np
 import pyqtgraph as pg
 from multilane.engine.health.diagnosis import Finding, diagnose
 from multilane.engine.health.monitor import ONE_DEVICE
-from multilane.engine.health.noise_scale import unit_word, verdict
+from multilane.engine.health.noise_scale import batch_text, unit_word, verdict
 from multilane.gui.runs.run_data import RunData
 from PySide6.QtCore import QRectF
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
@@ -231,7 +231,7 @@ class HealthView(QWidget):
             self.batch_line.setPos(float(batch[-1]))
             self.batch_line.setVisible(True)
             unit = unit_word(d.noise_unit)
-            self.batch_label.setText(f"batch {batch[-1]:,.0f} {unit}")
+            self.batch_label.setText(batch_text(float(batch[-1]), unit))
             self.batch_label.setPos(float(steps[0]), float(batch[-1]))
             band = [float(lo[-1]), float(hi[-1])] if np.isfinite(lo[-1]) and np.isfinite(hi[-1]) else [None, None]
             self.noise_line.setText(verdict(float(batch[-1]), last, unit, *band))

@@ -92,6 +92,20 @@ def test_the_heatmap_is_the_records_values_in_log_colour_with_gaps(qtbot):
     assert view.value_at(100.0, 1.0) == "" and view.value_at(30.0, 5.0) == ""
 
 
+def test_a_mean_batch_is_labelled_as_one_not_rounded(qtbot):
+    # an epoch's short last batch among the measured steps: the mean batch 63.58, not "64" nor "63"
+    d = with_noise(make_run())
+    d.add({"kind": "train", "step": 75, "wall_time": 2007.0, "loss": 0.5, "device_loss": {"cpu:0": 0.5},
+           "noise": {"g2": 1.0, "trace": 700.0, "b_simple": 700.0, "lo": 560.0, "hi": 910.0, "steps": 21,
+                     "batch": 63.58, "unit": "samples"}})  # fmt: skip
+    view = HealthView()
+    qtbot.addWidget(view)
+    view.set_data(d)
+    assert view.batch_line.value() == pytest.approx(63.58)
+    assert view.batch_label.toPlainText() == "batch 63.6 samples on average"
+    assert view.noise_line.text().startswith("batch 63.6 samples on average · noise scale ≈ 700 samples")
+
+
 def test_a_linear_quantity_and_the_activation_rows(qtbot):
     view = HealthView()
     qtbot.addWidget(view)

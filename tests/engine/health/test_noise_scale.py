@@ -129,6 +129,11 @@ def test_the_verdict_is_given_only_when_the_band_is_clear_of_the_batch():
     assert "not yet known" in verdict(64, 70, "samples", None, None)
     assert verdict(248, 1481.4, "tokens", 1200, 1800).startswith("batch 248 tokens · noise scale ≈ 1,481 tokens")
     assert verdict(64, None) == "batch 64 samples · noise scale not yet known"
+    # the batch is the mean over the measured steps: an epoch's short last batch makes it a fraction,
+    # said as one, never rounded to a batch no step had
+    assert verdict(63.58, None) == "batch 63.6 samples on average · noise scale not yet known"
+    assert verdict(63.97, 70, "samples", 20, 300).startswith("batch 64 samples · noise scale ≈ 70")
+    assert verdict(8191.7, None, "tokens").startswith("batch 8,191.7 tokens on average")
 
 
 class Mlp(nn.Module):
