@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts a fresh interpreter (and `watch` or `train` in it)
+
 LOSE_A_PRESS = """
 import os, signal, sys
 from multilane.engine.cli import main
