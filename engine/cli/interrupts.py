@@ -4,21 +4,18 @@ A ``KeyboardInterrupt`` raised while an extension module initialises goes wrong 
 presses during ``multilane train``'s start, 4 were swallowed (the run trained to its end), 1 aborted the
 process (SIGABRT: "terminate called after throwing an instance of 'pybind11::error_already_set'"), 1 was
 a numpy ImportError traceback and 1 a false "setup failed: RecursionError"
-(tests/engine/cli/test_ctrl_c_during_start.py). Two holds:
+(tests/engine/cli/test_ctrl_c_during_start.py). Two holds (``ctrl_c_held``):
 
 - ``hold_ctrl_c_while_torch_loads``, a command's first act: wherever torch is first imported (a command,
-  a task file, a ddp rank), SIGINT only sets a flag until the import is done;
-- ``ctrl_c_held``, around a command's own imports before it puts its Ctrl+C handler in place (the
-  engine's modules, pydantic's and psutil's extensions): a press there was once swallowed too, and the
-  run trained to its end.
+  a task file, a ddp rank), SIGINT only sets a flag until the whole import is done (its Python calls into
+  C++ and back);
+- ``hold_ctrl_c_while_extensions_load``, from the ``multilane.engine.cli`` package's import on: every C
+  extension's initialisation (pydantic's and psutil's as the command's modules load, a library imported
+  later, on a command's first poll or first step) holds SIGINT the same way.
 
 Either way the press is raised again at the hold's end, for the handler in place by then (the default
-one: "multilane: interrupted", 130).
+one: "multilane: interrupted", 130). And for what no hold covers:
 
-Two more, for what no hold covers:
-
-- ``hold_ctrl_c_while_extensions_load``: every C extension's initialisation (a library imported later, on
-  a command's first poll or first step) holds SIGINT the same way;
 - ``note_ctrl_c``: Python's own handler, which raises ``KeyboardInterrupt``, but noting the press first. A
   ``KeyboardInterrupt`` raised in a finalizer or a callback is printed as "Exception ignored" and lost,
   and a library may catch it; the command's long waits (``watch``'s loop, ``train``'s and ``sweep``'s

@@ -10,11 +10,7 @@ import io
 import sys
 from typing import Any
 
-from multilane.engine.cli.interrupts import (
-    hold_ctrl_c_while_extensions_load,
-    hold_ctrl_c_while_torch_loads,
-    note_ctrl_c,
-)
+from multilane.engine.cli.interrupts import hold_ctrl_c_while_torch_loads, note_ctrl_c
 from multilane.engine.cli.monitor import cmd_control, cmd_devices, cmd_watch
 from multilane.engine.cli.parser import build_parser
 from multilane.engine.cli.train import cmd_train
@@ -149,8 +145,8 @@ def one_line(message: str, limit: int = MAX_LINE) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     hold_ctrl_c_while_torch_loads()  # a Ctrl+C during torch's import is held, not swallowed or an abort
-    hold_ctrl_c_while_extensions_load()  # and during any C extension's start, whenever it is imported
-    note_ctrl_c()  # a press whose KeyboardInterrupt is lost on the way is still answered (interrupts.py)
+    # (every C extension's start holds a press from the package's import on: cli/__init__.py)
+    note_ctrl_c()  # again: a forked child (engine/start/) puts Python's own handler back before main()
     stdout = sys.stdout
     if stdout is not None:  # None: no stdout at all (a GUI launcher's child); print then prints nothing
         sys.stdout = _WatchedOutput(stdout)  # type: ignore[assignment]

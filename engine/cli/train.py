@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from multilane.engine.cli.interrupts import answer_missed_ctrl_c, ctrl_c_held
+from multilane.engine.cli.interrupts import answer_missed_ctrl_c
 from multilane.engine.cli.parser import short_text
 from multilane.engine.display.terminal_text import printable
 from multilane.engine.errors import EXIT_DIVERGED, UserError
@@ -141,10 +141,9 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str], config: Any) -> int
     """A ddp/fsdp run from its launcher: the task, the refusals and the fit check once for every rank,
     then the ranks (engine/distributed/launcher.py). The run folder is made before the fit check, which
     runs the task's code (a hang there shows as "starting" and a stop reaches it)."""
-    with ctrl_c_held():  # the engine's own imports: a press is raised after them (cli/interrupts.py)
-        from multilane.engine.distributed import RUN_DIR_ENV
-        from multilane.engine.distributed.launcher import launch
-        from multilane.engine.tasks import make_task
+    from multilane.engine.distributed import RUN_DIR_ENV
+    from multilane.engine.distributed.launcher import launch
+    from multilane.engine.tasks import make_task
 
     try:  # a bad task is one line here, not one per rank
         task = make_task(config.task.name, config.task.params)
@@ -245,17 +244,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if waiting is not None:
         waiting.start()
     try:
-        # The engine's own imports (torch's C++, pydantic's and psutil's extensions) with Ctrl+C held: a
-        # press raised inside an extension's start was once swallowed, and the run trained to its end. It
-        # is raised at the block's end, to the default handler: "multilane: interrupted" (cli/interrupts.py).
-        with ctrl_c_held():
-            from multilane.engine.display.progress import ProgressDisplay, summary
-            from multilane.engine.distributed import RUN_DIR_ENV
-            from multilane.engine.run.control import RunControl
-            from multilane.engine.run.trainer import Trainer
+        # A press during these imports is held while torch or any C extension starts, and answered by
+        # _stop_on_signals if its KeyboardInterrupt is lost on the way (cli/interrupts.py).
+        from multilane.engine.display.progress import ProgressDisplay, summary
+        from multilane.engine.distributed import RUN_DIR_ENV
+        from multilane.engine.run.control import RunControl
+        from multilane.engine.run.trainer import Trainer
 
-            control = RunControl()
-            progress = ProgressDisplay(console, waiting=waiting)
+        control = RunControl()
+        progress = ProgressDisplay(console, waiting=waiting)
         _stop_on_signals(control, progress.console)  # from the start: set-up (the task's import, data) too
         callbacks = [progress, _NameTaskFile()]
         if args.resume:
