@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -78,6 +79,9 @@ class HealthMonitor:
         self._pending: list[tuple[int, dict[str, torch.Tensor], LaneShares, bool]] = []
         self._noise_tensors: dict[str, torch.Tensor] = {}
         self.off_note: str | None = None  # why the noise scale is off in a run where it could be measured
+        self.idle = range(0)
+        """Steps at which ``begin_step`` would do nothing (up to the next sampled or measured one): the
+        loop skips the call on them (``step in idle`` costs no Python call)."""
         self.muted = False
         """Steps that are not the run's own (a NaN's replay): none sampled, none measured for the noise
         scale (its probe stays unarmed, whatever feeds it: under ddp and fsdp the gradients' collective)."""
@@ -93,9 +97,12 @@ class HealthMonitor:
         it is measured. ``replicas``: the strategy's own copies of the model (persistent), whose hooks
         are their own; None while they are still to be made (that step samples no activations: a copy
         made then would keep the hooks)."""
+        if self.muted:
+            return
         sampled = bool(self.every) and step % self.every == 0
         noise = self.probe is not None and measured(step, self.noise_every)
-        if self.muted or not (sampled or noise):
+        self.idle = range(step + 1, self._next_due(step))
+        if not (sampled or noise):
             return
         self.on, self._sampled, self._step = True, sampled, step
         self._shares = LaneShares.empty(self.lanes)
@@ -111,6 +118,17 @@ class HealthMonitor:
         if replicas is not None:
             targets = [model, *[r for r in replicas if r is not model]]
             self._handles = self.layers.hook_activations(targets)
+
+    def _next_due(self, step: int) -> int:
+        """The first step after ``step`` that may be sampled or measured (looked for a bounded way ahead:
+        ``begin_step`` looks again from there)."""
+        if not self.every:
+            return sys.maxsize
+        end = (step // self.every + 1) * self.every  # the next sampled step
+        if self.probe is not None:
+            end = min(end, step + 1 + 4 * max(1, self.noise_every))
+            return next((s for s in range(step + 1, end) if measured(s, self.noise_every)), end)
+        return end
 
     @contextlib.contextmanager
     def no_activations(self) -> Iterator[None]:

@@ -90,6 +90,7 @@ class ReplicateEachStep:
         self._writes_params: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self.random = LaneRandom([d.torch_device() for d in backend.devices], seed)
         """Each lane's random stream (lane 0's is torch's default generator); saved in checkpoints."""
+        self._busy_0 = backend.busy(_LANE_0)  # one lane's bracket, reused every step
         self.lane_grads: Any = None
         """A probe (engine/health/lane_grads.py) that, while ``armed``, is shown each lane's own
         gradient before the lanes' are summed; None: nobody asks."""
@@ -215,7 +216,7 @@ class ReplicateEachStep:
             out = self.forward_loss(model, inputs, target, loss_fn, sizes, timer, weight_fn)
             self.backward(out, _to_backward(out, timer, zero, accum, scaler))
             return out
-        with self.backend.busy(_LANE_0):
+        with self._busy_0:
             out = self._forward_0(model, inputs, target, loss_fn, timer, weight_fn, False)
             _to_backward(out, timer, zero, accum, scaler).backward()
         return out
@@ -245,25 +246,21 @@ class ReplicateEachStep:
     def _single_lane(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
         """One lane: nothing to scatter, replicate or gather (as DataParallel does with one device); its
         forward and loss count as its busy time, as in parallel_apply on several lanes."""
-        with self.backend.busy(_LANE_0):
+        with self._busy_0:
             return self._forward_0(model, inputs, target, loss_fn, timer, weight_fn, keep_output)
 
     def _forward_0(self, model, inputs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
-        """Lane 0's forward and loss on the model itself."""
+        """Lane 0's forward and loss on the model itself (in fp32 without a context around them)."""
         args, kwargs = model_args(inputs)
         timer.mark("forward")
-        weight = None
         try:
-            with self._autocast():
-                output = model(*args, **kwargs)
-                timer.mark("loss")
-                check_batch(output, target)
-                loss = LaneLoss.check(loss_fn(output, target))
-                if weight_fn is not None:
-                    weight = LaneLoss.weight(weight_fn(output, target), loss)
+            if self.autocast_dtype is None:
+                return _model_loss(model, args, kwargs, target, loss_fn, timer, weight_fn, keep_output)
+            with torch.autocast(self.backend.device_type, dtype=self.autocast_dtype):
+                return _model_loss(model, args, kwargs, target, loss_fn, timer, weight_fn, keep_output)
         except Exception:
             ExceptionWrapper(where=f"in replica 0 on device {self.backend.lane_names[0]}").reraise()
-        return StepOutput(loss, loss.detach(), [0], weight=weight, output=output if keep_output else None)
+            raise  # (reraise always raises)
 
     def _forward_lanes(
         self, model: nn.Module, shard_inputs: list[Any], lanes: list[int], active: list[int], timer: PhaseTimer
@@ -328,6 +325,16 @@ class ReplicateEachStep:
                 return model(*args, **kwargs)
         shard_inputs = b.scatter(inputs, active, lanes)
         return b.gather(self._forward_lanes(model, shard_inputs, lanes, active, _NO_TIMER))
+
+
+def _model_loss(model, args, kwargs, target, loss_fn, timer, weight_fn, keep_output) -> StepOutput:
+    """One lane's forward and loss on the model itself, checked (``_forward_0``)."""
+    output = model(*args, **kwargs)
+    timer.mark("loss")
+    check_batch(output, target)
+    loss = LaneLoss.check(loss_fn(output, target))
+    weight = None if weight_fn is None else LaneLoss.weight(weight_fn(output, target), loss)
+    return StepOutput(loss, loss.detach(), [0], weight=weight, output=output if keep_output else None)
 
 
 def _to_backward(

@@ -137,7 +137,8 @@ class Lanes:
         fp16 = t.scaler if t.scaler.is_enabled() else None
         step = t.step + 1
         t.set_lr()
-        health.begin_step(step, t.model, accum, self.replicas(t))
+        if step not in health.idle:
+            health.begin_step(step, t.model, accum, self.replicas(t))
         for k in range(accum):
             timer.mark_host("data")
             inputs, target, size = t.loader.next()

@@ -311,6 +311,25 @@ def test_a_replayed_step_is_neither_sampled_nor_measured_on_any_strategy():
     assert [s for s, *_ in mon._pending] == [2]  # the run's own steps: sampled and measured as before
 
 
+@pytest.mark.parametrize(("every", "noise_every", "lanes"), [(50, 4, 2), (7, 1, 2), (5, 300, 3), (10, 4, 1), (0, 4, 2)])
+def test_the_steps_the_loop_skips_are_exactly_those_neither_sampled_nor_measured(every, noise_every, lanes):
+    # The loop calls begin_step only on a step outside ``idle`` (no Python call on the others): the steps
+    # it arms must be the very steps a call on every step arms, from any first step (a resumed run).
+    cfg = HealthSection(enabled=every > 0, every=max(every, 1), noise_every=noise_every)
+    for first in (1, 37):
+        mon = HealthMonitor(cfg, lanes, torch.device("cpu"), exchange=lambda v: None)
+        model = nn.Linear(2, 1)
+        armed = []
+        for s in range(first, 2000):
+            if s not in mon.idle:
+                mon.begin_step(s, model, 1)
+            if mon.on:
+                armed.append(s)
+                mon.abandon()
+        due = [s for s in range(first, 2000) if every and (s % every == 0 or (lanes > 1 and measured(s, noise_every)))]
+        assert armed == due and (due or every == 0)
+
+
 def test_the_batch_is_counted_in_tokens_where_the_task_counts_tokens():
     from multilane.engine.health.run_health import make_monitor
     from multilane.engine.tasks import loss_weight_fn

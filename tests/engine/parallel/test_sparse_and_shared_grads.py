@@ -18,7 +18,7 @@ from helpers import TASK_FILES
 from multilane.engine.errors import UserError
 from multilane.engine.plan.measure import StorageCount
 from multilane.engine.run.trainer import Trainer, TrainerCallback
-from multilane.engine.tensors.grads import clip_grad_norm, norms, tensor_bytes
+from multilane.engine.tensors.grads import clip_grad_norm, grad_norm, norms, tensor_bytes
 
 KINDS = str(TASK_FILES / "param_kinds.py")
 BOUND = 1e-10
@@ -161,6 +161,25 @@ def test_sparse_gradients_have_norms_bytes_and_clipping_of_their_dense_equal():
     assert abs(float(got) - float(want)) <= 1e-15 * float(want)
     assert emb.weight.grad.layout == torch.sparse_coo
     assert rel(emb.weight.grad.to_dense(), twin.grad) <= 1e-15
+
+
+def test_the_logged_gradient_norm_is_torch_s_bit_for_bit_on_dense_mixed_and_sparse_gradients():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    net(torch.randn(4, 5)).square().sum().backward()
+    params = list(net.parameters())
+    params[1].grad = None  # a parameter no sample reached
+    want = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    assert torch.equal(grad_norm(params), want)  # the one-device, one-dtype path: the same arithmetic
+    extra = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    extra.grad = torch.randn(3, dtype=torch.float64)
+    params.append(extra)  # two dtypes: torch's grouping
+    want = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    assert torch.equal(grad_norm(params), want)
+    emb = torch.nn.Embedding(9, 4, sparse=True).double()
+    emb(torch.tensor([[1, 2, 1]])).sum().backward()
+    assert abs(float(grad_norm([emb.weight])) - float(emb.weight.grad.to_dense().norm())) <= 1e-15
+    assert float(grad_norm([torch.nn.Parameter(torch.ones(2))])) == 0.0  # no gradient at all
 
 
 @pytest.mark.slow
