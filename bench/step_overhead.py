@@ -2,8 +2,9 @@
 
     python bench/step_overhead.py [--rounds 600] [--cases digits,mlp]
 
-Both loops train the same model from the same weights on the same batches (fetched the same way).
-They take turns step by step, in a shuffled order each round, so that drift on a shared machine hits
+Both loops train the same model from the same weights on the same batches (fetched the same way), with
+the same optimizer, accumulation and clipping (the config's: the plain loop is what a user would write
+for it). They take turns step by step, in a shuffled order each round, so that drift on a shared machine hits
 all alike. The ratio is median engine step time / median plain step time; the target is <= 1.05 (the
 redesign's goal: <= 1.03 on the small models). "mean ratio" is the same with each loop's mean step (its
 slowest 2 % of steps left out: the machine's hiccups): it counts the step that logs, one in 10, which the
@@ -22,9 +23,15 @@ import torch
 from multilane.engine.config import build_config
 from multilane.engine.run.energy import EnergyMeter
 from multilane.engine.run.trainer import Trainer
+from multilane.engine.tensors.optim import build_optimizer
 
+DIGITS = {"task": {"name": "digits"}, "data": {"batch_size": 64}}
 CASES = {
-    "digits (CNN, batch 64)": {"task": {"name": "digits"}, "data": {"batch_size": 64}},
+    "digits (CNN, batch 64)": DIGITS,
+    # the settings that change the step's shape: the plain loop does the same (``plain_loop``)
+    "digits + grad_accum 2": {**DIGITS, "train": {"grad_accum": 2}},
+    "digits + grad_clip 1": {**DIGITS, "train": {"grad_clip": 1.0}},
+    "digits + SGD momentum 0.9": {**DIGITS, "optim": {"name": "sgd", "momentum": 0.9}},
     "mlp (256x3, batch 256)": {"task": {"name": "mlp"}, "data": {"batch_size": 256}},
     "mlp (1024x4, batch 512)": {
         "task": {"name": "mlp", "params": {"width": 1024, "depth": 4, "features": 256}},
@@ -39,7 +46,8 @@ CASES = {
 
 
 def engine(case: dict, devices: str) -> Trainer:
-    cfg = build_config({**case, "devices": {"use": devices}, "train": {"steps": 10**9, "log_every": 10}})
+    train = {"steps": 10**9, "log_every": 10, **case.get("train", {})}  # a case may set grad_accum, grad_clip
+    cfg = build_config({**case, "devices": {"use": devices}, "train": train})
     t = Trainer(cfg)
     t._setup()
     t.energy = EnergyMeter(None)  # what Trainer._run sets up before the loop (no telemetry here)
@@ -47,30 +55,40 @@ def engine(case: dict, devices: str) -> Trainer:
 
 
 def plain_loop(trainer: Trainer):
-    """The loop a user would write by hand: forward, loss, backward, step."""
+    """The loop a user would write by hand for the same config: forward, loss, backward (``accum``
+    micro-batches), the gradient clipped where the config clips, the optimizer's step."""
+    cfg = trainer.config
     model = trainer.task.build_model()
     model.load_state_dict(trainer.model.state_dict())
-    opt = torch.optim.Adam(model.parameters(), lr=trainer.config.optim.lr)
+    opt = build_optimizer(model.parameters(), cfg.optim)  # torch's own, with the config's settings
     loss_fn, batches = trainer.task.loss, trainer.loader.batches
-    state = {"m": 0, "sum": torch.zeros(())}
+    accum, clip = cfg.train.grad_accum, cfg.train.grad_clip
+    state = {"m": 0, "steps": 0, "sum": torch.zeros(())}
 
     def step() -> None:
-        x, y, _ = batches.get(state["m"])
-        state["m"] += 1
-        loss = loss_fn(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for k in range(accum):
+            x, y, _ = batches.get(state["m"])
+            state["m"] += 1
+            loss = loss_fn(model(x), y)
+            if k == 0:
+                opt.zero_grad(set_to_none=True)
+            (loss / accum if accum > 1 else loss).backward()
+            state["sum"] += loss.detach()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        state["sum"] += loss.detach()
-        if state["m"] % 10 == 0:
+        state["steps"] += 1
+        if state["steps"] % 10 == 0:
             state["sum"].item()  # the same log-time sync the engine does
 
     return step
 
 
 def engine_step(trainer: Trainer):
+    accum = trainer.config.train.grad_accum
+
     def step() -> None:
-        trainer.spread.train_step(trainer, 1)
+        trainer.spread.train_step(trainer, accum)
         trainer.step += 1
         if trainer.step % 10 == 0:
             trainer._log()

@@ -56,7 +56,8 @@ class MetricsWindow(ActiveClock):
         self._loss_sum: torch.Tensor | None = None
         self._lane_sum: torch.Tensor | None = None
         self._lane_count = [0] * n
-        self._grad_norm_sum: torch.Tensor | float = 0.0
+        self._grad_norm_sum: torch.Tensor | float = 0.0  # a checkpoint's from before ``_norms`` was saved
+        self._norms: list[torch.Tensor] = []  # summed at log time: no device op per step
         self.norms = 0  # steps whose gradient norm was taken (every step when clipping, else the log step)
         self.micro = 0
         self.samples = 0
@@ -93,8 +94,13 @@ class MetricsWindow(ActiveClock):
         self.samples += size
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
-        self._grad_norm_sum = self._grad_norm_sum + norm.detach()
+        self._norms.append(norm.detach())
         self.norms += 1
+
+    def _grad_norm_total(self) -> torch.Tensor | float:
+        """The window's gradient norms summed, in one op whether or not the window was resumed (its
+        norms travel in checkpoints one by one)."""
+        return self._grad_norm_sum + torch.stack(self._norms).sum() if self._norms else self._grad_norm_sum
 
     def end_step(self) -> None:
         self.steps += 1
@@ -119,8 +125,9 @@ class MetricsWindow(ActiveClock):
         assert self._lane_sum is not None
         loss_sum = self._lane_sum if self._loss_sum is None else self._loss_sum
         parts = [loss_sum.reshape(1), self._lane_sum]
-        if isinstance(self._grad_norm_sum, torch.Tensor):
-            parts.append(self._grad_norm_sum.to(self._lane_sum).reshape(1))
+        norm = self._grad_norm_total()
+        if isinstance(norm, torch.Tensor):
+            parts.append(norm.to(self._lane_sum).reshape(1))
         values = torch.cat(parts).tolist()
         dt = self.active_seconds()
         names = self.lane_names
@@ -147,6 +154,7 @@ class MetricsWindow(ActiveClock):
             "grad_norm_sum": self._grad_norm_sum.detach().cpu()
             if isinstance(self._grad_norm_sum, torch.Tensor)
             else float(self._grad_norm_sum),
+            "grad_norms": torch.stack(self._norms).cpu() if self._norms else None,
             "micro": self.micro,
             "samples": self.samples,
             "steps": self.steps,
@@ -165,6 +173,8 @@ class MetricsWindow(ActiveClock):
         self._lane_count = [int(c) for c in state["lane_count"]]
         g = state["grad_norm_sum"]
         self._grad_norm_sum = g.to(device) if isinstance(g, torch.Tensor) else float(g)
+        norms = state.get("grad_norms")
+        self._norms = list(norms.to(device).unbind()) if isinstance(norms, torch.Tensor) else []
         self.micro, self.samples, self.steps = int(state["micro"]), int(state["samples"]), int(state["steps"])
         self.norms = int(state.get("norms", self.steps))  # a checkpoint from before: a norm every step
         self.first_step = state["first_step"]

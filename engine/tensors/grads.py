@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+_STRIDED = torch.strided
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's own part of ``t``: a DTensor's local shard (no collective), any other tensor itself."""
@@ -120,7 +122,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     ``max_norm / (norm + 1e-6)`` clamped to 1) on the coalesced values, which torch's refuses."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(is_sparse(g) for g in grads):
+    if all(g.layout is _STRIDED for g in grads) or not any(is_sparse(g) for g in grads):  # (the first: cheap)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not grads:
         return torch.tensor(0.0)
@@ -152,8 +154,6 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     total = getattr(torch.nn.utils, "get_total_norm", None)  # torch 2.6 on
     return total(grads) if total is not None else torch.nn.utils.clip_grad_norm_(params, float("inf"))
 
-
-_STRIDED = torch.strided
 
 SPARSE_KINDS = (nn.Embedding, nn.EmbeddingBag)
 
