@@ -32,6 +32,7 @@ from multilane.engine.plan.forecast import Forecast, gib, small_difference
 from multilane.engine.telemetry.devices import Device
 
 CPU_STEPS = (2, 3)
+_NOTHING = contextlib.nullcontext()
 FORECAST_ENV = "MULTILANE_FORECAST"
 """A ddp or fsdp launch: the forecast its launcher made (JSON), for each rank to set its own peak beside."""
 
@@ -60,12 +61,16 @@ class PeakMeter:
         wanted = [s for s in steps if first_step < s <= total_steps] or [min(total_steps, first_step + 1 + self.settle)]
         self.steps = set(wanted)
 
-    @contextlib.contextmanager
-    def step(self, n: int, backend: Any) -> Iterator[None]:
-        """Around optimizer step ``n`` (1-based)."""
+    def step(self, n: int, backend: Any) -> contextlib.AbstractContextManager[None]:
+        """Around optimizer step ``n`` (1-based): a step not measured gets a shared no-op (every step
+        passes here: no generator made for it)."""
         if self.count is None or n not in self.steps:
-            yield
-            return
+            return _NOTHING
+        return self._measured_step(backend)
+
+    @contextlib.contextmanager
+    def _measured_step(self, backend: Any) -> Iterator[None]:
+        assert self.count is not None
         with self._counting(backend):
             yield
         self.cpu_peak = max(self.cpu_peak or 0, self.count.peak)
@@ -184,7 +189,7 @@ class _NoMeter:
         pass
 
     def step(self, n: int, backend: Any) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING
 
 
 NO_METER = _NoMeter()
