@@ -88,7 +88,22 @@ class Kept:
 
 def _copy_into(old: Any, new: Any) -> Any:
     """``new`` copied into ``old``'s tensors where they fit (no fresh memory each window: new pages cost
-    the next steps more than the copy), a fresh copy where they do not (``old`` None: a deep copy)."""
+    the next steps more than the copy), a fresh copy where they do not (``old`` None: a deep copy).
+
+    Every window walks the model's and the optimizer's state this way, so the common shapes take a short
+    path: a plain tensor of the same shape and dtype (its device is the one it was kept on: a run's state
+    does not move) and a dict of them (the optimizer's state per parameter); numbers and strings (the
+    optimizer's settings) are taken as they are."""
+    if isinstance(new, dict):
+        prev = old if isinstance(old, dict) else _EMPTY
+        out = {}
+        for k, v in new.items():
+            o = prev.get(k)
+            if type(v) is torch.Tensor and type(o) is torch.Tensor and o.shape == v.shape and o.dtype is v.dtype:
+                out[k] = o.copy_(v.detach() if v.requires_grad else v)
+            else:
+                out[k] = _copy_into(o, v)
+        return out
     if isinstance(new, torch.Tensor):
         if (
             isinstance(old, torch.Tensor)
@@ -98,13 +113,16 @@ def _copy_into(old: Any, new: Any) -> Any:
         ):
             return old.copy_(new.detach())
         return new.detach().clone()
-    if isinstance(new, dict):
-        prev = old if isinstance(old, dict) else {}
-        return {k: _copy_into(prev.get(k), v) for k, v in new.items()}
     if isinstance(new, (list, tuple)):
         prev = old if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
         return type(new)(_copy_into(a, b) for a, b in zip(prev, new, strict=True))
+    if type(new) in _AS_IS:
+        return new
     return copy.deepcopy(new)
+
+
+_EMPTY: dict[Any, Any] = {}
+_AS_IS = (int, float, bool, str, bytes, type(None))  # immutable: a copy would only rebuild them
 
 
 def snapshot(loop: StepReplay, into: Kept | None = None) -> Kept:

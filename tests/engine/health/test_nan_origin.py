@@ -166,3 +166,38 @@ def test_a_finite_run_keeps_state_but_writes_no_origin(make_config):
     assert trainer.run().status == "finished"
     assert trainer.run_health.kept is not None and trainer.run_health.kept.step == 3
     assert not (trainer.run_dir.path / "nan_origin.json").exists()
+
+
+def test_the_kept_state_reuses_its_buffers_and_holds_the_state_as_it_was():
+    # Every log window copies the model's and the optimizer's state into the last window's copy: the same
+    # tensors, refilled, never the live ones; the optimizer's settings as they were; a state that changed
+    # shape gets a fresh tensor.
+    from multilane.engine.health.nan_origin import _copy_into
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(5, 3)).square().mean().backward()
+        opt.step()
+
+    step()
+    kept = (_copy_into(None, model.state_dict()), _copy_into(None, opt.state_dict()))
+    step()
+    again = (_copy_into(kept[0], model.state_dict()), _copy_into(kept[1], opt.state_dict()))
+    for name, t in model.state_dict().items():
+        assert (
+            again[0][name] is kept[0][name]
+            and torch.equal(t, again[0][name])
+            and t.data_ptr() != again[0][name].data_ptr()
+        )
+    live = opt.state_dict()
+    for i, st in live["state"].items():
+        for k, v in st.items():
+            assert again[1]["state"][i][k] is kept[1]["state"][i][k] and torch.equal(v, again[1]["state"][i][k])
+    assert again[1]["param_groups"] == live["param_groups"]
+    assert again[1]["param_groups"][0]["lr"] == 0.1 and again[1]["param_groups"][0]["betas"] == (0.8, 0.9)
+    grown = _copy_into(again[0], {**model.state_dict(), "0.weight": torch.ones(2, 2)})
+    assert grown["0.weight"] is not again[0]["0.weight"] and grown["0.weight"].shape == (2, 2)
