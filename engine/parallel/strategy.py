@@ -107,7 +107,7 @@ class ReplicateEachStep:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
-            return _NO_AUTOCAST  # reusable: entered twice a step on one lane
+            return _NO_AUTOCAST  # reusable (one lane's evaluation forward; its training step enters none)
         return torch.autocast(self.backend.device_type, dtype=self.autocast_dtype)
 
     def _active(self, sizes: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -56,7 +56,6 @@ class MetricsWindow(ActiveClock):
         self._loss_sum: torch.Tensor | None = None
         self._lane_sum: torch.Tensor | None = None
         self._lane_count = [0] * n
-        self._grad_norm_sum: torch.Tensor | float = 0.0  # a checkpoint's from before ``_norms`` was saved
         self._norms: list[torch.Tensor] = []  # summed at log time: no device op per step
         self.norms = 0  # steps whose gradient norm was taken (every step when clipping, else the log step)
         self.micro = 0
@@ -97,11 +96,6 @@ class MetricsWindow(ActiveClock):
         self._norms.append(norm.detach())
         self.norms += 1
 
-    def _grad_norm_total(self) -> torch.Tensor | float:
-        """The window's gradient norms summed, in one op whether or not the window was resumed (its
-        norms travel in checkpoints one by one)."""
-        return self._grad_norm_sum + torch.stack(self._norms).sum() if self._norms else self._grad_norm_sum
-
     def end_step(self) -> None:
         self.steps += 1
 
@@ -125,9 +119,8 @@ class MetricsWindow(ActiveClock):
         assert self._lane_sum is not None
         loss_sum = self._lane_sum if self._loss_sum is None else self._loss_sum
         parts = [loss_sum.reshape(1), self._lane_sum]
-        norm = self._grad_norm_total()
-        if isinstance(norm, torch.Tensor):
-            parts.append(norm.to(self._lane_sum).reshape(1))
+        if self._norms:  # summed in one op whether or not the window was resumed (its norms travel one by one)
+            parts.append(torch.stack(self._norms).sum().to(self._lane_sum).reshape(1))
         values = torch.cat(parts).tolist()
         dt = self.active_seconds()
         names = self.lane_names
@@ -151,9 +144,6 @@ class MetricsWindow(ActiveClock):
             "loss_sum": None if self._loss_sum is None else self._loss_sum.detach().cpu(),
             "lane_sum": None if self._lane_sum is None else self._lane_sum.detach().cpu(),
             "lane_count": list(self._lane_count),
-            "grad_norm_sum": self._grad_norm_sum.detach().cpu()
-            if isinstance(self._grad_norm_sum, torch.Tensor)
-            else float(self._grad_norm_sum),
             "grad_norms": torch.stack(self._norms).cpu() if self._norms else None,
             "micro": self.micro,
             "samples": self.samples,
@@ -171,10 +161,10 @@ class MetricsWindow(ActiveClock):
         self._loss_sum = None if state["loss_sum"] is None else state["loss_sum"].to(device)
         self._lane_sum = None if state["lane_sum"] is None else state["lane_sum"].to(device)
         self._lane_count = [int(c) for c in state["lane_count"]]
-        g = state["grad_norm_sum"]
-        self._grad_norm_sum = g.to(device) if isinstance(g, torch.Tensor) else float(g)
-        norms = state.get("grad_norms")
+        norms, older = state.get("grad_norms"), state.get("grad_norm_sum")  # older: a running sum
         self._norms = list(norms.to(device).unbind()) if isinstance(norms, torch.Tensor) else []
+        if isinstance(older, torch.Tensor):
+            self._norms.insert(0, older.to(device).reshape(()))
         self.micro, self.samples, self.steps = int(state["micro"]), int(state["samples"]), int(state["steps"])
         self.norms = int(state.get("norms", self.steps))  # a checkpoint from before: a norm every step
         self.first_step = state["first_step"]

@@ -122,7 +122,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     ``max_norm / (norm + 1e-6)`` clamped to 1) on the coalesced values, which torch's refuses."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if all(g.layout is _STRIDED for g in grads) or not any(is_sparse(g) for g in grads):  # (the first: cheap)
+    if not any(is_sparse(g) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not grads:
         return torch.tensor(0.0)
